@@ -1,0 +1,1 @@
+"""vkflash.engine"""

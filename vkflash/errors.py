@@ -1,0 +1,25 @@
+"""User-facing errors: one clear line, no traceback unless --debug.
+
+Every error a user can cause (bad file, bad knob, bad request) raises a subclass of
+VkflashError; the CLI prints `error: <message>` and exits non-zero.
+"""
+
+
+class VkflashError(Exception):
+    """Base of all errors whose message is meant for the user as-is."""
+
+
+class FormatError(VkflashError):
+    """A GGUF file is malformed, truncated, or uses something we do not support."""
+
+
+class ModelError(VkflashError):
+    """Hyper-parameters or tensors do not match the model contract (MODEL.md)."""
+
+
+class ConfigError(VkflashError):
+    """A knob or CLI flag has a value we cannot accept."""
+
+
+class DeviceError(VkflashError):
+    """The Vulkan device is missing, lacks a required feature, or was lost."""
