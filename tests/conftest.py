@@ -1,0 +1,32 @@
+"""Shared fixtures: one Gpu per test session, and the refusal to test on a loop-truncating Mesa."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+
+def _mesa_too_old(driver_info: str) -> bool:
+    """Debian 12's own Mesa (22.x) silently stops shader loops at 65535 iterations."""
+    m = re.search(r"Mesa (\d+)\.", driver_info)
+    return bool(m) and int(m.group(1)) < 24
+
+
+@pytest.fixture(scope="session")
+def gpu():
+    from vkflash.gpu.context import Gpu
+
+    g = Gpu()
+    if g.caps.driver == "llvmpipe" and _mesa_too_old(g.caps.driver_info):
+        pytest.exit(f"lavapipe from {g.caps.driver_info} truncates shader loops at 65535 iterations and would "
+                    "give wrong results; install Mesa from bookworm-backports (launcher/setup does)", returncode=2)
+    return g
+
+
+@pytest.fixture
+def rng():
+    """A fresh, unseeded generator: every run draws new inputs."""
+    import numpy as np
+
+    return np.random.default_rng()

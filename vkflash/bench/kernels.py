@@ -1,0 +1,138 @@
+"""`vkflash bench kernels`: measured copy bandwidth, each kernel's GB/s against it, replay cost.
+
+All rates come from one run on one device, so ratios (kernel GB/s ÷ copy GB/s) are meaningful;
+absolute numbers on lavapipe say little. Times are wall-clock over many replays of one recorded
+graph, with several buffers rotated so caches do not flatter the result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from vkflash.gpu.context import Gpu
+from vkflash.gpu.graph import Graph
+
+
+@dataclass
+class Row:
+    name: str
+    shape: str
+    us: float  # per call
+    rate: float  # GB/s or TFLOP/s
+    unit: str
+    vs_copy: float | None = None  # rate ÷ copy bandwidth (GB/s rows only)
+
+
+def timed(g: Graph, reps: int) -> float:
+    """Seconds per replay of an already-built graph (after one warm-up replay)."""
+    g.run()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        g.run()
+    return (time.perf_counter() - t0) / reps
+
+
+def copy_bandwidth(gpu: Gpu, nbytes: int, reps: int) -> Row:
+    """Bytes read + written per second by the compute-shader copy, over 3 rotated buffer pairs."""
+    from vkflash.gpu.ops.copy import copy_words
+
+    g = gpu.graph("bench.copy")
+    bufs = [(gpu.buffer(nbytes, f"src{i}"), gpu.buffer(nbytes, f"dst{i}")) for i in range(3)]
+    for src, dst in bufs:
+        copy_words(g, src, 0, dst, 0, nbytes // 4)
+    s = timed(g, reps) / len(bufs)
+    return Row("copy", f"{nbytes >> 20} MiB", s * 1e6, 2 * nbytes / s / 1e9, "GB/s", 1.0)
+
+
+def replay_cost(gpu: Gpu, n: int) -> tuple[Row, Row]:
+    """µs per replay of a recorded graph of n tiny dispatches vs recording it afresh each time."""
+    from vkflash.gpu.ops.copy import copy_words
+
+    src, dst = gpu.buffer(1024, "a"), gpu.buffer(1024, "b")
+    g = gpu.graph(f"bench.replay{n}")
+    for _ in range(n):
+        copy_words(g, src, 0, dst, 0, 16)
+    reps = max(5, 2000 // n)
+    replay = timed(g, reps)
+    t0 = time.perf_counter()
+    fresh_reps = max(2, reps // 10)
+    for _ in range(fresh_reps):
+        g.record()
+        g.run()
+    fresh = (time.perf_counter() - t0) / fresh_reps
+    return (Row("replay", f"{n} dispatches", replay * 1e6, replay * 1e6 / n, "us/dispatch"),
+            Row("record+run", f"{n} dispatches", fresh * 1e6, fresh * 1e6 / n, "us/dispatch"))
+
+
+def raw_kp(gpu: Gpu, pythonpath: str | None) -> list[dict]:
+    """Raw kp eval() cost of 1/100/1000 dispatches with the kp found on `pythonpath` (stock build)."""
+    from vkflash.gpu.registry import kernel
+
+    spv = gpu.spirv(kernel("copy"))
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"vkflash-copy-{os.getpid()}.spv"
+    path.write_bytes(spv)
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-m", "vkflash.gpu.replay_cost", str(path), "1", "100", "1000"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    path.unlink(missing_ok=True)
+    if r.returncode != 0:
+        return []
+    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+
+
+def kernel_rows(gpu: Gpu, quick: bool) -> list[Row]:
+    """GB/s of each bandwidth-bound kernel family that is registered (filled as families land)."""
+    rows: list[Row] = []
+    for bench in KERNEL_BENCHES:
+        rows += bench(gpu, quick)
+    return rows
+
+
+KERNEL_BENCHES: list[Callable[[Gpu, bool], list[Row]]] = []
+
+
+def run(quick: bool, as_json: bool, console: Console) -> None:
+    gpu = Gpu()
+    nbytes = (32 << 20) if quick or gpu.caps.device_type == "cpu" else (1 << 30)
+    copy = copy_bandwidth(gpu, nbytes, reps=5 if quick else 50)
+    rows = [copy]
+    for r in kernel_rows(gpu, quick):
+        if r.unit == "GB/s":
+            r.vs_copy = r.rate / copy.rate
+        rows.append(r)
+    for n in (1, 100, 1000):
+        rows += replay_cost(gpu, n)
+    stock = os.environ.get("VKFLASH_KP_STOCK", str(Path(__file__).resolve().parents[2] / "build" / "kp-stock"))
+    raw = {"patched": raw_kp(gpu, None)}
+    if Path(stock).exists():
+        raw["stock"] = raw_kp(gpu, stock)
+    if as_json:
+        print(json.dumps({"device": gpu.caps.name, "rows": [asdict(r) for r in rows], "raw_kp": raw}, indent=1))
+        return
+    t = Table(title=f"vkflash bench kernels — {gpu.caps.name} ({gpu.caps.driver})")
+    for c in ("kernel", "shape", "µs/call", "rate", "unit", "÷ copy"):
+        t.add_column(c)
+    for r in rows:
+        t.add_row(r.name, r.shape, f"{r.us:.1f}", f"{r.rate:.3g}", r.unit,
+                  "" if r.vs_copy is None else f"{r.vs_copy:.2f}")
+    console.print(t)
+    k = Table(title="raw Kompute eval() cost (one sequence, replayed)")
+    for c in ("kp build", "dispatches", "µs per eval", "µs record+first eval"):
+        k.add_column(c)
+    for build, res in raw.items():
+        for d in res:
+            k.add_row(build, str(d["dispatches"]), f"{d['replay_us']:.1f}", f"{d['record_and_run_us']:.1f}")
+    console.print(k)

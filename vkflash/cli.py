@@ -1,0 +1,118 @@
+"""The `vkflash` command line (typer): info, make-model, bench, and the knob table.
+
+Every user-caused error prints one `error: …` line and exits 1; `--debug` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from vkflash import settings
+from vkflash.errors import VkflashError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="vkflash: Vulkan inference for Qwen3.8-Flash-Next")
+bench_app = typer.Typer(no_args_is_help=True, help="Measure kernels (and later: models, the server).")
+app.add_typer(bench_app, name="bench")
+console = Console()
+_debug = False
+
+
+@app.callback()
+def _main(debug: bool = typer.Option(False, "--debug", help="show tracebacks")) -> None:
+    global _debug
+    _debug = debug
+
+
+def _fail(e: BaseException) -> None:
+    if _debug:
+        raise e
+    typer.echo(f"error: {e}", err=True)
+    raise typer.Exit(1)
+
+
+@app.command()
+def info(as_json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+    """Print the Vulkan device's capabilities and the kernel variants vkflash will use."""
+    try:
+        from vkflash.gpu.device import probe
+        from vkflash.gpu.registry import table
+
+        s = settings.current()
+        caps = probe(s["VKFLASH_DEVICE"])
+        kernels = {k.name: ("yes" if k.usable(caps) else "no: needs " + ",".join(sorted(k.needs)))
+                   for k in table().values()}
+    except VkflashError as e:
+        _fail(e)
+        return
+    if as_json:
+        typer.echo(json.dumps({"device": caps.to_json(), "kernels": kernels}, indent=1))
+        return
+    t = Table(title=f"device {caps.index}: {caps.name}", show_header=False)
+    rows = [
+        ("driver", f"{caps.driver} ({caps.driver_info})"), ("Vulkan API", caps.api_version),
+        ("type", f"{caps.device_type}, UMA={caps.uma}"),
+        ("memory heaps", "; ".join(f"{h.size / 2**30:.1f} GiB{' device-local' if h.device_local else ''}"
+                                   f", budget {h.budget / 2**30:.1f} GiB" for h in caps.heaps)),
+        ("subgroup", f"{caps.subgroup_size} (min {caps.subgroup_min}, max {caps.subgroup_max}, "
+                     f"size control {caps.subgroup_size_control})"),
+        ("shared memory", f"{caps.shared_memory // 1024} KiB, {caps.max_invocations} invocations"),
+        ("storage range", f"{caps.max_storage_range / 2**20:.0f} MiB, max alloc {caps.max_allocation / 2**30:.1f} GiB"),
+        ("fp16 / int8 / bf16 / int-dot", f"{caps.fp16} / {caps.int8} / {caps.bf16} / {caps.int_dot}"),
+        ("coopmat", ", ".join(str(c) for c in caps.coopmat) or "none"),
+        ("timestamp period", f"{caps.timestamp_period_ns} ns"),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    console.print(t)
+    kt = Table(title="kernel variants")
+    kt.add_column("kernel")
+    kt.add_column("used")
+    for name, used in kernels.items():
+        kt.add_row(name, used)
+    console.print(kt)
+
+
+@app.command()
+def knobs(markdown: bool = typer.Option(False, "--markdown", help="the README table")) -> None:
+    """List every knob, its value and where it came from."""
+    try:
+        s = settings.current()
+    except VkflashError as e:
+        _fail(e)
+        return
+    if markdown:
+        typer.echo(settings.markdown_table())
+        return
+    for line in s.lines():
+        typer.echo(line)
+
+
+@bench_app.command("kernels")
+def bench_kernels(as_json: bool = typer.Option(False, "--json"),
+                  quick: bool = typer.Option(False, "--quick", help="small sizes (CI, lavapipe)")) -> None:
+    """Copy bandwidth, each kernel's GB/s against it, and graph replay cost."""
+    try:
+        from vkflash.bench.kernels import run
+
+        run(quick=quick, as_json=as_json, console=console)
+    except VkflashError as e:
+        _fail(e)
+
+
+def main() -> None:
+    try:
+        app()
+    except VkflashError as e:  # raised outside a command's own handler
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Record once, replay: a step graph of dispatches recorded into Kompute sequences.
+
+A Graph is an ordered list of dispatches. `record()` turns it into one or more submissions
+(kp sequences), with a compute→compute barrier only where a dispatch depends on an earlier one
+(read-after-write, write-after-read/write on the same buffer) and one at the start of each
+submission (it orders against everything submitted before). `run()` replays the recorded
+sequences: nothing is re-recorded per step; per-step values (positions, token ids, lengths)
+live in a host-visible step-params buffer the shaders read. Submissions are bounded in flight
+(VKFLASH_MAX_INFLIGHT) or serialized (VKFLASH_SERIALIZE_SUBMISSIONS=1).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+import kp
+import numpy as np
+
+from vkflash.gpu import trace
+from vkflash.gpu.memory import Buffer
+
+if TYPE_CHECKING:
+    from vkflash.gpu.context import Gpu
+    from vkflash.gpu.registry import Kernel
+
+
+@dataclass
+class Dispatch:
+    """One kernel launch: what it runs, on which buffers, and what it reads and writes."""
+
+    name: str
+    kernel: "Kernel"
+    buffers: tuple[Buffer, ...]
+    groups: tuple[int, int, int]
+    push: tuple[int, ...]
+    spec: tuple[int, ...]
+    reads: frozenset[int]
+    writes: frozenset[int]
+    desc: str = ""
+    nbytes: int = 0  # bytes the op moves (for GB/s in the perf logger)
+    flops: int = 0
+
+
+@dataclass
+class Submission:
+    """A contiguous run of dispatches recorded into one kp sequence."""
+
+    ops: list[Dispatch]
+    seq: "kp.Sequence | None" = None
+    n_recorded: int = 0  # kp ops incl. barriers (timestamps are per kp op)
+    op_slots: list[int] = field(default_factory=list)  # kp op index of each dispatch
+
+
+class Graph:
+    """Dispatches of one step (e.g. decode, or prefill of one ubatch bucket)."""
+
+    def __init__(self, gpu: "Gpu", name: str, max_ops_per_submission: int = 0) -> None:
+        self.gpu = gpu
+        self.name = name
+        self.ops: list[Dispatch] = []
+        self.max_ops = max_ops_per_submission
+        self.submissions: list[Submission] = []
+        self._pending: list[Submission] = []
+
+    # --- building -------------------------------------------------------------------------
+    def dispatch(self, kernel: str, buffers: Sequence[Buffer], groups: Sequence[int], push: Sequence[int] = (),
+                 spec: Sequence[int] = (), name: str = "", writes: Sequence[int] | None = None,
+                 desc: str = "", nbytes: int = 0, flops: int = 0) -> Dispatch:
+        """Append a dispatch. `writes` are indices into `buffers` (default: the last one)."""
+        from vkflash.gpu.registry import kernel as lookup
+
+        k = lookup(kernel)
+        if len(buffers) != k.n_buffers:
+            raise ValueError(f"{kernel}: expected {k.n_buffers} buffers, got {len(buffers)}")
+        g = tuple(int(x) for x in groups) + (1,) * (3 - len(groups))
+        lim = self.gpu.caps.max_workgroup_count
+        if any(x < 1 or x > m for x, m in zip(g, lim)):
+            raise ValueError(f"{kernel}: workgroup count {g} outside 1..{lim}")
+        w = {len(buffers) - 1} if writes is None else set(writes)
+        op = Dispatch(
+            name=name or kernel, kernel=k, buffers=tuple(buffers), groups=g,
+            push=tuple(int(x) & 0xFFFFFFFF for x in push), spec=tuple(int(x) for x in spec),
+            reads=frozenset(b.id for i, b in enumerate(buffers) if i not in w),
+            writes=frozenset(buffers[i].id for i in w), desc=desc, nbytes=nbytes, flops=flops)
+        self.ops.append(op)
+        self.submissions = []  # a changed graph must be recorded again
+        return op
+
+    # --- recording ------------------------------------------------------------------------
+    def _split(self) -> list[list[Dispatch]]:
+        if not self.max_ops or len(self.ops) <= self.max_ops:
+            return [list(self.ops)]
+        return [self.ops[i:i + self.max_ops] for i in range(0, len(self.ops), self.max_ops)]
+
+    def record(self) -> None:
+        """Record every submission once (barriers only on real dependencies)."""
+        timestamps = trace.wants_timestamps()
+        self.submissions = []
+        for ops in self._split():
+            n_kp = 1 + 2 * len(ops)  # upper bound: a barrier before every op
+            seq = self.gpu.mgr.sequence(0, n_kp + 1 if timestamps else 0)
+            sub = Submission(ops, seq)
+            seq.record(kp.OpBarrier())
+            sub.n_recorded = 1
+            written: set[int] = set()
+            read: set[int] = set()
+            for op in ops:
+                if op.reads & written or op.writes & (written | read):
+                    seq.record(kp.OpBarrier())
+                    sub.n_recorded += 1
+                    written, read = set(), set()
+                seq.record(kp.OpAlgoDispatch(self.gpu.algorithm(op), np.array(op.push or (0,), np.uint32)))
+                sub.op_slots.append(sub.n_recorded)
+                sub.n_recorded += 1
+                written |= op.writes
+                read |= op.reads
+            self.submissions.append(sub)
+
+    @property
+    def barriers(self) -> int:
+        return sum(s.n_recorded - len(s.ops) for s in self.submissions)
+
+    # --- replay ---------------------------------------------------------------------------
+    def run(self) -> None:
+        """Replay the recorded graph and wait for it."""
+        self.submit()
+        self.wait()
+
+    def submit(self) -> None:
+        """Replay without waiting for the last submission (at most MAX_INFLIGHT in flight)."""
+        if not self.submissions:
+            self.record()
+        s = self.gpu.settings
+        limit = 1 if s["VKFLASH_SERIALIZE_SUBMISSIONS"] else s["VKFLASH_MAX_INFLIGHT"]
+        for sub in self.submissions:
+            while len(self._pending) >= limit:
+                self._finish(self._pending.pop(0))
+            trace.before_submit(self, sub)
+            sub_t0 = time.perf_counter()
+            sub.seq.eval_async()
+            self._pending.append(sub)
+            trace.submitted(self, sub, sub_t0)
+
+    def wait(self) -> None:
+        while self._pending:
+            self._finish(self._pending.pop(0))
+
+    def _finish(self, sub: Submission) -> None:
+        t0 = time.perf_counter()
+        sub.seq.eval_await()
+        trace.finished(self, sub, t0)

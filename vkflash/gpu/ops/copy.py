@@ -1,0 +1,24 @@
+"""Buffer copy by compute shader (word granularity, arbitrary offsets)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vkflash.gpu.registry import Kernel, kernel
+
+if TYPE_CHECKING:
+    from vkflash.gpu.graph import Graph
+    from vkflash.gpu.memory import Buffer
+
+KERNELS = [Kernel("copy", "copy.comp", 2, local_size=256)]
+MAX_GROUPS = 4096  # grid-stride loop covers the rest
+
+
+def copy_words(g: "Graph", src: "Buffer", src_off: int, dst: "Buffer", dst_off: int, n: int, name: str = "copy") -> None:
+    """dst[dst_off:dst_off+n] = src[src_off:src_off+n], in 32-bit words."""
+    if src_off + n > src.words or dst_off + n > dst.words:
+        raise ValueError(f"copy of {n} words out of range ({src.words}, {dst.words})")
+    wg = kernel("copy").workgroup(g.gpu.caps)
+    groups = max(1, min(MAX_GROUPS, -(-n // wg)))
+    g.dispatch("copy", [src, dst], [groups], push=[src_off, dst_off, n], name=name,
+               desc=f"{n * 4} B", nbytes=8 * n)

@@ -1,0 +1,124 @@
+"""GGML_VK-style tracing of submissions: job log, submit trace, perf logger, timeline file.
+
+- VKFLASH_JOB_LOG=1: `job <id> <graph> ops=<n> barriers=<b> gpu=<ms> host=<ms>` per submission.
+- VKFLASH_SUBMIT_TRACE=1: each submission's op list, printed and flushed *before* it is sent,
+  so a hang names its culprit.
+- VKFLASH_PERF_LOGGER=1: per-op GPU time aggregated by name and shape, printed by `report()`
+  (and at exit) as `NAME: count x avg us = total us (GFLOP/s)`.
+- VKFLASH_TRACE_FILE=x.json: a Chrome/Perfetto timeline of submissions and ops.
+All write to stderr so they never mix with generated text.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import json
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TextIO
+
+from vkflash import settings
+
+if TYPE_CHECKING:
+    from vkflash.gpu.graph import Graph, Submission
+
+_job_ids = itertools.count()
+OUT: TextIO = sys.stderr
+
+
+def _on(name: str) -> bool:
+    return bool(settings.current()[name])
+
+
+def wants_timestamps() -> bool:
+    """GPU timestamps are recorded only when a knob needs them (they cost a little)."""
+    return _on("VKFLASH_JOB_LOG") or _on("VKFLASH_PERF_LOGGER") or bool(settings.current()["VKFLASH_TRACE_FILE"])
+
+
+@dataclass
+class _Perf:
+    count: int = 0
+    total_ns: float = 0.0
+    flops: int = 0
+    nbytes: int = 0
+
+
+@dataclass
+class _State:
+    perf: dict[str, _Perf] = field(default_factory=lambda: defaultdict(_Perf))
+    events: list[dict] = field(default_factory=list)
+    t0: float = field(default_factory=time.perf_counter)
+
+
+STATE = _State()
+
+
+def op_line(op) -> str:
+    """`blk.12.attn_qkv mul_mat q4_K 2560x12288 n=2048` style description of a dispatch."""
+    return f"{op.name} {op.kernel.name}" + (f" {op.desc}" if op.desc else "")
+
+
+def before_submit(graph: "Graph", sub: "Submission") -> None:
+    sub.job_id = next(_job_ids)  # type: ignore[attr-defined]
+    if _on("VKFLASH_SUBMIT_TRACE"):
+        OUT.write(f"submit {sub.job_id} {graph.name} ops={len(sub.ops)}\n")  # type: ignore[attr-defined]
+        for op in sub.ops:
+            OUT.write(f"  {op_line(op)}\n")
+        OUT.flush()
+
+
+def submitted(graph: "Graph", sub: "Submission", t0: float) -> None:
+    sub.host_submit_s = time.perf_counter() - t0  # type: ignore[attr-defined]
+    sub.t_submit = t0  # type: ignore[attr-defined]
+
+
+def finished(graph: "Graph", sub: "Submission", t_wait: float) -> None:
+    if not wants_timestamps():
+        return
+    ts = sub.seq.get_timestamps()
+    period = graph.gpu.caps.timestamp_period_ns
+    gpu_ms = (ts[sub.n_recorded] - ts[0]) * period / 1e6
+    host_ms = (time.perf_counter() - sub.t_submit) * 1e3  # type: ignore[attr-defined]
+    if _on("VKFLASH_JOB_LOG"):
+        OUT.write(f"job {sub.job_id} {graph.name} ops={len(sub.ops)} barriers={sub.n_recorded - len(sub.ops)} "  # type: ignore[attr-defined]
+                  f"gpu={gpu_ms:.3f}ms host={host_ms:.3f}ms\n")
+        OUT.flush()
+    for op, slot in zip(sub.ops, sub.op_slots):
+        ns = (ts[slot + 1] - ts[slot]) * period
+        if _on("VKFLASH_PERF_LOGGER"):
+            p = STATE.perf[op_line(op)]
+            p.count += 1
+            p.total_ns += ns
+            p.flops += op.flops
+            p.nbytes += op.nbytes
+        if settings.current()["VKFLASH_TRACE_FILE"]:
+            start_us = (sub.t_submit - STATE.t0) * 1e6 + (ts[slot] - ts[0]) * period / 1e3  # type: ignore[attr-defined]
+            STATE.events.append({"name": op.name, "cat": op.kernel.name, "ph": "X", "pid": 0, "tid": 0,
+                                 "ts": start_us, "dur": ns / 1e3, "args": {"desc": op.desc}})
+    if settings.current()["VKFLASH_TRACE_FILE"]:
+        STATE.events.append({"name": f"submit {sub.job_id} {graph.name}", "ph": "X", "pid": 0, "tid": 1,  # type: ignore[attr-defined]
+                             "ts": (sub.t_submit - STATE.t0) * 1e6, "dur": host_ms * 1e3})  # type: ignore[attr-defined]
+
+
+def report(out: TextIO | None = None) -> None:
+    """Print the perf logger's table (largest total first) and write the timeline file."""
+    out = out or OUT
+    if STATE.perf:
+        out.write("perf logger: per-op GPU time\n")
+        for name, p in sorted(STATE.perf.items(), key=lambda kv: -kv[1].total_ns):
+            avg_us = p.total_ns / p.count / 1e3
+            rate = f" ({p.flops / p.total_ns:.2f} GFLOP/s)" if p.flops else (
+                f" ({p.nbytes / p.total_ns:.2f} GB/s)" if p.nbytes else "")
+            out.write(f"{name}: {p.count} x {avg_us:.2f} us = {p.total_ns / 1e3:.2f} us{rate}\n")
+        out.flush()
+        STATE.perf.clear()
+    path = settings.current()["VKFLASH_TRACE_FILE"]
+    if path and STATE.events:
+        with open(path, "w") as f:
+            json.dump({"traceEvents": STATE.events}, f)
+
+
+atexit.register(report)

@@ -1,0 +1,228 @@
+"""THE knob table: every environment knob vkflash reads, its default, its check and its help.
+
+Precedence: default < environment (the knob's name, or a GGML_VK_* alias) < CLI flag. A bad
+value stops startup with one line naming the knob, the value and what is accepted. The README's
+knob table is generated from KNOBS (a test keeps them in sync), so there is no second source.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from vkflash.errors import ConfigError
+
+Parser = Callable[[str], Any]
+
+
+def _bool(s: str) -> bool:
+    v = s.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError
+
+
+def _int_range(lo: int, hi: int) -> Parser:
+    def parse(s: str) -> int:
+        v = int(s.strip(), 0)
+        if not lo <= v <= hi:
+            raise ValueError
+        return v
+    parse.__doc__ = f"integer {lo}..{hi}"
+    return parse
+
+
+def _float_range(lo: float, hi: float) -> Parser:
+    def parse(s: str) -> float:
+        v = float(s.strip())
+        if not lo <= v <= hi:
+            raise ValueError
+        return v
+    parse.__doc__ = f"number {lo:g}..{hi:g}"
+    return parse
+
+
+def _choice(*options: str) -> Parser:
+    def parse(s: str) -> str:
+        v = s.strip().lower()
+        if v not in options:
+            raise ValueError
+        return v
+    parse.__doc__ = " | ".join(options)
+    return parse
+
+
+def _text(s: str) -> str:
+    """any text"""
+    return s
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
+_SCALE = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _bytes(s: str) -> int:
+    """bytes, with an optional K/M/G/T suffix (binary), e.g. 96G"""
+    m = _SIZE.match(s)
+    if not m:
+        raise ValueError
+    unit = (m.group(2) or "").lower()[:1]
+    return int(float(m.group(1)) * _SCALE[unit])
+
+
+_bool.__doc__ = "0 | 1"
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One setting: name, parser (its docstring says what is accepted), default and help."""
+
+    name: str
+    parse: Parser
+    default: Any
+    help: str
+    group: str
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def accepts(self) -> str:
+        return (self.parse.__doc__ or "").strip()
+
+
+def _k(name: str, parse: Parser, default: Any, help: str, group: str, *aliases: str) -> Knob:
+    return Knob(name, parse, default, help, group, tuple(aliases))
+
+
+KNOBS: tuple[Knob, ...] = (
+    # launcher-level knobs, also read by `vkflash serve`
+    _k("MODEL", _text, "", "GGUF file to serve (empty: the default qwen2 model, fetched and cached)", "launcher"),
+    _k("MODEL_DRAFT", _text, "", "separate GGUF holding the MTP block (empty: use the model's own)", "launcher"),
+    _k("HOST", _text, "127.0.0.1", "address the server binds (loopback by default)", "launcher"),
+    _k("PORT", _int_range(1, 65535), 8080, "server port", "launcher"),
+    _k("CTX", _int_range(0, 1 << 24), 0, "context length in tokens (0: the model's full context)", "launcher"),
+    _k("UB", _int_range(1, 8192), 2048, "prefill ubatch in tokens", "launcher"),
+    _k("KV", _choice("f16", "q8_0"), "f16", "attention KV cache type", "launcher"),
+    _k("MTP", _bool, False, "MTP self-speculative decoding", "launcher"),
+    _k("DRAFT", _int_range(0, 16), 0, "draft length (0: 6 at temperature 0, else 4)", "launcher"),
+    _k("TEMP", _float_range(0.0, 5.0), 0.8, "default sampling temperature", "launcher"),
+    _k("REASONING", _choice("", "none", "low", "medium", "high", "xhigh"), "",
+       "reasoning effort (empty: the template's default)", "launcher"),
+    _k("DEEPGUARD", _bool, True, "deep-context guard (downgrade UB/KV as the context fills)", "launcher"),
+    _k("API_KEY", _text, "", "require this bearer token on every request (empty: none)", "launcher"),
+    # revert knobs: each 0 restores the plain path so an optimisation can be A/B-tested
+    _k("SPEC_STOCH", _bool, True, "0: exact-match verification instead of rejection sampling", "revert"),
+    _k("RSROLL", _bool, True, "0: restore recurrent checkpoints instead of rolling back in place", "revert"),
+    _k("BLKTOPK", _bool, True, "0: QSA `cell` selection (llama.cpp) instead of `block`", "revert"),
+    _k("GP", _bool, True, "0: masked dense QSA prefill instead of gathered sparse", "revert"),
+    _k("POOLED", _bool, True, "0: re-pool indexer keys every step instead of the summary cache", "revert"),
+    _k("TPLFIX", _bool, True, "0: raw chat template (no mid-conversation system fix)", "revert"),
+    _k("VKFLASH_MM_TILE_EPILOG", _bool, True, "0: separate epilogue ops instead of fused GEMM stores", "revert"),
+    _k("VKFLASH_MMID_COMPACT", _bool, True, "0: plain MoE grid instead of live (expert, tile) pairs", "revert"),
+    _k("VKFLASH_HC_FUSE", _bool, True, "0: unfused hyper-connection mix/combine", "revert"),
+    # backend
+    _k("VKFLASH_DEVICE", _int_range(0, 63), 0, "Vulkan device index", "backend", "GGML_VK_VISIBLE_DEVICES"),
+    _k("VKFLASH_MAX_INFLIGHT", _int_range(1, 16), 2, "submissions in flight at most", "backend"),
+    _k("VKFLASH_SERIALIZE_SUBMISSIONS", _bool, False, "wait for each submission before the next", "backend",
+       "GGML_VK_SERIALIZE_SUBMISSIONS"),
+    _k("VKFLASH_SUBMIT_BUDGET_MS", _float_range(1.0, 60000.0), 200.0, "GPU-time budget of one prefill submission",
+       "backend"),
+    _k("VKFLASH_DISABLE_COOPMAT", _bool, False, "never use cooperative-matrix kernels", "backend",
+       "GGML_VK_DISABLE_COOPMAT"),
+    _k("VKFLASH_DISABLE_FUSION", _bool, False, "never use fused kernels", "backend", "GGML_VK_DISABLE_FUSION"),
+    _k("VKFLASH_SPIN_WAIT", _bool, False, "poll the fence instead of sleeping in the driver", "backend"),
+    _k("VKFLASH_MEM_BUDGET", _bytes, 0, "memory budget override in bytes, e.g. 96G (0: detect)", "backend"),
+    # tracing
+    _k("VKFLASH_JOB_LOG", _bool, False, "one line per submission: id, ops, GPU ms, host ms", "trace", "GGML_VK_JOB_LOG"),
+    _k("VKFLASH_SUBMIT_TRACE", _bool, False, "print each submission's op list before it is sent", "trace",
+       "GGML_VK_SUBMIT_TRACE"),
+    _k("VKFLASH_PERF_LOGGER", _bool, False, "per-op GPU time aggregated by name and shape", "trace",
+       "GGML_VK_PERF_LOGGER"),
+    _k("VKFLASH_TRACE_FILE", _text, "", "write a Chrome/Perfetto timeline of submissions and ops", "trace",
+       "GGML_VK_TRACE_FILE"),
+)
+
+BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
+
+
+@dataclass
+class Settings:
+    """Resolved knob values and where each came from (default, env NAME, or flag)."""
+
+    values: dict[str, Any]
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values[name]
+
+    def lines(self, only_changed: bool = False) -> list[str]:
+        """One line per knob in effect, e.g. `CTX=4096 (env CTX)`."""
+        out = []
+        for k in KNOBS:
+            src = self.sources[k.name]
+            if only_changed and src == "default":
+                continue
+            out.append(f"{k.name}={self.values[k.name]!r} ({src})")
+        return out
+
+
+def _parse(knob: Knob, raw: str, where: str) -> Any:
+    try:
+        return knob.parse(raw)
+    except (ValueError, KeyError):
+        raise ConfigError(f"{where}: bad value {raw!r} for {knob.name}; accepted: {knob.accepts}") from None
+
+
+def load(env: Mapping[str, str] | None = None, flags: Mapping[str, Any] | None = None) -> Settings:
+    """Resolve every knob from defaults, the environment and CLI flags (flags win)."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for k in KNOBS:
+        values[k.name], sources[k.name] = k.default, "default"
+        for name in (k.name, *k.aliases):
+            if name in env and env[name] != "":
+                values[k.name] = _parse(k, env[name], f"env {name}")
+                sources[k.name] = f"env {name}"
+                break
+    for name, raw in (flags or {}).items():
+        if raw is None:
+            continue
+        if name not in BY_NAME:
+            raise ConfigError(f"unknown knob {name!r}")
+        k = BY_NAME[name]
+        values[name] = _parse(k, raw, "flag") if isinstance(raw, str) else raw
+        sources[name] = "flag"
+    return Settings(values, sources)
+
+
+_current: Settings | None = None
+
+
+def current() -> Settings:
+    """The process-wide settings (from the environment unless the CLI installed others)."""
+    global _current
+    if _current is None:
+        _current = load()
+    return _current
+
+
+def install(s: Settings) -> None:
+    """Make `s` the process-wide settings (the CLI calls this after parsing flags)."""
+    global _current
+    _current = s
+
+
+def markdown_table() -> str:
+    """The README's knob table."""
+    rows = ["| knob | default | accepts | what |", "|---|---|---|---|"]
+    for k in KNOBS:
+        names = " / ".join(f"`{n}`" for n in (k.name, *k.aliases))
+        default = k.default if k.default != "" else "(empty)"
+        if isinstance(default, bool):
+            default = int(default)
+        rows.append(f"| {names} | {default} | {k.accepts} | {k.help} |")
+    return "\n".join(rows)
