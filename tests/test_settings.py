@@ -1,0 +1,61 @@
+"""The knob table: precedence, validation, aliases, and the README kept in sync with it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from vkflash import settings
+from vkflash.errors import ConfigError
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_table_is_generated_from_knobs():
+    text = README.read_text()
+    m = re.search(r"<!-- knobs:begin -->\n(.*)\n<!-- knobs:end -->", text, re.S)
+    assert m, "README lost its knob table markers"
+    assert m.group(1) == settings.markdown_table(), "README knob table is stale: run `vkflash knobs --markdown`"
+
+
+def test_precedence_default_env_flag():
+    s = settings.load(env={}, flags={})
+    assert s["UB"] == 2048 and s.sources["UB"] == "default"
+    s = settings.load(env={"UB": "512"}, flags={})
+    assert s["UB"] == 512 and s.sources["UB"] == "env UB"
+    s = settings.load(env={"UB": "512"}, flags={"UB": "256"})
+    assert s["UB"] == 256 and s.sources["UB"] == "flag"
+
+
+def test_ggml_alias():
+    s = settings.load(env={"GGML_VK_VISIBLE_DEVICES": "3"})
+    assert s["VKFLASH_DEVICE"] == 3 and s.sources["VKFLASH_DEVICE"] == "env GGML_VK_VISIBLE_DEVICES"
+    s = settings.load(env={"GGML_VK_PERF_LOGGER": "1"})
+    assert s["VKFLASH_PERF_LOGGER"] is True
+
+
+@pytest.mark.parametrize("name,value", [("UB", "0"), ("UB", "lots"), ("KV", "q4_0"), ("MTP", "maybe"),
+                                        ("PORT", "70000"), ("TEMP", "-1"), ("VKFLASH_MEM_BUDGET", "12X")])
+def test_bad_value_names_knob_value_and_accepted(name, value):
+    with pytest.raises(ConfigError) as e:
+        settings.load(env={name: value})
+    msg = str(e.value)
+    assert name in msg and repr(value) in msg and "accepted:" in msg
+
+
+def test_unknown_flag_rejected():
+    with pytest.raises(ConfigError):
+        settings.load(env={}, flags={"NOPE": "1"})
+
+
+def test_lines_say_where_each_value_came_from():
+    s = settings.load(env={"CTX": "4096"}, flags={"PORT": "9000"})
+    lines = s.lines(only_changed=True)
+    assert "CTX=4096 (env CTX)" in lines and "PORT=9000 (flag)" in lines and len(lines) == 2
+
+
+def test_mem_budget_suffixes():
+    assert settings.load(env={"VKFLASH_MEM_BUDGET": "96G"})["VKFLASH_MEM_BUDGET"] == 96 << 30
+    assert settings.load(env={"VKFLASH_MEM_BUDGET": "512M"})["VKFLASH_MEM_BUDGET"] == 512 << 20
