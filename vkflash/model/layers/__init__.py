@@ -1,0 +1,1 @@
+"""Reference layer math (MODEL.md §5), one module per op family, written like the equations."""
