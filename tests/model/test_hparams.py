@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import tiny_arrays, tiny_meta
+from tiny_models import tiny_arrays, tiny_meta
 from vkflash.errors import ModelError
 from vkflash.model.hparams import hparams_from_gguf, hparams_from_metadata
 from vkflash.model.tensors import validate_tensors
