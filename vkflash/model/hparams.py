@@ -401,7 +401,7 @@ def hparams_from_metadata(meta: Metadata) -> HParams:
 
 
 def hparams_from_gguf(file: Any) -> HParams:
-    """HParams of an open GGUF (a path, a gguf.GGUFReader, or vkflash's GGUFFile)."""
+    """HParams of a GGUF model file (a path or a vkflash GGUFFile)."""
     from vkflash.model.weights import metadata_of
 
     return hparams_from_metadata(metadata_of(file))

@@ -1,6 +1,6 @@
 """Load a validated model as dequantized NumPy arrays in typed per-layer dataclasses.
 
-Sources are a GGUF file (through `gguf.GGUFReader` + `gguf.quants.dequantize`) or an in-memory
+Sources are a GGUF file (through vkflash.formats' GGUFFile and dequantize) or an in-memory
 dict (tests). Arrays use the shape rule of MODEL.md §2: NumPy shape = reversed(ne). Fused and
 legacy layouts are unpacked here so the forward code sees one form per op.
 """
@@ -14,6 +14,8 @@ from typing import Any, Callable, Mapping, Protocol
 import numpy as np
 
 from vkflash.errors import ModelError
+from vkflash.formats.gguf_file import GGUFFile
+from vkflash.formats.quants import dequantize
 from vkflash.model.hparams import HParams, Metadata, hparams_from_metadata
 from vkflash.model.tensors import Ne, TensorLayout, validate_tensors
 
@@ -38,80 +40,48 @@ _VALUE_TYPE_NAMES = {
 }
 
 
-def _reader(file: Any):
-    """A gguf.GGUFReader for a path, a reader, or an object wrapping one."""
-    import gguf
-
-    if isinstance(file, gguf.GGUFReader):
-        return file
-    if isinstance(file, (str, Path)):
-        try:
-            return gguf.GGUFReader(str(file))
-        except (OSError, ValueError) as exc:
-            raise ModelError(f"cannot read GGUF {file}: {exc}") from exc
-    inner = getattr(file, "reader", None)
-    if isinstance(inner, gguf.GGUFReader):
-        return inner
-    raise ModelError(f"not a GGUF source: {type(file).__name__}")
+def open_gguf(file: Any) -> GGUFFile:
+    """A GGUFFile for a path, or the GGUFFile itself."""
+    return file if isinstance(file, GGUFFile) else GGUFFile(file)
 
 
 def metadata_of(file: Any) -> Metadata:
-    """Typed metadata (key → (type, value)) of a GGUF; u64 arrays stay uint64."""
+    """Typed metadata (key → (type, value)) of a GGUF (path or GGUFFile); u64 arrays stay uint64."""
     from gguf import GGUFValueType
 
-    reader = _reader(file)
+    gf = open_gguf(file)
     kv: dict[str, tuple[str, Any]] = {}
-    for name, f in reader.fields.items():
-        if not f.types or name.startswith("GGUF."):
-            continue
-        main = f.types[0]
+    for key in gf.metadata:
+        main = gf.metadata.key_type(key)
         if main == GGUFValueType.ARRAY:
-            sub = f.types[-1]
-            typ = f"arr[{_VALUE_TYPE_NAMES[sub.name]}]"
-            if sub == GGUFValueType.STRING:
-                value: Any = f.contents()
-            elif f.data:
-                value = np.concatenate([f.parts[i] for i in f.data])
-            else:
-                value = np.zeros(0)
-            if sub == GGUFValueType.BOOL:
-                value = np.asarray(value, dtype=bool)
+            typ = f"arr[{_VALUE_TYPE_NAMES[gf.metadata.array_type(key).name]}]"
         else:
             typ = _VALUE_TYPE_NAMES[main.name]
-            value = f.contents()
-        kv[name] = (typ, value)
-    arch = kv.get("general.architecture", ("str", ""))[1]
-    if not arch:
-        raise ModelError("missing required key general.architecture")
-    return Metadata(arch=str(arch), kv=kv)
+        value = gf.metadata[key] if typ != "arr[str]" or key == "tokenizer.ggml.tokens" else None
+        kv[key] = (typ, value)
+    return Metadata(arch=gf.arch, kv=kv)
 
 
 class GGUFSource:
-    """Tensors of a GGUF file, dequantized to float32 on demand."""
+    """Tensors of a GGUF file (path or GGUFFile), dequantized to float32 on demand."""
 
     def __init__(self, file: Any):
-        self.reader = _reader(file)
-        self._by_name = {t.name: t for t in self.reader.tensors}
-        self.shapes: dict[str, Ne] = {t.name: tuple(int(n) for n in t.shape) for t in self.reader.tensors}
+        self.file = open_gguf(file)
+        self.shapes: dict[str, Ne] = {n: t.ne for n, t in self.file.tensors.items()}
 
     def load(self, name: str) -> np.ndarray:
         """The whole tensor as float32, NumPy shape = reversed(ne)."""
-        from gguf.quants import dequantize
-
-        t = self._by_name[name]
-        return np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(
-            tuple(reversed(self.shapes[name])))
+        return self.file.tensor_f32(name)
 
     def rows(self, name: str) -> RowTable:
         """Row gather of a 2-D tensor without dequantizing the whole table."""
-        from gguf.quants import dequantize
-
-        t = self._by_name[name]
-        ne0 = self.shapes[name][0]
-        data = t.data.reshape(self.shapes[name][1], -1)
+        info = self.file.tensors[name]
+        ne0, ne1 = info.ne
+        data = info.data.reshape(ne1, -1)
 
         def gather(idx: np.ndarray) -> np.ndarray:
-            return dequantize(data[np.asarray(idx)], t.tensor_type).astype(np.float32).reshape(len(idx), ne0)
+            picked = data[np.asarray(idx).reshape(-1)]
+            return dequantize(picked, info.ggml_type, picked.shape[0] * ne0).reshape(-1, ne0)
 
         return gather
 
@@ -419,8 +389,7 @@ def load_weights(hp: HParams, src: TensorSource, dtype: Any = np.float32) -> Wei
     return w
 
 
-def load_model(path: str | Path, dtype: Any = np.float32) -> Weights:
+def load_model(path: str | Path | GGUFFile, dtype: Any = np.float32) -> Weights:
     """Read, validate and load a GGUF model file."""
-    meta = metadata_of(path)
-    hp = hparams_from_metadata(meta)
-    return load_weights(hp, GGUFSource(path), dtype)
+    gf = open_gguf(path)
+    return load_weights(hparams_from_metadata(metadata_of(gf)), GGUFSource(gf), dtype)
