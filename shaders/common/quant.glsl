@@ -1,0 +1,246 @@
+// GGML weight decoders (bytes exactly as in the GGUF, rows of ne0 elements, blocks back to back).
+// Two interfaces, each compiled only when the includer asks for it:
+//
+// 1. Element decoders (define QUANT_WORD(i) = the i-th 32-bit word of the raw tensor buffer):
+//      float dequant_f32(uint row, uint e), dequant_f16(uint row, uint e)   row = byte offset of the row
+//      float dequant_q8_0 / dequant_q4_k / dequant_q6_k(uint blk, uint j)  blk = byte offset of the block,
+//                                                                           j = element in the block
+//    with <TYPE>_ELEMS / <TYPE>_BYTES per block. Any byte alignment of 2 works (gathers, embeddings).
+//
+// 2. Group decoders for the matmul family (define QTYPE = a GGML_TYPE_* id and QUANT_BINDING = the
+//    binding of the raw weight buffer; this file then declares that buffer as block structs):
+//      void dequant_group(uint G, out vec4 v[8])
+//    decodes the G-th group of 32 consecutive elements of the whole buffer into f32 (v[i] =
+//    elements 4i..4i+3 of the group). Every supported row length is a multiple of 32 and every
+//    block holds a whole number of groups, so element e of the buffer lies in group e/32: row r of
+//    a {K, out} weight is groups r*K/32 .. (r+1)*K/32 - 1, and row r of expert e of a stack
+//    {K, out, E} is row e*out + r. Float types (F32/F16/BF16) need K % 32 == 0 here. Loads are
+//    32-bit where the block is 4-byte aligned (Q4_K, Q5_K, IQ4_XS, floats as uvec4), 16-bit where
+//    it is only 2-byte aligned (Q8_0, Q4_0, Q5_0, Q6_K).
+
+#define GGML_TYPE_F32 0
+#define GGML_TYPE_F16 1
+#define GGML_TYPE_Q4_0 2
+#define GGML_TYPE_Q5_0 6
+#define GGML_TYPE_Q8_0 8
+#define GGML_TYPE_Q4_K 12
+#define GGML_TYPE_Q5_K 13
+#define GGML_TYPE_Q6_K 14
+#define GGML_TYPE_IQ4_XS 23
+#define GGML_TYPE_BF16 30
+
+#define Q8_0_ELEMS 32u
+#define Q8_0_BYTES 34u
+#define Q4_K_ELEMS 256u
+#define Q4_K_BYTES 144u
+#define Q6_K_ELEMS 256u
+#define Q6_K_BYTES 210u
+
+// Low/high signed byte of a 16-bit word, as int.
+int sbyte_lo(uint w16) { return int(w16 << 24) >> 24; }
+int sbyte_hi(uint w16) { return int(w16 << 16) >> 24; }
+
+#ifdef QUANT_WORD
+// ---- 1. element decoders over a word array --------------------------------------------------
+uint quant_byte(uint b) { return (QUANT_WORD(b >> 2) >> (8u * (b & 3u))) & 0xFFu; }
+uint quant_u16(uint b) { return (QUANT_WORD(b >> 2) >> (8u * (b & 2u))) & 0xFFFFu; }  // b even
+float quant_f16(uint b) { return unpackHalf2x16(quant_u16(b)).x; }
+
+float dequant_f32(uint row, uint e) { return uintBitsToFloat(QUANT_WORD((row >> 2) + e)); }
+float dequant_f16(uint row, uint e) { return quant_f16(row + 2u * e); }
+
+// Q8_0: f16 d; int8 qs[32]. x = d*q
+float dequant_q8_0(uint blk, uint j) { return quant_f16(blk) * float(sbyte_lo(quant_byte(blk + 2u + j))); }
+
+// Q4_K: f16 d, dmin; u8 scales[12]; u8 qs[128]. Group g = j/32 has 6-bit scale/min g and the low
+// (g even) or high (g odd) nibbles of qs[32*(g/2) + j%32]. x = d*sc*q - dmin*m
+float dequant_q4_k(uint blk, uint j) {
+    uint g = j >> 5, sc, m;
+    uint sb = blk + 4u;
+    if (g < 4u) {
+        sc = quant_byte(sb + g) & 63u;
+        m = quant_byte(sb + g + 4u) & 63u;
+    } else {
+        sc = (quant_byte(sb + g + 4u) & 0xFu) | ((quant_byte(sb + g - 4u) >> 6) << 4);
+        m = (quant_byte(sb + g + 4u) >> 4) | ((quant_byte(sb + g) >> 6) << 4);
+    }
+    uint q = (quant_byte(blk + 16u + 32u * (g >> 1) + (j & 31u)) >> (4u * (g & 1u))) & 0xFu;
+    return quant_f16(blk) * float(sc) * float(q) - quant_f16(blk + 2u) * float(m);
+}
+
+// Q6_K: u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d. Half n = j/128, quarter t = (j%128)/32,
+// l = j%32: low 4 bits from ql[64n + 32(t&1) + l] (nibble t>>1), high 2 from qh[32n + l] >> 2t,
+// scale scales[8n + 2t + l/16]. x = d*sc*(q-32)
+float dequant_q6_k(uint blk, uint j) {
+    uint n = j >> 7, t = (j >> 5) & 3u, l = j & 31u;
+    uint lo = (quant_byte(blk + 64u * n + 32u * (t & 1u) + l) >> (4u * (t >> 1))) & 0xFu;
+    uint hi = (quant_byte(blk + 128u + 32u * n + l) >> (2u * t)) & 3u;
+    float sc = float(sbyte_lo(quant_byte(blk + 192u + 8u * n + 2u * t + (l >> 4))));
+    return quant_f16(blk + 208u) * sc * (float(lo | (hi << 4)) - 32.0);
+}
+#endif
+
+#ifdef QTYPE
+// ---- 2. group decoders over typed block arrays (matmul family) ------------------------------
+#ifndef QUANT_BINDING
+#error "define QUANT_BINDING before including common/quant.glsl"
+#endif
+
+// Four 4-bit fields at bit offsets s, s+8, s+16, s+24 of w.
+vec4 nib4(uint w, uint s) {
+    return vec4(float((w >> s) & 0xFu), float((w >> (s + 8u)) & 0xFu),
+                float((w >> (s + 16u)) & 0xFu), float((w >> (s + 24u)) & 0xFu));
+}
+
+#if QTYPE == GGML_TYPE_F32
+layout(std430, binding = QUANT_BINDING) readonly buffer QW { vec4 qw[]; };
+void dequant_group(uint G, out vec4 v[8]) {
+    for (uint i = 0u; i < 8u; ++i) v[i] = qw[G * 8u + i];
+}
+
+#elif QTYPE == GGML_TYPE_F16
+layout(std430, binding = QUANT_BINDING) readonly buffer QW { uvec4 qw[]; };
+void dequant_group(uint G, out vec4 v[8]) {
+    for (uint i = 0u; i < 4u; ++i) {
+        uvec4 w = qw[G * 4u + i];
+        v[2u * i] = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
+        v[2u * i + 1u] = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
+    }
+}
+
+#elif QTYPE == GGML_TYPE_BF16
+layout(std430, binding = QUANT_BINDING) readonly buffer QW { uvec4 qw[]; };
+vec2 bf16x2(uint w) { return vec2(uintBitsToFloat(w << 16), uintBitsToFloat(w & 0xFFFF0000u)); }
+void dequant_group(uint G, out vec4 v[8]) {
+    for (uint i = 0u; i < 4u; ++i) {
+        uvec4 w = qw[G * 4u + i];
+        v[2u * i] = vec4(bf16x2(w.x), bf16x2(w.y));
+        v[2u * i + 1u] = vec4(bf16x2(w.z), bf16x2(w.w));
+    }
+}
+
+#elif QTYPE == GGML_TYPE_Q8_0
+// block: f16 d; int8 qs[32]  (34 bytes)   x = d * q
+struct BlockQ8_0 { float16_t d; uint16_t qs[16]; };
+layout(std430, binding = QUANT_BINDING) readonly buffer QW { BlockQ8_0 qw[]; };
+void dequant_group(uint G, out vec4 v[8]) {
+    float d = float(qw[G].d);
+    for (uint i = 0u; i < 8u; ++i) {
+        uint a = uint(qw[G].qs[2u * i]), b = uint(qw[G].qs[2u * i + 1u]);
+        v[i] = d * vec4(sbyte_lo(a), sbyte_hi(a), sbyte_lo(b), sbyte_hi(b));
+    }
+}
+
+#elif QTYPE == GGML_TYPE_Q4_0
+// block: f16 d; u8 qs[16]  (18 bytes)   x[j] = d*((qs[j]&15)-8), x[j+16] = d*((qs[j]>>4)-8)
+struct BlockQ4_0 { float16_t d; uint16_t qs[8]; };
+layout(std430, binding = QUANT_BINDING) readonly buffer QW { BlockQ4_0 qw[]; };
+void dequant_group(uint G, out vec4 v[8]) {
+    float d = float(qw[G].d);
+    for (uint i = 0u; i < 4u; ++i) {
+        uint w = uint(qw[G].qs[2u * i]) | (uint(qw[G].qs[2u * i + 1u]) << 16);
+        v[i] = d * (nib4(w, 0u) - 8.0);
+        v[i + 4u] = d * (nib4(w, 4u) - 8.0);
+    }
+}
+
+#elif QTYPE == GGML_TYPE_Q5_0
+// block: f16 d; u8 qh[4]; u8 qs[16]  (22 bytes)   5th bit of element j is bit j of qh
+struct BlockQ5_0 { float16_t d; uint16_t qh[2]; uint16_t qs[8]; };
+layout(std430, binding = QUANT_BINDING) readonly buffer QW { BlockQ5_0 qw[]; };
+void dequant_group(uint G, out vec4 v[8]) {
+    float d = float(qw[G].d);
+    uint qh = uint(qw[G].qh[0]) | (uint(qw[G].qh[1]) << 16);
+    for (uint i = 0u; i < 4u; ++i) {
+        uint w = uint(qw[G].qs[2u * i]) | (uint(qw[G].qs[2u * i + 1u]) << 16);
+        uint hl = qh >> (4u * i), hh = qh >> (4u * i + 16u);
+        vec4 lo = nib4(w, 0u) + 16.0 * vec4(hl & 1u, (hl >> 1) & 1u, (hl >> 2) & 1u, (hl >> 3) & 1u);
+        vec4 hi = nib4(w, 4u) + 16.0 * vec4(hh & 1u, (hh >> 1) & 1u, (hh >> 2) & 1u, (hh >> 3) & 1u);
+        v[i] = d * (lo - 16.0);
+        v[i + 4u] = d * (hi - 16.0);
+    }
+}
+
+#elif QTYPE == GGML_TYPE_Q4_K || QTYPE == GGML_TYPE_Q5_K
+// Q4_K: f16 d, dmin; u8 scales[12]; u8 qs[128]             (144 bytes)
+// Q5_K: f16 d, dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]  (176 bytes)
+// 8 groups of 32 per super-block; group g uses 6-bit scale/min g, the low (g even) or high
+// (g odd) nibbles of qs[32*(g/2) ..], and for Q5_K bit g of qh[0..31]. x = d*sc*q - dmin*m.
+#if QTYPE == GGML_TYPE_Q4_K
+struct BlockQK { f16vec2 dm; uint scales[3]; uint qs[32]; };
+#else
+struct BlockQK { f16vec2 dm; uint scales[3]; uint qh[8]; uint qs[32]; };
+#endif
+layout(std430, binding = QUANT_BINDING) readonly buffer QW { BlockQK qw[]; };
+uint kscale_byte(uint ib, uint j) { return (qw[ib].scales[j >> 2] >> (8u * (j & 3u))) & 0xFFu; }
+void dequant_group(uint G, out vec4 v[8]) {
+    uint ib = G >> 3, g = G & 7u;
+    vec2 dm = vec2(qw[ib].dm);
+    uint sc, m;
+    if (g < 4u) {
+        sc = kscale_byte(ib, g) & 63u;
+        m = kscale_byte(ib, g + 4u) & 63u;
+    } else {
+        sc = (kscale_byte(ib, g + 4u) & 0xFu) | ((kscale_byte(ib, g - 4u) >> 6) << 4);
+        m = (kscale_byte(ib, g + 4u) >> 4) | ((kscale_byte(ib, g) >> 6) << 4);
+    }
+    float d = dm.x * float(sc), mn = dm.y * float(m);
+    uint base = 8u * (g >> 1), s = 4u * (g & 1u);
+    for (uint i = 0u; i < 8u; ++i) {
+        vec4 q = nib4(qw[ib].qs[base + i], s);
+#if QTYPE == GGML_TYPE_Q5_K
+        uint h = qw[ib].qh[i] >> g;
+        q += 16.0 * vec4(h & 1u, (h >> 8) & 1u, (h >> 16) & 1u, (h >> 24) & 1u);
+#endif
+        v[i] = d * q - mn;
+    }
+}
+
+#elif QTYPE == GGML_TYPE_Q6_K
+// block: u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d  (210 bytes)
+// Half n = g/4 (128 elements), quarter j = g%4: low bits from ql[64n + 32(j&1) + l] (nibble
+// j>>1), high 2 bits from qh[32n + l] >> 2j, scale scales[8n + 2j + l/16]; x = d*sc*(q-32).
+struct BlockQ6_K { uint16_t ql[64]; uint16_t qh[32]; uint16_t scales[8]; float16_t d; };
+layout(std430, binding = QUANT_BINDING) readonly buffer QW { BlockQ6_K qw[]; };
+void dequant_group(uint G, out vec4 v[8]) {
+    uint ib = G >> 3, g = G & 7u, n = g >> 2, j = g & 3u;
+    float d = float(qw[ib].d);
+    uint sw = uint(qw[ib].scales[4u * n + j]);
+    float d0 = d * float(sbyte_lo(sw)), d1 = d * float(sbyte_hi(sw));
+    uint lbase = 32u * n + 16u * (j & 1u), hbase = 16u * n, ls = 4u * (j >> 1), hs = 2u * j;
+    for (uint i = 0u; i < 8u; ++i) {
+        uint l = uint(qw[ib].ql[lbase + 2u * i]) | (uint(qw[ib].ql[lbase + 2u * i + 1u]) << 16);
+        uint h = uint(qw[ib].qh[hbase + 2u * i]) | (uint(qw[ib].qh[hbase + 2u * i + 1u]) << 16);
+        vec4 q = nib4(l, ls) + 16.0 * vec4((h >> hs) & 3u, (h >> (hs + 8u)) & 3u,
+                                           (h >> (hs + 16u)) & 3u, (h >> (hs + 24u)) & 3u) - 32.0;
+        v[i] = (i < 4u ? d0 : d1) * q;
+    }
+}
+
+#elif QTYPE == GGML_TYPE_IQ4_XS
+// block: f16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128]  (136 bytes)
+// group g: 6-bit scale ls = scales_l nibble g | 2 bits g of scales_h << 4; x = d*(ls-32)*kv[q],
+// q = low nibbles of qs[16g..16g+15] for elements 0..15, high nibbles for 16..31.
+struct BlockIQ4_XS { float16_t d; uint16_t scales_h; uint scales_l; uint qs[32]; };
+layout(std430, binding = QUANT_BINDING) readonly buffer QW { BlockIQ4_XS qw[]; };
+const float IQ4_VALUES[16] = float[16](-127.0, -104.0, -83.0, -65.0, -49.0, -35.0, -22.0, -10.0,
+                                       1.0, 13.0, 25.0, 38.0, 53.0, 69.0, 89.0, 113.0);
+vec4 iq4_lookup(uint w, uint s) {
+    return vec4(IQ4_VALUES[(w >> s) & 0xFu], IQ4_VALUES[(w >> (s + 8u)) & 0xFu],
+                IQ4_VALUES[(w >> (s + 16u)) & 0xFu], IQ4_VALUES[(w >> (s + 24u)) & 0xFu]);
+}
+void dequant_group(uint G, out vec4 v[8]) {
+    uint ib = G >> 3, g = G & 7u;
+    uint ls = ((qw[ib].scales_l >> (4u * g)) & 0xFu) | (((uint(qw[ib].scales_h) >> (2u * g)) & 3u) << 4);
+    float dl = float(qw[ib].d) * (float(ls) - 32.0);
+    for (uint i = 0u; i < 4u; ++i) {
+        uint w = qw[ib].qs[4u * g + i];
+        v[i] = dl * iq4_lookup(w, 0u);
+        v[i + 4u] = dl * iq4_lookup(w, 4u);
+    }
+}
+
+#else
+#error "unsupported QTYPE"
+#endif
+#endif  // QTYPE
