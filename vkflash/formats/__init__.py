@@ -1,1 +1,14 @@
-"""vkflash.formats"""
+"""vkflash.formats: GGUF reading/writing and the GGML block formats in NumPy.
+
+The lowest layer: depends only on numpy and gguf; everything else may import it.
+"""
+
+from vkflash.formats.gguf_file import GGUFFile, Metadata, TensorInfo
+from vkflash.formats.gguf_write import FloatTensor, RawTensor, Typed, write_gguf
+from vkflash.formats.quants import BLOCK, SCALE_FIELDS, dequantize, quantize, random_blocks, row_bytes
+
+__all__ = [
+    "GGUFFile", "Metadata", "TensorInfo",
+    "FloatTensor", "RawTensor", "Typed", "write_gguf",
+    "BLOCK", "SCALE_FIELDS", "dequantize", "quantize", "random_blocks", "row_bytes",
+]

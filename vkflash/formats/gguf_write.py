@@ -98,7 +98,7 @@ def _plain(key: str, value: Any) -> tuple[Any, GGUFValueType, GGUFValueType | No
     explicit = value.vtype if isinstance(value, Typed) else None
     v = value.value if isinstance(value, Typed) else value
     if not isinstance(v, (np.ndarray, Sequence)) or isinstance(v, (str, bytes)):
-        vtype = explicit or _scalar_type(key, v)
+        vtype = explicit if explicit is not None else _scalar_type(key, v)
         v = v.item() if isinstance(v, np.generic) else v
         _check_range(key, [v], vtype)
         return v, vtype, None
@@ -107,10 +107,10 @@ def _plain(key: str, value: Any) -> tuple[Any, GGUFValueType, GGUFValueType | No
     if isinstance(v, np.ndarray):
         if v.ndim != 1 or v.dtype not in _NP_TO_GGUF:
             raise FormatError(f"metadata key {key}: arrays must be 1-D of a GGUF scalar dtype, got {v.dtype}{v.shape}")
-        item = explicit or _NP_TO_GGUF[v.dtype]
+        item = explicit if explicit is not None else _NP_TO_GGUF[v.dtype]
         items = v.tolist()
     else:
-        item = explicit or _scalar_type(key, v[0])
+        item = explicit if explicit is not None else _scalar_type(key, v[0])
         if explicit is None and any(_scalar_type(key, e) != item for e in v):
             raise FormatError(f"metadata key {key}: array items have mixed types")
         items = [e.item() if isinstance(e, np.generic) else e for e in v]
