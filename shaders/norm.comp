@@ -1,0 +1,41 @@
+#version 450
+// Row norms, one workgroup per normalised group (grid-stride over groups):
+//   MODE 0 RMS:  y = x / sqrt(mean(x^2) + eps) * post (* gamma)
+//   MODE 1 L2:   y = x / sqrt(sum(x^2) + eps) * post (* gamma)
+// A row r of n_groups*n values is n_groups groups of n, each normalised on its own (grouped
+// RMSNorm of a wide HC vector, MODEL.md §2); group c of row r starts at x_off + r*x_stride + c*n.
+// gamma (if HAS_GAMMA) spans the whole row: element c*n + i uses gamma[g_off + c*n + i].
+// Buffers: 0 x (f32), 1 gamma (f32; any buffer when unused), 2 y (f32; may alias x, same view).
+#extension GL_GOOGLE_include_directive : require
+#include "common/base.glsl"
+#include "common/reduce.glsl"
+
+layout(constant_id = 1) const uint MODE = 0;
+layout(constant_id = 2) const bool HAS_GAMMA = false;
+
+layout(std430, binding = 0) buffer X { float x[]; };
+layout(std430, binding = 1) readonly buffer G { float gamma[]; };
+layout(std430, binding = 2) buffer Y { float y[]; };
+layout(push_constant) uniform P {
+    uint n; uint n_groups; uint n_rows;
+    uint x_off; uint x_stride; uint y_off; uint y_stride; uint g_off;
+    uint eps_bits; uint post_bits;
+} p;
+
+void main() {
+    float eps = uintBitsToFloat(p.eps_bits), post = uintBitsToFloat(p.post_bits);
+    uint total = p.n_rows * p.n_groups;
+    for (uint k = gl_WorkGroupID.x; k < total; k += gl_NumWorkGroups.x) {
+        uint r = k / p.n_groups, c = k - r * p.n_groups;
+        uint xb = p.x_off + r * p.x_stride + c * p.n, yb = p.y_off + r * p.y_stride + c * p.n;
+        float ss = 0.0;
+        for (uint i = gl_LocalInvocationID.x; i < p.n; i += gl_WorkGroupSize.x) ss += x[xb + i] * x[xb + i];
+        ss = wg_sum(ss);
+        float s = post / sqrt((MODE == 0 ? ss / float(p.n) : ss) + eps);
+        for (uint i = gl_LocalInvocationID.x; i < p.n; i += gl_WorkGroupSize.x) {
+            float v = x[xb + i] * s;
+            if (HAS_GAMMA) v *= gamma[p.g_off + c * p.n + i];
+            y[yb + i] = v;
+        }
+    }
+}

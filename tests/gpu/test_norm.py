@@ -1,0 +1,126 @@
+"""RMSNorm, grouped RMSNorm and L2 norm kernels vs float64 NumPy references (MODEL.md §2, §5.4 G6)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vkflash.gpu.ops import norm as N
+from vkflash.gpu.ops.views import Rows
+
+pytestmark = pytest.mark.gpu
+
+
+def _rtol(n: int) -> float:
+    """Relative error bound of y for groups of n.
+
+    Σx² in f32: each lane sums ≤ n/WG terms, then a subgroup tree and ≤ WG/subgroup partials in
+    order: ≤ (n/32 + 64)·2^-24 relative for any WG ≥ 32, subgroup ≥ 4; halved by the square
+    root; plus a few roundings (divide, sqrt, two products).
+    """
+    return 2.0**-24 * ((n / 32 + 64) / 2 + 8)
+
+
+def _rows(rng: np.random.Generator, rows: int, n: int) -> np.ndarray:
+    """Rows with very different scales; some so small that ε dominates mean(x²)."""
+    scales = np.exp(rng.uniform(-9, 3, (rows, 1))).astype(np.float32)
+    return rng.standard_normal((rows, n)).astype(np.float32) * scales
+
+
+def _rms(x: np.ndarray, eps: float, groups: int) -> np.ndarray:
+    r, n = x.shape
+    xg = x.astype(np.float64).reshape(r, groups, n // groups)
+    return (xg / np.sqrt((xg**2).mean(-1, keepdims=True) + np.float32(eps))).reshape(r, n)
+
+
+def _check(got: np.ndarray, want: np.ndarray, n: int) -> None:
+    err = np.abs(got - want) / np.maximum(np.abs(want), 1e-30)
+    assert np.all(err <= _rtol(n)), f"max rel err {err.max():.3g} > {_rtol(n):.3g}"
+
+
+@pytest.mark.parametrize("n", [1, 77, 2560])
+def test_rms_norm_strided_with_gamma(gpu, rng, n):
+    """Plain RMSNorm ⊙ γ on strided rows (ragged and model-sized d), into another buffer."""
+    rows, stride, off = int(rng.integers(2, 6)), n + int(rng.integers(0, 5)), int(rng.integers(0, 9))
+    x = _rows(rng, rows, n)
+    gam = rng.standard_normal(n + 3).astype(np.float32)
+    eps = float(10 ** rng.uniform(-7, -5))
+    buf = np.zeros(off + rows * stride, np.float32)
+    for r in range(rows):
+        buf[off + r * stride: off + r * stride + n] = x[r]
+    xb, gb, yb = gpu.upload(buf, "x"), gpu.upload(gam, "gamma"), gpu.buffer(4 * rows * n, "y")
+    yb.fill(np.nan)
+    g = gpu.graph("rms")
+    N.rms_norm(g, Rows(xb, rows, n, off, stride), Rows(yb, rows, n), eps, gb, gamma_off=3)
+    g.run()
+    _check(yb.read(np.float32).reshape(rows, n), _rms(x, eps, 1) * gam[3:], n)
+
+
+def test_rms_norm_no_gamma_in_place(gpu, rng):
+    rows, n = int(rng.integers(3, 20)), int(rng.integers(2, 1500))
+    x = _rows(rng, rows, n)
+    eps = 1e-6
+    xb = gpu.upload(x, "x")
+    g = gpu.graph("rms_inplace")
+    N.rms_norm(g, Rows(xb, rows, n), Rows(xb, rows, n), eps)
+    g.run()
+    _check(xb.read(np.float32).reshape(rows, n), _rms(x, eps, 1), n)
+
+
+@pytest.mark.parametrize("hc,d", [(4, 2560), (3, 333)])
+def test_grouped_rms_norm(gpu, rng, hc, d):
+    """Each stream of d normalised on its own (not over hc·d), then ⊙ γ ∈ R^{hc·d}."""
+    rows = int(rng.integers(1, 4))
+    x = _rows(rng, rows, hc * d)
+    x.reshape(rows, hc, d)[:, 0] *= 50  # streams of different scale: a whole-row norm would be far off
+    gam = rng.standard_normal(hc * d).astype(np.float32)
+    eps = 1e-6
+    xb, gb, yb = gpu.upload(x, "R"), gpu.upload(gam, "gamma"), gpu.buffer(x.nbytes, "X")
+    yb.fill(np.nan)
+    g = gpu.graph("grouped")
+    N.grouped_rms_norm(g, Rows(xb, rows, hc * d), Rows(yb, rows, hc * d), hc, eps, gb)
+    g.run()
+    _check(yb.read(np.float32).reshape(rows, hc * d), _rms(x, eps, hc) * gam, d)
+
+
+def test_l2_norm_scaled(gpu, rng):
+    """q̂ = q/√(Σq²+ε)·(1/√S) per head, heads read with a stride (G6)."""
+    heads, S = int(rng.integers(2, 9)), int(rng.integers(16, 200))
+    stride = 2 * S
+    x = _rows(rng, heads, stride)
+    eps = 1e-6
+    xb, yb = gpu.upload(x, "q"), gpu.buffer(4 * heads * S, "qhat")
+    yb.fill(np.nan)
+    g = gpu.graph("l2")
+    N.l2_norm(g, Rows(xb, heads, S, 0, stride), Rows(yb, heads, S), eps, scale=1 / np.sqrt(S))
+    g.run()
+    q = x[:, :S].astype(np.float64)
+    want = q / np.sqrt((q**2).sum(-1, keepdims=True) + np.float32(eps)) / np.sqrt(S)
+    _check(yb.read(np.float32).reshape(heads, S), want, S)
+
+
+def test_more_groups_than_workgroups(gpu, rng, monkeypatch):
+    """With fewer workgroups than groups, each workgroup loops over several (grid-stride)."""
+    monkeypatch.setattr(N, "MAX_GROUPS", 7)
+    rows, n = int(rng.integers(30, 60)), int(rng.integers(1, 300))
+    x = _rows(rng, rows, n)
+    xb, yb = gpu.upload(x), gpu.buffer(x.nbytes)
+    yb.fill(np.nan)
+    g = gpu.graph("rows")
+    N.rms_norm(g, Rows(xb, rows, n), Rows(yb, rows, n), 1e-6)
+    g.run()
+    _check(yb.read(np.float32).reshape(rows, n), _rms(x, 1e-6, 1), n)
+
+
+def test_validation(gpu):
+    b, c = gpu.buffer(4 * 100, "b"), gpu.buffer(4 * 10, "gamma")
+    g = gpu.graph("bad")
+    with pytest.raises(ValueError, match="does not split into 3 groups"):
+        N.grouped_rms_norm(g, Rows(b, 2, 10), Rows(b, 2, 10, 50), 3, 1e-6)
+    with pytest.raises(ValueError, match="needs 44 B"):
+        N.rms_norm(g, Rows(b, 2, 10), Rows(b, 2, 10, 50), 1e-6, c, gamma_off=1)
+    with pytest.raises(ValueError, match="shapes differ"):
+        N.l2_norm(g, Rows(b, 2, 10), Rows(b, 2, 11, 50), 1e-6)
+    with pytest.raises(ValueError, match="eps"):
+        N.rms_norm(g, Rows(b, 2, 10), Rows(b, 2, 10, 50), float("nan"))
+    assert not g.ops

@@ -1,0 +1,97 @@
+"""Elementwise ops on row views: add, mul, add-scaled, scale, silu, sigmoid, softplus (MODEL.md §2).
+
+One shader (shaders/eltwise.comp), the op chosen by a specialization constant. Binary ops may
+broadcast one row of `b` over all rows (b.n_rows == 1 or stride 0); any output may be the exact
+view of an input (in place).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import TYPE_CHECKING
+
+from vkflash.gpu.ops.views import Rows, check_alias, check_same_shape, f32_bits, grid
+from vkflash.gpu.registry import Kernel, kernel
+
+if TYPE_CHECKING:
+    from vkflash.gpu.graph import Graph
+
+KERNELS = [Kernel("eltwise", "eltwise.comp", 3)]
+MAX_GROUPS = 4096  # grid-stride loop covers the rest
+
+
+class Op(IntEnum):
+    """Op codes of eltwise.comp (constant_id 1)."""
+
+    ADD = 0
+    MUL = 1
+    ADD_SCALED = 2
+    SCALE = 3
+    SILU = 4
+    SIGMOID = 5
+    SOFTPLUS = 6
+
+
+BINARY = frozenset({Op.ADD, Op.MUL, Op.ADD_SCALED})
+
+
+def _broadcast(op: str, a: Rows, b: Rows) -> Rows:
+    """b as a view with a's shape: itself, or its single row repeated (stride 0)."""
+    if b.n_cols != a.n_cols:
+        raise ValueError(f"{op}: row lengths differ: a {a.n_cols}, b {b.n_cols}")
+    if b.n_rows == a.n_rows:
+        return b
+    if b.n_rows == 1:
+        return Rows(b.buf, a.n_rows, b.n_cols, b.off, 0)
+    raise ValueError(f"{op}: b has {b.n_rows} rows; needs {a.n_rows} or 1 (broadcast)")
+
+
+def eltwise(g: "Graph", op: Op, a: Rows, b: Rows | None, y: Rows, alpha: float = 1.0, name: str = "") -> None:
+    """y = op(a, b) elementwise (b only for binary ops; alpha for ADD_SCALED and SCALE)."""
+    label = name or op.name.lower()
+    if (op in BINARY) != (b is not None):
+        raise ValueError(f"{label}: {op.name} takes {'two inputs' if op in BINARY else 'one input'}")
+    bb = _broadcast(label, a, b) if b is not None else a
+    check_same_shape(label, a=a, y=y)
+    check_alias(label, y, a, bb)
+    wg = kernel("eltwise").workgroup(g.gpu.caps)
+    n = a.size
+    g.dispatch("eltwise", [a.buf, bb.buf, y.buf], [grid(n, wg, MAX_GROUPS)],
+               push=[a.n_cols, a.n_rows, a.off, a.stride, bb.off, bb.stride, y.off, y.stride, f32_bits(alpha)],
+               spec=[int(op)], name=label, desc=f"{op.name} {a.n_rows}x{a.n_cols}",
+               nbytes=4 * n * (3 if op in BINARY else 2))
+
+
+def add(g: "Graph", a: Rows, b: Rows, y: Rows, name: str = "add") -> None:
+    """y = a + b (b may be one row broadcast over a's rows)."""
+    eltwise(g, Op.ADD, a, b, y, name=name)
+
+
+def mul(g: "Graph", a: Rows, b: Rows, y: Rows, name: str = "mul") -> None:
+    """y = a ⊙ b (b may be one row broadcast over a's rows, e.g. a gain w[i])."""
+    eltwise(g, Op.MUL, a, b, y, name=name)
+
+
+def add_scaled(g: "Graph", a: Rows, b: Rows, alpha: float, y: Rows, name: str = "add_scaled") -> None:
+    """y = a + alpha·b."""
+    eltwise(g, Op.ADD_SCALED, a, b, y, alpha, name=name)
+
+
+def scale(g: "Graph", a: Rows, alpha: float, y: Rows, name: str = "scale") -> None:
+    """y = alpha·a."""
+    eltwise(g, Op.SCALE, a, None, y, alpha, name=name)
+
+
+def silu(g: "Graph", a: Rows, y: Rows, name: str = "silu") -> None:
+    """y = a·σ(a)."""
+    eltwise(g, Op.SILU, a, None, y, name=name)
+
+
+def sigmoid(g: "Graph", a: Rows, y: Rows, name: str = "sigmoid") -> None:
+    """y = 1/(1 + e^{−a})."""
+    eltwise(g, Op.SIGMOID, a, None, y, name=name)
+
+
+def softplus(g: "Graph", a: Rows, y: Rows, name: str = "softplus") -> None:
+    """y = ln(1 + e^a), or a when a > 20."""
+    eltwise(g, Op.SOFTPLUS, a, None, y, name=name)

@@ -1,0 +1,63 @@
+"""Row norms (MODEL.md §2, §5.4 G6): RMSNorm, grouped RMSNorm of wide HC rows, and L2 norm.
+
+One shader (shaders/norm.comp), one workgroup per normalised group with a subgroup +
+shared-memory reduction of Σx². ε is passed as f32 bits; all statistics are f32 (§7.4).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import TYPE_CHECKING
+
+from vkflash.gpu.memory import Buffer
+from vkflash.gpu.ops.views import F32, Rows, check_alias, check_same_shape, f32_bits, grid
+from vkflash.gpu.registry import Kernel
+
+if TYPE_CHECKING:
+    from vkflash.gpu.graph import Graph
+
+KERNELS = [Kernel("norm", "norm.comp", 3)]
+MAX_GROUPS = 65535  # one workgroup per group; more groups loop
+
+
+class Mode(IntEnum):
+    """Statistic of norm.comp (constant_id 1): mean or sum of squares."""
+
+    RMS = 0
+    L2 = 1
+
+
+def _norm(g: "Graph", mode: Mode, x: Rows, y: Rows, eps: float, n_groups: int, gamma: Buffer | None,
+          gamma_off: int, post: float, name: str) -> None:
+    """Normalise each of the n_groups equal groups of every row of x into y."""
+    check_same_shape(name, x=x, y=y)
+    check_alias(name, y, x)
+    if n_groups < 1 or x.n_cols % n_groups:
+        raise ValueError(f"{name}: row of {x.n_cols} does not split into {n_groups} groups")
+    if not eps >= 0:
+        raise ValueError(f"{name}: eps must be ≥ 0, got {eps}")
+    if gamma is not None:
+        Rows(gamma, 1, x.n_cols, gamma_off)  # bounds check: gamma spans the whole row
+    n = x.n_cols // n_groups
+    total = x.n_rows * n_groups
+    g.dispatch("norm", [x.buf, gamma if gamma is not None else x.buf, y.buf], [grid(total, 1, MAX_GROUPS)],
+               push=[n, n_groups, x.n_rows, x.off, x.stride, y.off, y.stride, gamma_off, f32_bits(eps), f32_bits(post)],
+               spec=[int(mode), int(gamma is not None)], name=name,
+               desc=f"{mode.name} {x.n_rows}x{n_groups}x{n}", nbytes=F32 * x.size * (3 if gamma is not None else 2))
+
+
+def rms_norm(g: "Graph", x: Rows, y: Rows, eps: float, gamma: Buffer | None = None, gamma_off: int = 0,
+             name: str = "rms_norm") -> None:
+    """y = x/√(mean(x²)+ε) ⊙ γ per row (γ of n_cols elements at gamma_off, optional)."""
+    _norm(g, Mode.RMS, x, y, eps, 1, gamma, gamma_off, 1.0, name)
+
+
+def grouped_rms_norm(g: "Graph", x: Rows, y: Rows, n_groups: int, eps: float, gamma: Buffer | None = None,
+                     gamma_off: int = 0, name: str = "grouped_rms_norm") -> None:
+    """Each row of hc·d values is hc = n_groups streams of d, each RMS-normalised; then ⊙ γ ∈ R^{hc·d}."""
+    _norm(g, Mode.RMS, x, y, eps, n_groups, gamma, gamma_off, 1.0, name)
+
+
+def l2_norm(g: "Graph", x: Rows, y: Rows, eps: float, scale: float = 1.0, name: str = "l2_norm") -> None:
+    """y = scale · x/√(Σx²+ε) per row (GDN q̂, k̂ of §5.4 G6; scale = 1/√S folds q̂'s extra factor)."""
+    _norm(g, Mode.L2, x, y, eps, 1, None, 0, scale, name)
