@@ -1,0 +1,135 @@
+"""The generation loop of DESIGN §3: prefill in ubatches, then one decode per token, incremental
+detokenization, and every stop rule (EOS/EOT, stop strings, max_tokens, the context end, cancel).
+
+The prompt plus the output always fits in n_ctx: output stops with "length" when it would not,
+so no backend is ever asked to write past its cache.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from vkflash.engine.api import ArgmaxForward, Finish, Forward, InvalidRequest, SamplingParams, TextCodec, Timings, \
+    TokenEvent
+from vkflash.engine.sampling import Sampler
+
+
+def held_suffix(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+@dataclass
+class StopMatcher:
+    """Streams text through, holding back any tail that might begin a stop string."""
+
+    stops: Sequence[str]
+    _pending: str = field(default="", init=False)
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """(text safe to emit, whether a stop string was found; the emit ends just before it)."""
+        buf = self._pending + text
+        hits = [k for k in (buf.find(s) for s in self.stops) if k >= 0]
+        if hits:
+            self._pending = ""
+            return buf[: min(hits)], True
+        keep = held_suffix(buf, self.stops)
+        self._pending = buf[len(buf) - keep:]
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        """The held-back tail, at the end of generation without a stop match."""
+        rest, self._pending = self._pending, ""
+        return rest
+
+
+def check_prompt(n_prompt: int, n_ctx: int) -> None:
+    """A prompt must be non-empty and leave room for at least one output token."""
+    if n_prompt == 0:
+        raise InvalidRequest("the prompt is empty (0 tokens)", "prompt")
+    if n_prompt >= n_ctx:
+        raise InvalidRequest(f"the prompt has {n_prompt} tokens; the context holds {n_ctx} "
+                             f"(prompt + output must fit)", "messages")
+
+
+def generate(fwd: Forward, codec: TextCodec, prompt: Sequence[int], params: SamplingParams,
+             cancel: threading.Event | None = None, ubatch: int = 2048,
+             clock: Callable[[], float] = time.perf_counter) -> Iterator[TokenEvent | Finish]:
+    """Yield one TokenEvent per generated token, then exactly one Finish.
+
+    Backend exceptions end the stream with Finish(reason="error", error=exc); a set `cancel` event
+    ends it with "cancelled" within one token (or one ubatch of prefill).
+    """
+    cancel = cancel or threading.Event()
+    prompt = [int(t) for t in prompt]
+    check_prompt(len(prompt), fwd.n_ctx)
+    sampler = Sampler(params)
+    fast = sampler.plain_greedy and isinstance(fwd, ArgmaxForward)
+    detok = codec.streamer()
+    stops = StopMatcher(params.stop)
+    budget = fwd.n_ctx - len(prompt)  # prompt + output ≤ n_ctx
+    if params.max_tokens is not None:
+        budget = min(budget, params.max_tokens)
+    history = list(prompt)
+    n_out, t0 = 0, clock()
+    t_prefill_end = t0
+
+    def finish(reason: str, tail: str = "", error: BaseException | None = None) -> Finish:
+        t_end = clock()
+        if reason != "stop":
+            emitted, _ = stops.push(detok.flush())
+            tail += emitted + stops.flush()
+        return Finish(reason, tail, len(prompt), n_out,  # type: ignore[arg-type]
+                      Timings(len(prompt), (t_prefill_end - t0) * 1e3, n_out, (t_end - t_prefill_end) * 1e3),
+                      error)
+
+    try:
+        fwd.reset()
+        nxt: int | None = None
+        for a in range(0, len(prompt), ubatch):
+            if cancel.is_set():
+                yield finish("cancelled")
+                return
+            chunk = prompt[a:a + ubatch]
+            last = a + ubatch >= len(prompt)
+            if last and fast:
+                nxt = fwd.prefill_argmax(chunk)  # type: ignore[attr-defined]
+            elif last:
+                nxt = sampler.sample(fwd.prefill(chunk), history)
+            else:
+                fwd.prefill(chunk)
+        t_prefill_end = clock()
+        assert nxt is not None
+        while True:
+            if cancel.is_set():
+                yield finish("cancelled")
+                return
+            token = nxt
+            n_out += 1
+            history.append(token)
+            if codec.is_eog(token) and not params.ignore_eos:
+                n_out -= 1  # the end token is not output text; llama-server does not count it either
+                text, _ = stops.push(detok.flush())
+                yield finish("stop", text + stops.flush())
+                return
+            text, hit = stops.push(detok.push(token))
+            if hit:
+                yield TokenEvent(token, text)
+                yield finish("stop")
+                return
+            yield TokenEvent(token, text)
+            if n_out >= budget:
+                yield finish("length")
+                return
+            nxt = fwd.decode_argmax(token) if fast else sampler.sample(fwd.decode(token), history)  # type: ignore[attr-defined]
+    except Exception as e:  # noqa: BLE001 — any backend failure ends this request, reported to the caller
+        yield finish("error", error=e)

@@ -1,0 +1,78 @@
+"""Host-side token selection from logits: penalties, then temperature, top-k, top-p, min-p, then a
+draw from a per-request seeded generator (same seed + same logits → same tokens).
+
+Order: penalties on raw logits → z/T → keep top-k → keep the smallest set with mass ≥ top_p →
+drop tokens with p < min_p·p_max → renormalise and draw. Greedy (T = 0) is argmax after penalties.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+
+from vkflash.engine.api import SamplingParams
+
+
+def apply_penalties(logits: np.ndarray, window: Sequence[int], p: SamplingParams) -> np.ndarray:
+    """Repetition (z>0: z/r, else z·r), presence (−a·[c>0]) and frequency (−f·c) over the window."""
+    if not p.penalized or not window:
+        return logits
+    z = logits.astype(np.float32, copy=True)
+    counts = Counter(int(t) for t in window)
+    ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+    c = np.fromiter(counts.values(), dtype=np.float32, count=len(counts))
+    zi = z[ids]
+    if p.repetition_penalty != 1.0:
+        zi = np.where(zi > 0, zi / p.repetition_penalty, zi * p.repetition_penalty)
+    zi = zi - p.presence_penalty - p.frequency_penalty * c
+    z[ids] = zi
+    return z
+
+
+def filtered_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """The distribution a stochastic draw uses: softmax(z/T) truncated by top-k, top-p, min-p."""
+    z = logits.astype(np.float64) / p.temperature
+    order = np.argsort(-z, kind="stable")
+    if p.top_k > 0:
+        order = order[: p.top_k]
+    zs = z[order]
+    w = np.exp(zs - zs[0])
+    probs = w / w.sum()
+    keep = len(order)
+    if p.top_p < 1.0:
+        # smallest prefix whose mass reaches top_p
+        keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p, side="left")) + 1)
+    if p.min_p > 0.0:
+        keep = min(keep, int(np.count_nonzero(probs >= p.min_p * probs[0])))
+    out = np.zeros(logits.shape[0], dtype=np.float64)
+    kept = probs[:keep]
+    out[order[:keep]] = kept / kept.sum()
+    return out
+
+
+class Sampler:
+    """Per-request token picker; its generator is seeded once so a seeded request is reproducible."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
+        self._rng = np.random.default_rng(self.seed)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no penalty: the backend's argmax alone decides (device fast path)."""
+        return self.params.greedy and not self.params.penalized
+
+    def sample(self, logits: np.ndarray, history: Sequence[int]) -> int:
+        """Next token from logits (float32[V]) given the tokens so far (prompt + output)."""
+        p = self.params
+        window = history[-p.penalty_last_n:] if p.penalty_last_n else ()
+        z = apply_penalties(logits, window, p)
+        if p.greedy:
+            return int(np.argmax(z))
+        probs = filtered_probs(z, p)
+        u = self._rng.random()
+        cdf = np.cumsum(probs)
+        return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(cdf) - 1))
