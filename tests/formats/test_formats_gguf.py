@@ -39,7 +39,8 @@ def random_text(rng: np.random.Generator, n: int) -> list[str]:
 
 def test_metadata_roundtrip(tmp_path: Path, rng: np.random.Generator) -> None:
     n_vocab = int(rng.integers(50, 400))
-    tokens, merges = random_text(rng, n_vocab), [f"{a} {b}" for a, b in zip(random_text(rng, 40), random_text(rng, 40))]
+    tokens = random_text(rng, n_vocab)
+    merges = [f"{a} {b}" for a, b in zip(random_text(rng, 40), random_text(rng, 40), strict=True)]
     token_type = rng.integers(1, 7, size=n_vocab, dtype=np.int32)
     u64 = rng.integers(2**63, 2**64 - 1, size=5, dtype=np.uint64, endpoint=True)
     md: dict[str, object] = {
@@ -168,11 +169,6 @@ def test_linear_weight_orientation(tmp_path: Path, rng: np.random.Generator) -> 
     assert np.abs(f.tensor_f32("w") - w).max() < 0.02 * np.abs(w).max()
 
 
-def test_raw_tensor_size_checked(tmp_path: Path) -> None:
-    with pytest.raises(FormatError, match="expected 34 encoded bytes, got 33"):
-        write_gguf(tmp_path / "x.gguf", "qwen2", {}, {"t": RawTensor(np.zeros(33, np.uint8), Q.Q8_0, (32,))})
-
-
 def test_custom_alignment(tmp_path: Path, rng: np.random.Generator) -> None:
     tensors = {f"t{i}": rng.standard_normal(int(rng.integers(1, 50))).astype(np.float32) for i in range(4)}
     write_gguf(tmp_path / "a.gguf", "qwen2", {}, tensors, alignment=64)
@@ -235,6 +231,15 @@ def test_truncated_tensor_names_the_tensor(good_file: Path) -> None:
         GGUFFile(short)
 
 
+@pytest.mark.parametrize("count", [21, 2**40, 2**63])
+def test_oversized_array_count(good_file: Path, count: int) -> None:
+    """An array claiming more items than the file holds is truncation, not a huge allocation."""
+    key = b"tokenizer.ggml.tokens"
+    count_at = good_file.read_bytes().index(key) + len(key) + 4 + 4
+    with pytest.raises(FormatError, match="truncated"):
+        GGUFFile(patched(good_file, count_at, count.to_bytes(8, "little")))
+
+
 def test_wrong_magic(good_file: Path) -> None:
     with pytest.raises(FormatError, match="not a GGUF file"):
         GGUFFile(patched(good_file, 0, b"GGML"))
@@ -289,3 +294,17 @@ def test_missing_file(tmp_path: Path) -> None:
         GGUFFile(tmp_path / "absent.gguf")
     with pytest.raises(FormatError, match="not a regular file"):
         GGUFFile(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [(RawTensor(np.zeros(33, np.uint8), Q.Q8_0, (32,)), "tensor 't': expected 34 encoded bytes, got 33"),
+     (RawTensor(b"", Q.Q8_0, ()), "tensor 't': 0 dims"),
+     (np.zeros((1, 1, 1, 1, 2), np.float32), "tensor 't': 5 dims"),
+     (FloatTensor(np.zeros((2, 48), np.float32), Q.Q8_0), "tensor 't': Q8_0 needs a multiple of 32 elements, got 48"),
+     (FloatTensor(np.zeros(32, np.float32), Q.Q8_1), "unsupported tensor type: Q8_1")],
+)
+def test_unwritable_tensors_raise(tmp_path: Path, spec: object, match: str) -> None:
+    with pytest.raises(FormatError, match=match):
+        write_gguf(tmp_path / "x.gguf", "qwen2", {}, {"t": spec})
+    assert not (tmp_path / "x.gguf").exists()

@@ -98,8 +98,10 @@ class _BoundedReader(GGUFReader):
 
     def _string_array(self, offs: int, count: int) -> list[np.ndarray]:
         """[payload bytes, starts, ends] of `count` length-prefixed strings at `offs`."""
-        starts, ends = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)
         size, pos = int(self.data.size), offs
+        if offs + 8 * count > size:  # each string has at least its 8-byte length
+            raise _Truncated(offs + 8 * count)
+        starts, ends = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)
         for i in range(count):
             if pos + 8 > size:
                 raise _Truncated(pos + 8)
@@ -125,7 +127,7 @@ def _decode(key: str, field: ReaderField) -> Any:
         item, i = GGUFValueType(int(field.parts[3][0])), field.data[0]
         if item == GGUFValueType.STRING:
             blob, starts, ends = bytes(field.parts[i]), field.parts[i + 1], field.parts[i + 2]
-            return [blob[a:b].decode("utf-8") for a, b in zip(starts.tolist(), ends.tolist())]
+            return [blob[a:b].decode("utf-8") for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
         if item not in GGUFReader.gguf_scalar_to_np:
             raise FormatError(f"metadata key {key}: nested arrays are not supported")
         return np.array(field.parts[i], dtype=GGUFReader.gguf_scalar_to_np[item])

@@ -10,7 +10,8 @@ import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
@@ -38,7 +39,7 @@ class FloatTensor:
     qtype: GGMLQuantizationType = GGMLQuantizationType.F32
 
 
-RawBytes = Union[np.ndarray, bytes]
+RawBytes = np.ndarray | bytes
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class RawTensor:
     ne: tuple[int, ...]
 
 
-TensorSpec = Union[np.ndarray, FloatTensor, RawTensor]
+TensorSpec = np.ndarray | FloatTensor | RawTensor
 
 _NP_TO_GGUF: dict[np.dtype, GGUFValueType] = {
     np.dtype(np.uint8): V.UINT8, np.dtype(np.int8): V.INT8,
@@ -124,12 +125,17 @@ def _encode(name: str, spec: TensorSpec) -> tuple[GGMLQuantizationType, tuple[in
         spec = FloatTensor(spec)
     if isinstance(spec, FloatTensor):
         values = np.asarray(spec.values)
-        if values.ndim == 0:
-            raise FormatError(f"tensor '{name}': a tensor needs at least one dimension")
         qtype = as_qtype(spec.qtype)
         return qtype, tuple(reversed(values.shape)), lambda: quantize(values, qtype)
     qtype, ne, raw = as_qtype(spec.qtype), tuple(int(n) for n in spec.ne), spec.raw
-    return qtype, ne, lambda: np.frombuffer(raw() if callable(raw) else raw, dtype=np.uint8)
+    return qtype, ne, lambda: _as_bytes(raw() if callable(raw) else raw)
+
+
+def _as_bytes(raw: RawBytes) -> np.ndarray:
+    """Encoded data as a flat uint8 array (an ndarray's bytes in C order)."""
+    if isinstance(raw, np.ndarray):
+        return np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+    return np.frombuffer(raw, dtype=np.uint8)
 
 
 def write_gguf(
@@ -156,9 +162,12 @@ def write_gguf(
     makers = []
     for name, spec in tensors.items():
         qtype, ne, make = _encode(name, spec)
-        if len(ne) > 4:
-            raise FormatError(f"tensor '{name}': {len(ne)} dims (at most 4)")
-        nbytes = row_bytes(qtype, ne[0]) * math.prod(ne[1:])
+        if not 1 <= len(ne) <= 4:
+            raise FormatError(f"tensor '{name}': {len(ne)} dims (1 to 4 allowed)")
+        try:
+            nbytes = row_bytes(qtype, ne[0]) * math.prod(ne[1:])
+        except FormatError as e:
+            raise FormatError(f"tensor '{name}': {e}") from None
         writer.add_tensor_info(name, tuple(reversed(ne)), np.dtype(np.float32), nbytes, raw_dtype=qtype)
         makers.append((name, nbytes, make))
     try:
@@ -170,5 +179,8 @@ def write_gguf(
             if data.size != nbytes:
                 raise FormatError(f"tensor '{name}': expected {nbytes} encoded bytes, got {data.size}")
             writer.write_tensor_data(data)
-    finally:
+    except BaseException:
         writer.close()
+        Path(path).unlink(missing_ok=True)  # never leave a half-written GGUF behind
+        raise
+    writer.close()

@@ -7,7 +7,7 @@ one or two f16 super-scales d (dmin). Dequantizers follow ggml's float32 operati
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q

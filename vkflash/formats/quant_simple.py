@@ -7,7 +7,7 @@ inverse with round-to-nearest codes.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q

@@ -105,6 +105,6 @@ def random_blocks(qtype: int, n_elements: int, rng: np.random.Generator, amax: f
         return quantize(rng.standard_normal(n_elements, dtype=np.float32) * np.float32(amax / 4), q)
     raw = rng.integers(0, 256, size=nbytes, dtype=np.uint8)
     blocks = raw.reshape(-1, bpb)
-    for offset, span in zip(SCALE_FIELDS[q], _CODE_SPAN[q]):
+    for offset, span in zip(SCALE_FIELDS[q], _CODE_SPAN[q], strict=True):
         blocks[:, offset : offset + 2] = np.array([_scale_value(amax, span)]).view(np.uint8)
     return raw
