@@ -308,3 +308,19 @@ def test_unwritable_tensors_raise(tmp_path: Path, spec: object, match: str) -> N
     with pytest.raises(FormatError, match=match):
         write_gguf(tmp_path / "x.gguf", "qwen2", {}, {"t": spec})
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_version_2_reads_like_3(good_file: Path) -> None:
+    v3 = GGUFFile(good_file)
+    v2 = GGUFFile(patched(good_file, 4, (2).to_bytes(4, "little")))
+    assert v2.version == 2 and list(v2.tensors) == list(v3.tensors)
+    assert np.array_equal(v2.tensor_f32("wb"), v3.tensor_f32("wb"))
+
+
+def test_nested_array_is_refused_only_when_read(tmp_path: Path) -> None:
+    write_gguf(tmp_path / "n.gguf", "qwen2", {"x.nested": Typed([[1, 2], [3]], V.ARRAY), "x.n": 4}, {})
+    f = GGUFFile(tmp_path / "n.gguf")
+    assert f.key_type("x.nested") == V.ARRAY and f.metadata.array_type("x.nested") == V.ARRAY
+    assert f.metadata["x.n"] == 4
+    with pytest.raises(FormatError, match="x.nested: nested arrays are not supported"):
+        f.metadata.get("x.nested")

@@ -38,10 +38,10 @@ class TensorInfo:
     ggml_type: GGMLQuantizationType
     ne: tuple[int, ...]
     nbytes: int
-    offset: int
-    """Absolute byte offset of the data in the file."""
     data: np.ndarray
     """uint8 view of the file (no copy)."""
+    offset: int
+    """Absolute byte offset of the data in the file."""
 
     @property
     def n_elements(self) -> int:
@@ -243,7 +243,7 @@ class GGUFFile:
                     f"{where}: truncated GGUF: data ends at byte {start + nbytes}, the file has {size}"
                 )
             data = np.asarray(reader.data[start : start + nbytes])
-            infos[name] = TensorInfo(name, qtype, ne, nbytes, start, data)
+            infos[name] = TensorInfo(name, qtype, ne, nbytes, data, start)
         return infos
 
     def key_type(self, key: str) -> GGUFValueType | None:
