@@ -1,0 +1,113 @@
+"""NeoX partial RoPE vs NumPy (MODEL.md §5.5 A3): pairs (i, i + n_rot/2), pass-through dims,
+positions from a buffer (replay sees new positions), strided q rows, in place; IMRoPE sections."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vkflash.gpu.ops import rope as R
+from vkflash.gpu.ops.views import Rows
+
+pytestmark = pytest.mark.gpu
+
+
+def _ref(x: np.ndarray, pos: np.ndarray, n_rot: int, theta: float) -> np.ndarray:
+    """x: (T, H, Dh). Angles in f32 exactly as specified (§7.7), rotation in float64."""
+    half = n_rot // 2
+    i = np.arange(half, dtype=np.float32)
+    inv = np.power(np.float32(theta), np.float32(-2.0) * i / np.float32(n_rot))  # f32 pow
+    phi = (pos.astype(np.float32)[:, None] * inv[None, :]).astype(np.float64)[:, None, :]
+    c, s = np.cos(phi), np.sin(phi)
+    y = x.astype(np.float64).copy()
+    x0, x1 = y[..., :half].copy(), y[..., half:n_rot].copy()
+    y[..., :half] = x0 * c - x1 * s
+    y[..., half:n_rot] = x1 * c + x0 * s
+    return y
+
+
+def _tol(x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """Per token: the shader's angle may differ from the f32 reference angle by a few ulp of
+    θ^{-2i/n_rot} (pow's error) times p, plus cos/sin and rotation roundings: ≤ |x|·(8·2^-23·(p + 1))."""
+    mag = np.abs(x).max(axis=(1, 2), keepdims=True).astype(np.float64)
+    return mag * 8 * 2.0**-23 * (np.abs(pos)[:, None, None] + 1)
+
+
+@pytest.mark.parametrize("dh,n_rot", [(64, 16), (256, 64), (30, 30), (10, 4)])
+def test_rope_partial(gpu, rng, dh, n_rot):
+    """Tokens × heads per dispatch with ragged counts; positions up to 5e4 including 0."""
+    T, H = int(rng.integers(1, 9)), int(rng.integers(1, 5))
+    theta = float(rng.choice([1e4, 1e7]))
+    x = rng.standard_normal((T, H, dh)).astype(np.float32)
+    pos = rng.integers(0, 50000, T).astype(np.int32)
+    pos[0] = 0
+    xb, pb, yb = gpu.upload(x, "k"), gpu.upload(pos, "pos"), gpu.buffer(x.nbytes, "k_rot")
+    yb.fill(np.nan)
+    g = gpu.graph("rope")
+    R.rope_neox(g, Rows(xb, T * H, dh), Rows(yb, T * H, dh), H, n_rot, theta, pb)
+    g.run()
+    got = yb.read(np.float32).reshape(T, H, dh)
+    want = _ref(x, pos, n_rot, theta)
+    assert np.all(np.abs(got - want) <= _tol(x, pos)), f"max err {np.abs(got - want).max():.3g}"
+    np.testing.assert_array_equal(got[..., n_rot:], x[..., n_rot:])  # pass-through is a copy
+
+
+def test_rope_in_place_strided_and_replay(gpu, rng):
+    """q heads read in place from QG rows (q then gate per head, stride 2Dh); the gate halves stay
+    untouched; replaying with new positions in the buffer rotates by the new angles."""
+    T, H, dh, n_rot, theta = int(rng.integers(2, 6)), 3, 64, 16, 1e7
+    qg = rng.standard_normal((T, H, 2 * dh)).astype(np.float32)
+    pos = rng.integers(0, 4000, T).astype(np.int32)
+    qb, pb = gpu.upload(qg, "QG"), gpu.buffer(4 * (T + 5), "pos")
+    pb.write(pos, 4 * 5)
+    q = Rows(qb, T * H, dh, 0, 2 * dh)
+    g = gpu.graph("rope_qg")
+    R.imrope(g, q, q, H, n_rot, theta, [3, 3, 2, 0], pb, pos_off=5)
+    g.run()
+    got = qb.read(np.float32).reshape(T, H, 2 * dh)
+    want = _ref(qg[..., :dh], pos, n_rot, theta)
+    assert np.all(np.abs(got[..., :dh] - want) <= _tol(qg[..., :dh], pos))
+    np.testing.assert_array_equal(got[..., dh:], qg[..., dh:])
+
+    pos2 = rng.integers(0, 4000, T).astype(np.int32)
+    qb.write(qg)
+    pb.write(pos2, 4 * 5)
+    g.run()
+    got2 = qb.read(np.float32).reshape(T, H, 2 * dh)[..., :dh]
+    assert np.all(np.abs(got2 - _ref(qg[..., :dh], pos2, n_rot, theta)) <= _tol(qg[..., :dh], pos2))
+
+
+def test_rope_grid_stride(gpu, rng, monkeypatch):
+    monkeypatch.setattr(R, "MAX_GROUPS", 2)
+    T, H, dh, n_rot = 40, 4, 48, 32
+    x = rng.standard_normal((T, H, dh)).astype(np.float32)
+    pos = rng.integers(0, 1000, T).astype(np.int32)
+    xb, pb, yb = gpu.upload(x), gpu.upload(pos), gpu.buffer(x.nbytes)
+    yb.fill(np.nan)
+    g = gpu.graph("rope_loop")
+    R.rope_neox(g, Rows(xb, T * H, dh), Rows(yb, T * H, dh), H, n_rot, 1e4, pb)
+    g.run()
+    got = yb.read(np.float32).reshape(T, H, dh)
+    assert np.all(np.abs(got - _ref(x, pos, n_rot, 1e4)) <= _tol(x, pos))
+
+
+def test_validation(gpu):
+    x, p = gpu.buffer(4 * 64 * 6, "x"), gpu.buffer(4 * 3, "pos")
+    g = gpu.graph("bad")
+    v = Rows(x, 6, 64)
+    with pytest.raises(ValueError, match="not whole tokens of 4 heads"):
+        R.rope_neox(g, v, v, 4, 16, 1e4, p)
+    with pytest.raises(ValueError, match="n_rot must be even"):
+        R.rope_neox(g, v, v, 2, 15, 1e4, p)
+    with pytest.raises(ValueError, match="n_rot must be even"):
+        R.rope_neox(g, v, v, 2, 66, 1e4, p)
+    with pytest.raises(ValueError, match="overflow"):
+        R.rope_neox(g, v, v, 2, 16, 1e4, p, pos_off=1)
+    with pytest.raises(ValueError, match="4 sections"):
+        R.imrope(g, v, v, 2, 16, 1e4, [3, 3, 2], p)
+    with pytest.raises(ValueError, match="more than n_rot/2"):
+        R.imrope(g, v, v, 2, 16, 1e4, [3, 3, 3, 0], p)
+    with pytest.raises(ValueError, match="not all 0"):
+        R.imrope(g, v, v, 2, 16, 1e4, [0, 0, 0, 0], p)
+    assert not g.ops
+    assert R.check_sections([11, 11, 10, 0], 64) == (11, 11, 10, 0)
