@@ -1,0 +1,127 @@
+"""The graph runner: long dependent chains replayed with fresh inputs, barriers only on real
+dependencies, submissions split and kept in flight, and the staging path of device-only buffers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from vkflash.gpu import context
+from vkflash.gpu.ops import eltwise as E
+from vkflash.gpu.ops.views import Rows
+
+pytestmark = pytest.mark.gpu
+
+ALPHAS = np.array([-1.0, -0.5, 0.5, 1.0, -2.0], np.float32)
+
+
+def _chain(g, p: Rows, q: Rows, alphas: np.ndarray) -> None:
+    """Step k: P ← Q + α_k·P (k even) or Q ← P + α_k·Q (k odd), each in place on its output.
+
+    Every step reads the previous step's output, so each needs a barrier; α_k are powers of two,
+    so α·x is exact and each step is one rounding whether fused or not: NumPy in f32 is exact.
+    """
+    for k, a in enumerate(alphas):
+        src, dst = (q, p) if k % 2 == 0 else (p, q)
+        E.add_scaled(g, src, dst, float(a), dst, name=f"chain.{k}")
+
+
+def _chain_ref(p: np.ndarray, q: np.ndarray, alphas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    p, q = p.copy(), q.copy()
+    for k, a in enumerate(alphas):
+        if k % 2 == 0:
+            p = q + a * p
+        else:
+            q = p + a * q
+    return p, q
+
+
+@pytest.mark.parametrize("per_submission", [0, 16], ids=["one_submission", "split"])
+def test_long_chain_replays_with_fresh_input(gpu, rng, per_submission):
+    """≥ 100 dependent dispatches, exact after the first run and after replays of new inputs."""
+    n, steps = int(rng.integers(200, 3000)), int(rng.integers(100, 140))
+    alphas = rng.choice(ALPHAS, steps)
+    pb, qb = gpu.buffer(4 * n, "P"), gpu.buffer(4 * n, "Q")
+    p, q = Rows.flat(pb, n), Rows.flat(qb, n)
+    g = gpu.graph("chain", max_ops_per_submission=per_submission)
+    _chain(g, p, q, alphas)
+    for replay in range(4):
+        x0, y0 = rng.standard_normal((2, n)).astype(np.float32)
+        pb.write(x0)
+        qb.write(y0)
+        g.run()
+        want_p, want_q = _chain_ref(x0, y0, alphas)
+        np.testing.assert_array_equal(pb.read(np.float32), want_p, err_msg=f"replay {replay}")
+        np.testing.assert_array_equal(qb.read(np.float32), want_q, err_msg=f"replay {replay}")
+    expected_subs = 1 if not per_submission else -(-steps // per_submission)
+    assert len(g.submissions) == expected_subs
+    # one barrier at the top of each submission, plus one before every op but the first of each
+    assert g.barriers == steps
+
+
+def test_barriers_only_on_dependencies(gpu, rng):
+    """Independent dispatches share a barrier interval; RAW, WAR and WAW each start a new one."""
+    n = 64
+    x1, x2, y1, y2, y3 = (gpu.upload(rng.standard_normal(n).astype(np.float32), nm)
+                          for nm in ("x1", "x2", "y1", "y2", "y3"))
+    v = {b.name: Rows.flat(b, n) for b in (x1, x2, y1, y2, y3)}
+    g = gpu.graph("deps")
+    E.silu(g, v["x1"], v["y1"])          # 0
+    E.sigmoid(g, v["x2"], v["y2"])       # 1: independent of 0: same interval
+    E.add(g, v["y1"], v["x2"], v["y3"])  # 2: reads y1 (RAW on 0): barrier
+    E.scale(g, v["x2"], 2.0, v["x1"])    # 3: writes x1, read by 0 before that barrier: none
+    E.scale(g, v["y3"], 3.0, v["y2"])    # 4: reads y3 (RAW on 2), writes y2 (WAW on 1): barrier
+    E.silu(g, v["x1"], v["y1"])          # 5: reads x1 (RAW on 3, already behind 4's barrier): none
+    E.mul(g, v["x2"], v["x2"], v["y3"])  # 6: writes y3, read by 4 (WAR): barrier
+    g.record()
+    (sub,) = g.submissions
+    # kp op slots: 0 = the submission's leading barrier; a gap marks a barrier before that op
+    assert sub.op_slots == [1, 2, 4, 5, 7, 8, 10]
+    assert g.barriers == 4
+
+
+def test_results_with_independent_ops_in_one_interval(gpu, rng):
+    """The unbarriered pair above computes correctly (run, check, replay with new data)."""
+    n = int(rng.integers(100, 1000))
+    a, b = gpu.buffer(4 * n, "a"), gpu.buffer(4 * n, "b")
+    ya, yb = gpu.buffer(4 * n, "ya"), gpu.buffer(4 * n, "yb")
+    g = gpu.graph("pair")
+    E.scale(g, Rows.flat(a, n), -2.0, Rows.flat(ya, n))
+    E.scale(g, Rows.flat(b, n), 0.5, Rows.flat(yb, n))
+    for _ in range(2):
+        xa, xb = rng.standard_normal((2, n)).astype(np.float32)
+        a.write(xa)
+        b.write(xb)
+        ya.fill(np.nan)
+        yb.fill(np.nan)
+        g.run()
+        np.testing.assert_array_equal(ya.read(np.float32), np.float32(-2) * xa)
+        np.testing.assert_array_equal(yb.read(np.float32), np.float32(0.5) * xb)
+    assert g.barriers == 1
+
+
+def test_staging_round_trip_odd_offsets(gpu, rng, monkeypatch):
+    """Device-only buffers (as on a discrete GPU) are written and read through the staging ring:
+    unaligned edges (read-modify-write of the boundary words) and transfers of several chunks."""
+    gpu.staging  # the full-size ring exists before the chunk size is shrunk below
+    monkeypatch.setattr(context, "STAGING_BYTES", 256)
+    monkeypatch.setattr(gpu, "caps", dataclasses.replace(gpu.caps, uma=False))
+    nbytes = int(rng.integers(1500, 3000))
+    buf = gpu.buffer(nbytes, "device_only")
+    assert not buf.host_visible
+    model = rng.integers(0, 256, buf.nbytes, dtype=np.uint8)
+    buf.write(model)
+    for _ in range(6):
+        off = int(rng.integers(0, nbytes - 2))
+        data = rng.integers(0, 256, int(rng.integers(1, min(900, nbytes - off))), dtype=np.uint8)
+        buf.write(data, off)
+        model[off:off + data.size] = data
+        lo = int(rng.integers(0, nbytes - 1))
+        cnt = int(rng.integers(1, nbytes - lo))
+        np.testing.assert_array_equal(buf.read(np.uint8, cnt, lo), model[lo:lo + cnt])
+    np.testing.assert_array_equal(buf.read(np.uint8), model)
+    f = rng.standard_normal(17).astype(np.float32)
+    buf.write(f, 3)
+    np.testing.assert_array_equal(buf.read(np.float32, 17, 3), f)
