@@ -198,4 +198,14 @@ def read_tokenizer_meta(path: str | Path) -> dict:
         r = gguf.GGUFReader(str(path))
     except (OSError, ValueError) as e:
         raise FormatError(f"{path}: not a readable GGUF file ({e})") from None
-    return {k: f.contents() for k, f in r.fields.items() if k.startswith("tokenizer.")}
+    out = {}
+    for k, f in r.fields.items():
+        if not k.startswith("tokenizer."):
+            continue
+        if k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):  # fast path for big string arrays
+            out[k] = [bytes(f.parts[i]).decode("utf-8", errors="replace") for i in f.data]
+        elif k == "tokenizer.ggml.token_type":
+            out[k] = [int(f.parts[i][0]) for i in f.data]
+        else:
+            out[k] = f.contents()
+    return out
