@@ -226,3 +226,26 @@ def test_timing_600_token_prefill(rng):
         t0 = time.perf_counter()
         reference.prefill(toks, reference.new_state(w, qsa_mode=mode))
         print(f"qwen4exp-tiny 600-token prefill ({mode}): {time.perf_counter() - t0:.2f} s")
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+def test_qwen2_real_model_vs_llama_cpp(rng, llama_oracle):
+    """The qwen2 reference on the real default model agrees with llama.cpp's CPU logprobs (it quantizes
+    activations for Q4_K weights, so the tolerance is loose: measured ≈ 0.04 nats)."""
+    from vkflash.model.default_model import FILE_NAME, cache_dir
+    from vkflash.model.weights import load_model
+
+    path = cache_dir() / FILE_NAME
+    if not path.is_file():
+        pytest.skip("default qwen2 model not in the cache (vkflash fetches it on first run)")
+    w = load_model(path)
+    prompt = [int(t) for t in rng.integers(100, 20000, 12)]
+    logits = reference.prefill(prompt, reference.new_state(w))[-1].astype(np.float64)
+    logp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+    with llama_oracle(path) as oracle:
+        step = oracle.complete(prompt, 1, n_probs=5)[0]
+    for cand in step["top_logprobs"]:
+        assert abs(logp[cand["id"]] - cand["logprob"]) < 0.15
+    if step["top_logprobs"][0]["logprob"] - step["top_logprobs"][1]["logprob"] > 0.3:
+        assert int(np.argmax(logits)) == step["id"]
