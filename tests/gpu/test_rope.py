@@ -27,19 +27,21 @@ def _ref(x: np.ndarray, pos: np.ndarray, n_rot: int, theta: float) -> np.ndarray
 
 
 def _tol(x: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    """Per token: the shader's angle may differ from the f32 reference angle by a few ulp of
-    θ^{-2i/n_rot} (pow's error) times p, plus cos/sin and rotation roundings: ≤ |x|·(8·2^-23·(p + 1))."""
+    """Per token: pow(θ, ·) = exp2(y·log2 θ) on GPUs is good to some tens of ulp for θ = 1e7
+    (log2 θ ≈ 23 amplifies log2's error), so φ may differ from the f32 reference by p·32 ulp of
+    θ^{-2i/n_rot} ≤ 32·2^-23·p; sin/cos and the rotation add a few 2^-23: ≤ |x|·2^-23·(32p + 16).
+    Small positions are therefore checked tightly, large ones loosely (MODEL.md §7.7)."""
     mag = np.abs(x).max(axis=(1, 2), keepdims=True).astype(np.float64)
-    return mag * 8 * 2.0**-23 * (np.abs(pos)[:, None, None] + 1)
+    return mag * 2.0**-23 * (32 * np.abs(pos)[:, None, None] + 16)
 
 
 @pytest.mark.parametrize("dh,n_rot", [(64, 16), (256, 64), (30, 30), (10, 4)])
 def test_rope_partial(gpu, rng, dh, n_rot):
-    """Tokens × heads per dispatch with ragged counts; positions up to 5e4 including 0."""
+    """Tokens × heads per dispatch with ragged counts; positions 0, < 100 (tight check) and up to 5e4."""
     T, H = int(rng.integers(1, 9)), int(rng.integers(1, 5))
     theta = float(rng.choice([1e4, 1e7]))
     x = rng.standard_normal((T, H, dh)).astype(np.float32)
-    pos = rng.integers(0, 50000, T).astype(np.int32)
+    pos = np.where(rng.random(T) < 0.5, rng.integers(0, 100, T), rng.integers(0, 50000, T)).astype(np.int32)
     pos[0] = 0
     xb, pb, yb = gpu.upload(x, "k"), gpu.upload(pos, "pos"), gpu.buffer(x.nbytes, "k_rot")
     yb.fill(np.nan)
