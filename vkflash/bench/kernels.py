@@ -115,7 +115,7 @@ def run(quick: bool, as_json: bool, console: Console) -> None:
         rows.append(r)
     for n in (1, 100, 1000):
         rows += replay_cost(gpu, n)
-    stock = os.environ.get("VKFLASH_KP_STOCK", str(Path(__file__).resolve().parents[2] / "build" / "kp-stock"))
+    stock = os.environ.get("VKFLASH_KP_STOCK", str(Path(__file__).resolve().parents[2] / "build" / "kp-stock" / "out"))
     raw = {"patched": raw_kp(gpu, None)}
     if Path(stock).exists():
         raw["stock"] = raw_kp(gpu, stock)
