@@ -101,6 +101,7 @@ class Graph:
         for ops in self._split():
             n_kp = 1 + 2 * len(ops)  # upper bound: a barrier before every op
             seq = self.gpu.mgr.sequence(0, n_kp + 1 if timestamps else 0)
+            seq.set_spin_wait(bool(self.gpu.settings["VKFLASH_SPIN_WAIT"]))
             sub = Submission(ops, seq)
             seq.record(kp.OpBarrier())
             sub.n_recorded = 1
@@ -111,7 +112,10 @@ class Graph:
                     seq.record(kp.OpBarrier())
                     sub.n_recorded += 1
                     written, read = set(), set()
-                seq.record(kp.OpAlgoDispatch(self.gpu.algorithm(op), np.array(op.push or (0,), np.uint32)))
+                # Host writes are visible at submit and every dependency gets an OpBarrier, so the
+                # stock per-tensor transfer barrier would only cost time.
+                seq.record(kp.OpAlgoDispatch(self.gpu.algorithm(op), np.array(op.push or (0,), np.uint32),
+                                             transfer_barrier=False))
                 sub.op_slots.append(sub.n_recorded)
                 sub.n_recorded += 1
                 written |= op.writes
