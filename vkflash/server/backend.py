@@ -1,0 +1,56 @@
+"""Load what the server serves: the GGUF (MODEL, or the default qwen2 model), its tokenizer and
+chat template, and a Forward for it with the context CTX (0: the model's full context)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from vkflash.engine.api import EngineInfo, Forward
+from vkflash.engine.reference_backend import ReferenceForward
+from vkflash.errors import ConfigError, ModelError
+from vkflash.model.chat import QWEN3_THINKING_TEMPLATE
+from vkflash.model.tokenizer import Tokenizer, read_tokenizer_meta
+from vkflash.model.weights import load_model
+from vkflash.settings import Settings
+
+
+@dataclass
+class Loaded:
+    """A ready model: its forward, tokenizer and the facts /props and /v1/models report."""
+
+    fwd: Forward
+    tokenizer: Tokenizer
+    info: EngineInfo
+
+
+def model_path(settings: Settings) -> Path:
+    """MODEL if set (it must exist), else the embedded default model (fetched once, cached)."""
+    if settings["MODEL"]:
+        p = Path(settings["MODEL"]).expanduser()
+        if not p.is_file():
+            raise ConfigError(f"MODEL={settings['MODEL']!r}: no such file")
+        return p
+    from vkflash.model.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+def load(settings: Settings) -> Loaded:
+    """Read the model named by the settings and build its forward (the NumPy reference for now)."""
+    path = model_path(settings)
+    weights = load_model(path)
+    hp = weights.hp
+    n_ctx = settings["CTX"] or hp.n_ctx_train
+    if n_ctx > hp.n_ctx_train:
+        raise ConfigError(f"CTX={n_ctx} exceeds the model's context of {hp.n_ctx_train} tokens")
+    meta = read_tokenizer_meta(path)
+    tok = Tokenizer.from_fields(meta)
+    if tok.vocab_size > hp.V:
+        raise ModelError(f"{path.name}: the tokenizer has {tok.vocab_size} tokens but the model only {hp.V}")
+    template = str(meta.get("tokenizer.chat_template") or QWEN3_THINKING_TEMPLATE)
+    fwd = ReferenceForward(weights, n_ctx)
+    info = EngineInfo(model_id=path.stem, model_path=str(path), arch=hp.arch, backend="numpy-reference",
+                      n_ctx=n_ctx, n_ctx_train=hp.n_ctx_train, n_vocab=hp.V, chat_template=template,
+                      ubatch=settings["UB"])
+    return Loaded(fwd, tok, info)

@@ -1,0 +1,48 @@
+"""OpenAI-style error objects: every failure a client can see is `{"error": {message, type, param,
+code}}` with a status that says whose fault it was (4xx: the request; 5xx/503: the server)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+         413: "invalid_request_error", 500: "server_error", 503: "unavailable_error"}
+
+
+class ApiError(Exception):
+    """An error answer: HTTP status, message, offending parameter, machine code, extra headers."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        """The JSON error object."""
+        return {"error": {"message": self.message, "type": TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code if self.code is not None else self.status}}
+
+    def response(self) -> JSONResponse:
+        """As an HTTP response."""
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def validation_error(errors: list[dict[str, Any]]) -> ApiError:
+    """A 400 naming the first bad field of a pydantic/FastAPI validation failure."""
+    if not errors:
+        return ApiError(400, "invalid request")
+    e = errors[0]
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    if e.get("type") == "json_invalid":
+        return ApiError(400, f"the body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}",
+                        code="invalid_json")
+    field = ".".join(loc) or "body"
+    got = e.get("input")
+    shown = repr(got) if not isinstance(got, dict) else "an object"
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    msg = f"{field}: {e.get('msg', 'invalid')}" + ("" if e.get("type") == "missing" else f" (got {shown})")
+    return ApiError(400, msg, param=loc[0] if loc else None, code="invalid_value")

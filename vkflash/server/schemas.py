@@ -1,0 +1,89 @@
+"""Request bodies of the HTTP API as strict pydantic models: they validate every request (a wrong
+type is a 400, never a silent coercion) and they are what the published OpenAPI schema shows.
+
+Unknown fields are accepted and ignored, as OpenAI clients send many we have no use for.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    """Strict types, extra fields allowed."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class ChatMessage(_Strict):
+    """One conversation turn; content is text or a list of `{"type": "text", "text": …}` parts."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class StreamOptions(_Strict):
+    """`include_usage`: a last chunk with `usage` and no choices."""
+
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """Sampling and stopping fields shared by chat and text completions (OpenAI + llama-server names)."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, description="output cap; beyond the context: finish_reason length")
+    temperature: float | None = Field(default=None, description="0: greedy; omitted: the TEMP knob")
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    repetition_penalty: float = 1.0
+    repeat_penalty: float | None = Field(default=None, description="llama-server name of repetition_penalty")
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_last_n: int = 64
+    ignore_eos: bool = False
+
+
+class ChatRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    reasoning_format: Literal["auto", "none"] = Field(
+        default="auto", description="auto: <think> output goes to reasoning_content; none: all of it in content")
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions: a raw prompt (text or token ids), no chat template."""
+
+    prompt: str | list[int] | list[str]
+    echo: bool = False
+
+
+class TokenizeRequest(_Strict):
+    """POST /tokenize."""
+
+    content: str
+    add_special: bool = False
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize."""
+
+    tokens: list[int]

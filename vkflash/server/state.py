@@ -1,0 +1,86 @@
+"""The server's shared state: settings, health (loading → ok, or failed with a reason), the
+loaded model and its slot, metrics. Loading runs in a thread so /health answers from the start."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from vkflash.engine.api import Finish
+from vkflash.errors import VkflashError
+from vkflash.server.backend import Loaded
+from vkflash.server.errors import ApiError
+from vkflash.server.metrics import Metrics
+from vkflash.server.slot import Slot, is_device_loss
+from vkflash.settings import Settings
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Server settings that are not (yet) knobs: queue depth, and a per-token delay for tests."""
+
+    queue_depth: int = 8
+    token_delay_s: float = 0.0
+
+
+@dataclass
+class Health:
+    """What /health reports: loading, ok, or failed (failed load or lost device) with the reason."""
+
+    status: Literal["loading", "ok", "failed"] = "loading"
+    reason: str = ""
+
+
+@dataclass
+class ServerState:
+    """Everything the request handlers share."""
+
+    settings: Settings
+    options: ServerOptions
+    loader: Callable[[Settings], Loaded]
+    metrics: Metrics = field(default_factory=Metrics)
+    health: Health = field(default_factory=Health)
+    loaded: Loaded | None = None
+    slot: Slot | None = None
+
+    def start_loading(self) -> threading.Thread:
+        """Load the model in a background thread; the outcome lands in `health`."""
+        t = threading.Thread(target=self._load, name="vkflash-load", daemon=True)
+        t.start()
+        return t
+
+    def _load(self) -> None:
+        try:
+            loaded = self.loader(self.settings)
+        except (VkflashError, OSError, ValueError) as e:
+            self.fail(f"model load failed: {e}")
+            return
+        self.slot = Slot(loaded.fwd, loaded.tokenizer, self.options.queue_depth, loaded.info.ubatch,
+                         self.on_finish, self.options.token_delay_s)
+        self.loaded = loaded
+        self.health = Health("ok")
+        i = loaded.info
+        print(f"model ready: {i.model_id} ({i.arch}, {i.backend}), n_ctx={i.n_ctx}, n_vocab={i.n_vocab}", flush=True)
+
+    def fail(self, reason: str) -> None:
+        """Mark the server unhealthy for good (a failed load or a lost device)."""
+        self.health = Health("failed", reason)
+        print(f"error: {reason}", file=sys.stderr, flush=True)
+
+    def on_finish(self, fin: Finish) -> None:
+        """Worker-thread hook: count the generation; a lost device makes the server unhealthy."""
+        self.metrics.finish(fin)
+        if is_device_loss(fin):
+            self.fail(f"device lost: {fin.error}")
+
+    def ready(self) -> Loaded:
+        """The loaded model, or a 503 saying why there is none."""
+        h = self.health
+        if h.status == "loading":
+            raise ApiError(503, "the model is still loading", code="loading", headers={"Retry-After": "2"})
+        if h.status == "failed" or self.loaded is None:
+            raise ApiError(503, f"the server is unhealthy: {h.reason}", code="unhealthy")
+        return self.loaded
