@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import traceback
 from pathlib import Path
 from typing import Optional
 
@@ -30,9 +31,26 @@ def _main(debug: bool = typer.Option(False, "--debug", help="show tracebacks")) 
     _debug = debug
 
 
+@app.command()
+def inspect(path: Path) -> None:
+    """Check a GGUF against the model contract: arch, hyper-parameters and every tensor's shape."""
+    try:
+        from vkflash.formats.gguf_file import GGUFFile
+        from vkflash.model.hparams import hparams_from_gguf
+        from vkflash.model.tensors import validate_tensors
+
+        f = GGUFFile(path)
+        hp = hparams_from_gguf(f)
+        validate_tensors(hp, {n: t.ne for n, t in f.tensors.items()})
+    except VkflashError as e:
+        _fail(e)
+        return
+    typer.echo(f"{path}: {f.arch}, {len(f.tensors)} tensors, valid")
+
+
 def _fail(e: BaseException) -> None:
     if _debug:
-        raise e
+        traceback.print_exception(e)
     typer.echo(f"error: {e}", err=True)
     raise typer.Exit(1)
 
@@ -92,6 +110,26 @@ def knobs(markdown: bool = typer.Option(False, "--markdown", help="the README ta
         return
     for line in s.lines():
         typer.echo(line)
+
+
+@app.command("make-model")
+def make_model_cmd(
+    arch: str = typer.Option(..., "--arch", help="qwen4exp | qwen3next"),
+    config: str = typer.Option("tiny", "--config", help="tiny | shape-8L"),
+    quant: Optional[str] = typer.Option(None, "--quant", help="tiny: F32 | F16 | Q8_0 | mix"),
+    mtp_separate: bool = typer.Option(False, "--mtp-separate", help="write the MTP block to <out>-mtp.gguf"),
+    variant: Optional[str] = typer.Option(None, "--variant", help="comma-separated layout variants"),
+    seed: int = typer.Option(0, "--seed"),
+    out: Path = typer.Option(..., "--out", help="output GGUF path"),
+) -> None:
+    """Write a synthetic GGUF with random weights (MODEL.md §9 configs) for tests and benchmarks."""
+    try:
+        from vkflash.model.make_model import make_model
+
+        for p in make_model(arch, config, quant, seed, out, mtp_separate=mtp_separate, variant=variant):
+            typer.echo(f"wrote {p} ({p.stat().st_size / 2**20:.1f} MiB)")
+    except VkflashError as e:
+        _fail(e)
 
 
 @bench_app.command("kernels")
