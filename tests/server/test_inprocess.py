@@ -1,0 +1,126 @@
+"""The server over scripted forwards (in this process, real sockets): reasoning_content splitting,
+stop strings, and a device lost mid-generation turning /health unhealthy for good."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from harness import call, start_in_process
+
+from vkflash import settings
+from vkflash.engine.api import EngineInfo
+from vkflash.errors import DeviceError
+from vkflash.model.tokenizer import read_tokenizer_meta
+from vkflash.server.backend import Loaded
+from vkflash.server.state import ServerOptions, ServerState
+
+
+class ScriptedForward:
+    """Greedy output is `script` (then the end token); decode number `lose_at` raises DeviceError."""
+
+    def __init__(self, script: Sequence[int], eos: int, V: int, n_ctx: int, lose_at: int | None = None) -> None:
+        self.script, self.eos, self.n_vocab, self.n_ctx, self.lose_at = list(script), eos, V, n_ctx, lose_at
+        self._n, self._k = 0, 0
+
+    @property
+    def n_past(self) -> int:
+        return self._n
+
+    def reset(self) -> None:
+        self._n, self._k = 0, 0
+
+    def _next(self) -> np.ndarray:
+        z = np.zeros(self.n_vocab, np.float32)
+        z[self.script[self._k] if self._k < len(self.script) else self.eos] = 1.0
+        return z
+
+    def prefill(self, ids: Sequence[int]) -> np.ndarray:
+        self._n += len(ids)
+        return self._next()
+
+    def decode(self, token: int) -> np.ndarray:
+        self._k += 1
+        if self.lose_at is not None and self._k >= self.lose_at:
+            raise DeviceError("vkQueueSubmit: VK_ERROR_DEVICE_LOST")
+        self._n += 1
+        return self._next()
+
+    def truncate(self, n: int) -> None:
+        self._n = min(self._n, n)
+
+
+OPENS_THINK = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+
+
+def _serve(in_process, tiny_model, tokenizer, output: str, template: str | None = None, lose_at: int | None = None):
+    script = tokenizer.encode(output, parse_special=True)
+    tpl = template or read_tokenizer_meta(tiny_model)["tokenizer.chat_template"]
+    fwd = ScriptedForward(script, tokenizer.eos_id, tokenizer.vocab_size, 256, lose_at)
+    info = EngineInfo("scripted", str(tiny_model), "qwen4exp", "scripted", 256, 256, tokenizer.vocab_size, tpl)
+    state = ServerState(settings.load(env={}), ServerOptions(queue_depth=1), lambda s: Loaded(fwd, tokenizer, info))
+    p = start_in_process(state)
+    in_process.append(p)
+    return p.base
+
+
+def _client(base):
+    import openai
+
+    return openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+
+
+MSGS = [{"role": "user", "content": "why?"}]
+
+
+@pytest.mark.parametrize("prompt_opens_think", [False, True])
+def test_reasoning_content_split(in_process, tiny_model, tokenizer, rng, prompt_opens_think):
+    words = ["alpha", "beta", "fib", "range", "value"]
+    thought = " ".join(rng.choice(words, size=int(rng.integers(1, 6))))
+    answer = " ".join(rng.choice(words, size=int(rng.integers(1, 6))))
+    out = f"{thought}\n</think>\n\n{answer}" if prompt_opens_think else f"<think>\n{thought}\n</think>\n\n{answer}"
+    base = _serve(in_process, tiny_model, tokenizer, out, OPENS_THINK if prompt_opens_think else None)
+    c = _client(base)
+    r = c.chat.completions.create(model="scripted", messages=MSGS, temperature=0)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == answer
+    assert r.choices[0].message.reasoning_content == thought
+    chunks = [ch for ch in c.chat.completions.create(model="scripted", messages=MSGS, temperature=0, stream=True)
+              if ch.choices]
+    reasoning = "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or "" for ch in chunks)
+    content = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    assert reasoning.strip() == thought and content == answer
+    raw = call(base, "POST", "/v1/chat/completions", {"messages": MSGS, "temperature": 0, "reasoning_format": "none"})
+    assert raw.body["choices"][0]["message"]["content"] == out and "reasoning_content" not in raw.body["choices"][0]["message"]
+
+
+def test_stop_strings_through_the_server(in_process, tiny_model, tokenizer, rng):
+    text = "def fibonacci(n): return n for i in range(10)"
+    base = _serve(in_process, tiny_model, tokenizer, text)
+    a = int(rng.integers(1, len(text) - 4))
+    stop = text[a:a + int(rng.integers(1, 4))]
+    r = call(base, "POST", "/v1/completions", {"prompt": "x", "temperature": 0, "stop": [stop]})
+    assert r.body["choices"][0] == {"index": 0, "text": text[:text.find(stop)], "finish_reason": "stop",
+                                    "logprobs": None}
+    streamed = "".join(ch.choices[0].text for ch in _client(base).completions.create(
+        model="scripted", prompt="x", temperature=0, stop=stop, stream=True))
+    assert streamed == text[:text.find(stop)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_lost_device_makes_the_server_unhealthy(in_process, tiny_model, tokenizer, stream):
+    base = _serve(in_process, tiny_model, tokenizer, "value range fib alpha beta", lose_at=3)
+    assert call(base, "GET", "/health").status == 200
+    r = call(base, "POST", "/v1/chat/completions", {"messages": MSGS, "temperature": 0, "stream": stream})
+    if stream:
+        assert r.status == 200 and "VK_ERROR_DEVICE_LOST" in r.body and r.body.rstrip().endswith("data: [DONE]")
+    else:
+        assert r.status == 503 and "VK_ERROR_DEVICE_LOST" in r.body["error"]["message"]
+    h = call(base, "GET", "/health")
+    assert h.status == 503 and h.body["status"] == "failed" and "device lost" in h.body["error"]["message"]
+    again = call(base, "POST", "/v1/chat/completions", {"messages": MSGS})
+    assert again.status == 503 and "device lost" in again.body["error"]["message"]
+    assert "vkflash_healthy 0" in call(base, "GET", "/metrics").body
