@@ -1,0 +1,223 @@
+"""Quantized matmul y[n, r] = epilogue(Σ_k W[r, k]·x[n, k]): GEMV, transposed GEMV, tiled GEMM.
+
+W ∈ R^{out×K} is a GGML tensor {K, out} uploaded raw (shaders/common/quant.glsl decodes it);
+x and y are f32 row views (one row per token). `matmul()` picks the kernel from the shapes:
+  n_out ≤ 8 and n_tok > 8 → GEMV over the tokens (transposed; the HC inject projection W_inj),
+  n_tok ≤ 8              → GEMV (decode, MTP verify), NDEC weight rows per workgroup,
+  otherwise              → tiled GEMM: cooperative-matrix (f16 in, f32 accumulate) when the device
+                           offers it and VKFLASH_DISABLE_COOPMAT is off, else scalar f32.
+The epilogue (scale, bias, sigmoid/silu, ⊙ tensor, + residual) is fused into the store; with
+VKFLASH_MM_TILE_EPILOG=0 (or VKFLASH_DISABLE_FUSION=1) it runs as separate eltwise dispatches.
+An expert stack {K, out, E} is addressed by QWeight.row0 = e·out (see shaders/mul_mat_vec.comp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Literal
+
+from gguf import GGMLQuantizationType as Q
+
+from vkflash import settings
+from vkflash.formats.quant_blocks import row_bytes
+from vkflash.gpu.memory import Buffer
+from vkflash.gpu.ops import eltwise
+from vkflash.gpu.ops.views import Rows, f32_bits
+from vkflash.gpu.registry import Kernel, kernel
+
+if TYPE_CHECKING:
+    from vkflash.gpu.device import Capabilities
+    from vkflash.gpu.graph import Graph
+
+TYPES: tuple[Q, ...] = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)
+"""Weight types every matmul kernel decodes (one #define variant each)."""
+
+GEMV_WG = 64  # invocations of a GEMV workgroup
+GEMV_ROWS = 2  # weight rows per GEMV workgroup (NDEC)
+GEMV_MAX_COLS = 8  # token columns of one GEMV (acc registers: NDEC × NPLAIN)
+TINY_OUT = 8  # outputs at most this many rows go through the transposed GEMV
+TINY_TOKENS = 8  # tokens per workgroup of the transposed GEMV
+TILE = 64  # GEMM tile: 64 weight rows × 64 tokens (scalar and coopmat)
+
+EP_SCALE, EP_BIAS, EP_SIGMOID, EP_SILU, EP_MUL, EP_RES = 1, 2, 4, 8, 16, 32
+
+
+def _kernels() -> list[Kernel]:
+    out = []
+    for t in TYPES:
+        d = (("QTYPE", int(t)),)
+        out.append(Kernel(f"mul_mat_vec_{t.name.lower()}", "mul_mat_vec.comp", 6, d, local_size=GEMV_WG))
+        out.append(Kernel(f"mul_mat_{t.name.lower()}", "mul_mat.comp", 6, d, local_size=256))
+        out.append(Kernel(f"mul_mat_cm_{t.name.lower()}", "mul_mat_cm.comp", 6, d, local_size=128,
+                          needs=frozenset({"coopmat_f16"})))
+    return out
+
+
+KERNELS = _kernels()
+
+
+@dataclass(frozen=True)
+class QWeight:
+    """W ∈ R^{n_out×k} stored raw as GGML `qtype` rows of k elements, starting at row `row0` of `buf`."""
+
+    buf: Buffer
+    qtype: int
+    k: int
+    n_out: int
+    row0: int = 0
+
+    def __post_init__(self) -> None:
+        q = Q(self.qtype)
+        if q not in TYPES:
+            raise ValueError(f"matmul: weight type {q.name} not supported (have {', '.join(t.name for t in TYPES)})")
+        if self.k % 32 or self.k < 32:
+            raise ValueError(f"matmul: row length {self.k} of {q.name} weight must be a multiple of 32")
+        need = (self.row0 + self.n_out) * row_bytes(q, self.k)
+        if self.n_out < 1 or need > self.buf.nbytes:
+            raise ValueError(f"matmul: {q.name} weight rows {self.row0}..{self.row0 + self.n_out} of {self.k} "
+                             f"need {need} B, buffer {self.buf.name!r} has {self.buf.nbytes} B")
+
+    @property
+    def type_name(self) -> str:
+        return Q(self.qtype).name.lower()
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_out * row_bytes(Q(self.qtype), self.k)
+
+    def expert(self, e: int, n_out: int) -> "QWeight":
+        """Expert e of a stack {k, n_out, E} held in this weight's buffer."""
+        return replace(self, row0=self.row0 + e * n_out, n_out=n_out)
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """y = ((act(scale·acc + bias[r])) ⊙ mul[n, r]) + res[n, r]; each part optional.
+
+    bias is one row of n_out; mul and res have y's shape (res may be y itself: in-place residual).
+    """
+
+    scale: float | None = None
+    bias: Rows | None = None
+    act: Literal["", "sigmoid", "silu"] = ""
+    mul: Rows | None = None
+    res: Rows | None = None
+
+    @property
+    def flags(self) -> int:
+        return ((EP_SCALE if self.scale is not None else 0) | (EP_BIAS if self.bias else 0)
+                | {"": 0, "sigmoid": EP_SIGMOID, "silu": EP_SILU}[self.act]
+                | (EP_MUL if self.mul else 0) | (EP_RES if self.res else 0))
+
+
+PLAIN = Epilogue()
+
+
+def use_coopmat(caps: "Capabilities", qtype: int) -> bool:
+    """Whether GEMMs of this weight type run on cooperative matrices here."""
+    k = kernel(f"mul_mat_cm_{Q(qtype).name.lower()}")
+    return k.usable(caps) and not settings.current()["VKFLASH_DISABLE_COOPMAT"]
+
+
+def fuse_epilogue() -> bool:
+    """Whether epilogues are fused into the matmul store (VKFLASH_MM_TILE_EPILOG, VKFLASH_DISABLE_FUSION)."""
+    s = settings.current()
+    return bool(s["VKFLASH_MM_TILE_EPILOG"]) and not s["VKFLASH_DISABLE_FUSION"]
+
+
+def _check(w: QWeight, x: Rows, y: Rows, ep: Epilogue) -> None:
+    if x.n_cols != w.k:
+        raise ValueError(f"matmul: x rows have {x.n_cols} elements, weight expects {w.k}")
+    if (y.n_rows, y.n_cols) != (x.n_rows, w.n_out):
+        raise ValueError(f"matmul: y is {y.n_rows}x{y.n_cols}, expected {x.n_rows}x{w.n_out}")
+    if x.off % 4 or x.stride % 4:
+        raise ValueError(f"matmul: x offset {x.off} and stride {x.stride} must be multiples of 4 (vec4 loads)")
+    if x.buf is y.buf and x.overlaps(y):
+        raise ValueError("matmul: y overlaps x")
+    if ep.bias and (ep.bias.n_rows, ep.bias.n_cols) != (1, w.n_out):
+        raise ValueError(f"matmul: bias must be one row of {w.n_out}")
+    for nm, v in (("mul", ep.mul), ("res", ep.res)):
+        if v is None:
+            continue
+        if (v.n_rows, v.n_cols, v.stride) != (y.n_rows, y.n_cols, y.stride):
+            raise ValueError(f"matmul: {nm} view must have y's shape and stride")
+        if v.buf is y.buf and v.overlaps(y) and v.off != y.off:
+            raise ValueError(f"matmul: {nm} partly overlaps y (in place needs the identical view)")
+
+
+def _grid(caps: "Capabilities", n: int) -> tuple[int, int]:
+    """A 2-D grid of at least n workgroups (shaders fold it to x + y·groups_x)."""
+    gx = min(n, caps.max_workgroup_count[0])
+    return gx, -(-n // gx)
+
+
+def _dispatch(g: "Graph", w: QWeight, x: Rows, y: Rows, ep: Epilogue, coopmat: bool, name: str) -> None:
+    caps = g.gpu.caps
+    n_tok, t = x.n_rows, w.type_name
+    bias, mul, res = ep.bias, ep.mul, ep.res
+    bufs = [w.buf, x.buf, (bias or x).buf, (mul or x).buf, (res or x).buf, y.buf]
+    push = [w.k, w.n_out, n_tok, w.row0, x.off, x.stride, y.off, y.stride,
+            bias.off if bias else 0, mul.off if mul else 0, res.off if res else 0,
+            f32_bits(1.0 if ep.scale is None else ep.scale)]
+    flops = 2 * w.k * w.n_out * n_tok
+    desc = f"{t} {w.k}x{w.n_out} n={n_tok}"
+    if n_tok <= GEMV_MAX_COLS or w.n_out <= TINY_OUT:
+        tr = n_tok > GEMV_MAX_COLS
+        ndec, nplain = (w.n_out, TINY_TOKENS) if tr else (GEMV_ROWS, n_tok)
+        groups = _grid(caps, -(-(n_tok if tr else w.n_out) // (nplain if tr else ndec)))
+        spec = [ep.flags, ndec, nplain, int(tr), max(1, caps.subgroup_min)]
+        g.dispatch(f"mul_mat_vec_{t}", bufs, groups, push, spec, name=name, desc=desc,
+                   nbytes=w.nbytes + 4 * (x.size + y.size), flops=flops)
+        return
+    groups = (-(-w.n_out // TILE), -(-n_tok // TILE))
+    if coopmat:
+        shape = caps.coopmat_shape("f16", "f32")
+        assert shape is not None
+        spec = [ep.flags, shape.m, shape.n, shape.k, max(caps.subgroup_max, caps.subgroup_size)]
+        g.dispatch(f"mul_mat_cm_{t}", bufs, groups, push, spec, name=name, desc=desc + " cm",
+                   nbytes=w.nbytes + 4 * (x.size + y.size), flops=flops)
+    else:
+        if kernel(f"mul_mat_{t}").workgroup(caps) != 256:
+            raise ValueError("matmul: the scalar GEMM needs 256 invocations per workgroup")
+        g.dispatch(f"mul_mat_{t}", bufs, groups, push, [ep.flags], name=name, desc=desc,
+                   nbytes=w.nbytes + 4 * (x.size + y.size), flops=flops)
+
+
+def _plain_epilogue(g: "Graph", tmp: Rows, y: Rows, ep: Epilogue, name: str) -> None:
+    """The epilogue as separate eltwise dispatches on tmp (in place), the last one writing y."""
+    steps: list = []
+    if ep.scale is not None:
+        steps.append(lambda a, o: eltwise.scale(g, a, ep.scale, o, name=f"{name}.scale"))
+    if ep.bias:
+        steps.append(lambda a, o: eltwise.add(g, a, ep.bias, o, name=f"{name}.bias"))
+    if ep.act == "sigmoid":
+        steps.append(lambda a, o: eltwise.sigmoid(g, a, o, name=f"{name}.sigmoid"))
+    if ep.act == "silu":
+        steps.append(lambda a, o: eltwise.silu(g, a, o, name=f"{name}.silu"))
+    if ep.mul:
+        steps.append(lambda a, o: eltwise.mul(g, a, ep.mul, o, name=f"{name}.mul"))
+    if ep.res:
+        steps.append(lambda a, o: eltwise.add(g, a, ep.res, o, name=f"{name}.res"))
+    for i, step in enumerate(steps):
+        step(tmp, y if i == len(steps) - 1 else tmp)
+
+
+def matmul(g: "Graph", w: QWeight, x: Rows, y: Rows, epilogue: Epilogue = PLAIN, name: str = "mul_mat",
+           coopmat: bool | None = None, fuse: bool | None = None) -> None:
+    """y[n, r] = epilogue(Σ_k W[r, k]·x[n, k]) for every token row n of x.
+
+    coopmat / fuse default to the device and the knobs (use_coopmat, fuse_epilogue); tests pass
+    them explicitly to compare the paths.
+    """
+    _check(w, x, y, epilogue)
+    cm = use_coopmat(g.gpu.caps, w.qtype) if coopmat is None else coopmat
+    if cm and not kernel(f"mul_mat_cm_{w.type_name}").usable(g.gpu.caps):
+        raise ValueError(f"matmul: {g.gpu.caps.name} offers no f16 cooperative matrix")
+    if epilogue.flags == 0 or (fuse_epilogue() if fuse is None else fuse):
+        _dispatch(g, w, x, y, epilogue, cm, name)
+        return
+    # plain path: matmul into y, or into a scratch view when an epilogue input aliases y
+    aliased = any(v is not None and v.buf is y.buf and v.overlaps(y) for v in (epilogue.mul, epilogue.res))
+    tmp = Rows(g.gpu.buffer(4 * y.size, f"{name}.tmp"), y.n_rows, y.n_cols) if aliased else y
+    _dispatch(g, w, x, tmp, PLAIN, cm, name)
+    _plain_epilogue(g, tmp, y, epilogue, name)
