@@ -1,0 +1,239 @@
+"""Gated DeltaNet ops (MODEL.md §5.4 G2–G9): causal conv + silu with state, gates, the gated delta
+rule (a step-by-step decode/verify variant with checkpoint slots and a chunked prefill variant) and
+the gated RMSNorm. Every op covers a whole ubatch in one dispatch; states are f32 and updated in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import TYPE_CHECKING
+
+from vkflash.gpu.ops.views import F32, Rows, check_alias, check_same_shape, f32_bits, grid
+from vkflash.gpu.registry import Kernel, kernel
+
+if TYPE_CHECKING:
+    from vkflash.gpu.graph import Graph
+
+KERNELS = [
+    Kernel("gdn_conv", "gdn_conv.comp", 5, local_size=256),
+    Kernel("gdn_gates", "gdn_gates.comp", 6, local_size=256),
+    Kernel("gdn_delta", "gdn_delta.comp", 6, local_size=256),
+    Kernel("gdn_norm", "gdn_norm.comp", 4, local_size=64),
+]
+CONV_TOKENS = 32  # tokens per conv invocation (≥ K_c − 1: only the first token block touches the state)
+MAX_GROUPS = 65535  # grid-stride loops of gates and norm cover the rest
+STEP_MAX_T = 8  # up to this many tokens (decode, MTP verify) the step variant beats the chunked one
+CHUNKS = (64, 32, 16, 8)  # chunk sizes tried for the chunked variant, largest first
+MIN_COLS = 8  # narrowest value-column slice per workgroup
+
+
+class HeadMap(IntEnum):
+    """(G7) key head of v-head j: TILED j mod n_k (qwen4exp), GROUPED ⌊j/ρ⌋ (qwen3next)."""
+
+    TILED = 0
+    GROUPED = 1
+
+
+class Gate(IntEnum):
+    """(G9) activation of z in the gated norm: σ (qwen4exp) or silu (qwen3next)."""
+
+    SIGMOID = 0
+    SILU = 1
+
+
+class Variant(IntEnum):
+    """gdn_delta.comp MODE: token-by-token recurrence (G8) or chunked prefill (GC1–GC6)."""
+
+    STEP = 0
+    CHUNK = 1
+
+
+@dataclass(frozen=True)
+class GDNShape:
+    """GDN head geometry: n_k key heads, n_v value heads, head dim S, and the head map."""
+
+    n_k: int
+    n_v: int
+    S: int
+    head_map: HeadMap
+
+    def __post_init__(self) -> None:
+        if self.n_k < 1 or self.n_v < 1 or self.n_v % self.n_k:
+            raise ValueError(f"GDN heads: n_v = {self.n_v} must be a positive multiple of n_k = {self.n_k}")
+        if self.S < 16 or self.S & (self.S - 1):
+            raise ValueError(f"GDN head dim S = {self.S} must be a power of two ≥ 16")
+
+    @property
+    def C(self) -> int:
+        """Conv channels: q (n_k·S) | k (n_k·S) | v (n_v·S)."""
+        return 2 * self.n_k * self.S + self.n_v * self.S
+
+
+@dataclass(frozen=True)
+class DeltaPlan:
+    """How gdn_delta.comp runs: variant, value columns per workgroup, chunk, shared floats."""
+
+    variant: Variant
+    cols: int
+    chunk: int
+    rows: int  # state rows per invocation (step variant)
+    shared: int  # floats of the kernel's `sh` array
+
+    @property
+    def spec_tail(self) -> list[int]:
+        return [self.cols, self.chunk, self.rows, self.shared]
+
+
+def _check_dense(op: str, **views: Rows) -> None:
+    for k, v in views.items():
+        if v.stride != v.n_cols:
+            raise ValueError(f"{op}: {k} must be dense (stride {v.stride} ≠ {v.n_cols})")
+
+
+def conv(g: "Graph", m: Rows, w: Rows, state: Rows, c: Rows, slots: Rows | None = None,
+         name: str = "gdn_conv") -> None:
+    """(G4) c = silu(causal depthwise conv of [state; m]) for T rows of C channels; state [K−1, C]
+    (raw m columns) is updated in place; slots (n_slots·(K−1) rows of C) get the state s tokens
+    before the batch end for s < n_slots ≤ T."""
+    T, C, K = m.n_rows, m.n_cols, w.n_cols
+    check_same_shape(name, m=m, c=c)
+    if w.n_rows != C:
+        raise ValueError(f"{name}: weights have {w.n_rows} rows, need one per channel ({C})")
+    if not 2 <= K <= CONV_TOKENS + 1:
+        raise ValueError(f"{name}: conv kernel K = {K} outside 2..{CONV_TOKENS + 1}")
+    if (state.n_rows, state.n_cols) != (K - 1, C):
+        raise ValueError(f"{name}: state is {state.n_rows}x{state.n_cols}, needs {K - 1}x{C}")
+    _check_dense(name, w=w, state=state)
+    n_slots = 0
+    if slots is not None:
+        _check_dense(name, slots=slots)
+        n_slots, rem = divmod(slots.n_rows, K - 1)
+        if rem or slots.n_cols != C or n_slots > T:
+            raise ValueError(f"{name}: slots {slots.n_rows}x{slots.n_cols} must be n_slots·{K - 1} x {C} "
+                             f"with n_slots ≤ T = {T}")
+        check_alias(name, slots, m, state, c)
+    check_alias(name, c, m, state, w)
+    check_alias(name, state, m, w)
+    wg = kernel("gdn_conv").workgroup(g.gpu.caps)
+    sl = slots if slots is not None else state
+    g.dispatch("gdn_conv", [m.buf, w.buf, state.buf, c.buf, sl.buf], [-(-C // wg), -(-T // CONV_TOKENS)],
+               push=[C, T, m.off, m.stride, w.off, state.off, c.off, c.stride, sl.off, n_slots],
+               spec=[K, CONV_TOKENS], name=name, writes=[2, 3, 4],
+               desc=f"{T}x{C} K{K} slots {n_slots}", nbytes=F32 * (2 * T * C + (K + 2 * (K - 1) * (1 + n_slots)) * C),
+               flops=2 * K * T * C)
+
+
+def gates(g: "Graph", b: Rows, a: Rows, dt_bias: Rows, ssm_a: Rows, beta: Rows, gate: Rows,
+          name: str = "gdn_gates") -> None:
+    """(G2, G3) β = σ(b), g = softplus(a + dt_bias) ⊙ ssm_a for T rows of n_v heads (ssm_a < 0 as stored)."""
+    check_same_shape(name, b=b, a=a, beta=beta, g=gate)
+    T, n_v = b.n_rows, b.n_cols
+    for k, v in (("dt_bias", dt_bias), ("ssm_a", ssm_a)):
+        if (v.n_rows, v.n_cols) != (1, n_v):
+            raise ValueError(f"{name}: {k} is {v.n_rows}x{v.n_cols}, needs 1x{n_v}")
+    check_alias(name, beta, b, a, dt_bias, ssm_a)
+    check_alias(name, gate, b, a, dt_bias, ssm_a)
+    if beta.overlaps(gate):
+        raise ValueError(f"{name}: β and g outputs overlap")
+    wg = kernel("gdn_gates").workgroup(g.gpu.caps)
+    g.dispatch("gdn_gates", [b.buf, a.buf, dt_bias.buf, ssm_a.buf, beta.buf, gate.buf], [grid(T * n_v, wg, MAX_GROUPS)],
+               push=[n_v, T, b.off, b.stride, a.off, a.stride, dt_bias.off, ssm_a.off,
+                     beta.off, beta.stride, gate.off, gate.stride],
+               name=name, writes=[4, 5], desc=f"{T}x{n_v}", nbytes=F32 * (4 * T * n_v + 2 * n_v))
+
+
+def _divisors_down(S: int, top: int) -> list[int]:
+    """Powers of two from min(S, top) down to MIN_COLS (all divide S, itself a power of two)."""
+    out, x = [], min(S, top)
+    while x >= MIN_COLS:
+        out.append(x)
+        x //= 2
+    return out
+
+
+def plan_delta(g: "Graph", shape: GDNShape, T: int, variant: Variant | None = None, chunk: int | None = None) -> DeltaPlan:
+    """Pick the variant (step for T ≤ STEP_MAX_T unless told), value-column slice and chunk so the
+    workgroup's shared memory fits the device (the reductions of common/reduce.glsl included)."""
+    wg = kernel("gdn_delta").workgroup(g.gpu.caps)
+    budget = g.gpu.caps.shared_memory // F32 - 2 * wg
+    S = shape.S
+    v = variant if variant is not None else (Variant.STEP if T <= STEP_MAX_T else Variant.CHUNK)
+    if v == Variant.STEP:
+        for cols in _divisors_down(S, 32):
+            n_par = wg // cols
+            if wg % cols == 0 and S % n_par == 0 and n_par <= S and 2 * S + 2 * wg <= budget:
+                return DeltaPlan(v, cols, 1, S // n_par, 2 * S + 2 * wg)
+        raise ValueError(f"gdn_delta: no step layout for S = {S} with {wg} invocations")
+    chunks = CHUNKS if chunk is None else (chunk,)
+    for ch in chunks:
+        if not 1 <= ch <= wg // 2:
+            raise ValueError(f"gdn_delta: chunk {ch} outside 1..{wg // 2} (two row norms per invocation pair)")
+        for cols in _divisors_down(S, 64):
+            sh = 2 * ch * S + ch * ch + S * cols + ch * cols + 2 * ch
+            if sh <= budget:
+                return DeltaPlan(v, cols, ch, 1, sh)
+    raise ValueError(f"gdn_delta: S = {S} with chunks {chunks} does not fit {g.gpu.caps.shared_memory} B of shared memory")
+
+
+def delta(g: "Graph", c: Rows, beta: Rows, gate: Rows, state: Rows, o: Rows, shape: GDNShape, eps: float,
+          variant: Variant | None = None, slots: Rows | None = None, chunk: int | None = None,
+          name: str = "gdn_delta") -> DeltaPlan:
+    """(G6–G8, GC1–GC6) o = gated delta rule over the T rows of c (= conv output q | k | v) with
+    β, g (T × n_v); state [n_v, S·S] (row = key index) is updated in place. slots (step variant
+    only; n_slots·n_v rows of S·S, n_slots ≤ T) get the state s tokens before the batch end."""
+    T, S, n_v = c.n_rows, shape.S, shape.n_v
+    if c.n_cols != shape.C:
+        raise ValueError(f"{name}: conv rows have {c.n_cols} values, need 2·n_k·S + n_v·S = {shape.C}")
+    check_same_shape(name, beta=beta, g=gate)
+    if (beta.n_rows, beta.n_cols) != (T, n_v):
+        raise ValueError(f"{name}: β is {beta.n_rows}x{beta.n_cols}, needs {T}x{n_v}")
+    if (o.n_rows, o.n_cols) != (T, n_v * S):
+        raise ValueError(f"{name}: output is {o.n_rows}x{o.n_cols}, needs {T}x{n_v * S}")
+    if (state.n_rows, state.n_cols) != (n_v, S * S):
+        raise ValueError(f"{name}: state is {state.n_rows}x{state.n_cols}, needs {n_v}x{S * S}")
+    if not eps >= 0:
+        raise ValueError(f"{name}: eps must be ≥ 0, got {eps}")
+    _check_dense(name, state=state)
+    plan = plan_delta(g, shape, T, variant, chunk)
+    n_slots = 0
+    if slots is not None:
+        if plan.variant != Variant.STEP:
+            raise ValueError(f"{name}: checkpoint slots need the step variant")
+        _check_dense(name, slots=slots)
+        n_slots, rem = divmod(slots.n_rows, n_v)
+        if rem or slots.n_cols != S * S or n_slots > T:
+            raise ValueError(f"{name}: slots {slots.n_rows}x{slots.n_cols} must be n_slots·{n_v} x {S * S} "
+                             f"with n_slots ≤ T = {T}")
+        check_alias(name, slots, c, beta, gate, state, o)
+    check_alias(name, o, c, beta, gate, state)
+    check_alias(name, state, c, beta, gate)
+    sl = slots if slots is not None else state
+    g.dispatch("gdn_delta", [c.buf, beta.buf, gate.buf, state.buf, o.buf, sl.buf], [n_v * (S // plan.cols)],
+               push=[shape.n_k, n_v, T, c.off, c.stride, beta.off, beta.stride, gate.off, gate.stride,
+                     state.off, o.off, o.stride, sl.off, n_slots, f32_bits(eps)],
+               spec=[int(plan.variant), S, int(shape.head_map), *plan.spec_tail], name=name, writes=[3, 4, 5],
+               desc=f"{plan.variant.name.lower()} {T}x{n_v}x{S} cols {plan.cols} chunk {plan.chunk} slots {n_slots}",
+               nbytes=F32 * (T * (shape.C + 2 * n_v + n_v * S) + (2 + n_slots) * n_v * S * S),
+               flops=6 * T * n_v * S * S)
+    return plan
+
+
+def gated_norm(g: "Graph", o: Rows, z: Rows, w: Rows, y: Rows, S: int, eps: float, act: Gate,
+               name: str = "gdn_norm") -> None:
+    """(G9) y_j = rms(o_j) ⊙ ssm_norm ⊙ act(z_j) per v-head j of S values; w = ssm_norm (S, shared
+    by all heads, used as stored); y may be o's exact view (in place)."""
+    check_same_shape(name, o=o, z=z, y=y)
+    T, n = o.n_rows, o.n_cols
+    if S < 1 or n % S:
+        raise ValueError(f"{name}: rows of {n} values do not split into heads of {S}")
+    if (w.n_rows, w.n_cols) != (1, S):
+        raise ValueError(f"{name}: ssm_norm is {w.n_rows}x{w.n_cols}, needs 1x{S}")
+    if not eps >= 0:
+        raise ValueError(f"{name}: eps must be ≥ 0, got {eps}")
+    check_alias(name, y, o, z, w)
+    n_v = n // S
+    g.dispatch("gdn_norm", [o.buf, z.buf, w.buf, y.buf], [grid(T * n_v, 1, MAX_GROUPS)],
+               push=[S, n_v, T, o.off, o.stride, z.off, z.stride, w.off, y.off, y.stride, f32_bits(eps)],
+               spec=[int(act)], name=name, writes=[3], desc=f"{T}x{n_v}x{S} {act.name.lower()}",
+               nbytes=F32 * (3 * T * n + S))
