@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
@@ -91,8 +91,6 @@ class HParams:
     ple_mult: tuple[int, ...] = ()  # m_0..m_{N-1}
     ple_offsets: tuple[int, ...] = ()  # o_h
     ple_sizes: tuple[int, ...] = ()  # P_h
-    # qwen2 (dense llama-style) attention biases are decided by the tensor table
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def L(self) -> int:

@@ -30,10 +30,6 @@ class KVCache:
         self.k = np.concatenate([self.k, k.astype(self.k.dtype)])
         self.v = np.concatenate([self.v, v.astype(self.v.dtype)])
 
-    def truncate(self, n: int) -> None:
-        """Keep positions < n."""
-        self.k, self.v = self.k[:n], self.v[:n]
-
     def __len__(self) -> int:
         return len(self.k)
 

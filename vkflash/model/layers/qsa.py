@@ -36,10 +36,6 @@ class IndexerCache:
         kappa = rope_neox(rms_norm(P, w.k_norm, hp.eps)[:, None, :], first, hp.n_rot, hp.theta)[:, 0]
         self.summary = np.concatenate([self.summary, kappa])  # (Q3)
 
-    def truncate(self, n: int, r: int) -> None:
-        """Keep positions < n and the summary rows of blocks still complete."""
-        self.keys, self.summary = self.keys[:n], self.summary[: n // r]
-
 
 def indexer_queries(u: np.ndarray, pos: np.ndarray, w: IndexerW, hp: HParams) -> np.ndarray:
     """(Q4) qI_{t,h} = RoPE_{p_t}(rms((W_Iq u_t)_h) ⊙ q_norm), (T, n_I, D_I)."""
