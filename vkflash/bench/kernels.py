@@ -101,7 +101,44 @@ def kernel_rows(gpu: Gpu, quick: bool) -> list[Row]:
     return rows
 
 
-KERNEL_BENCHES: list[Callable[[Gpu, bool], list[Row]]] = []
+def _rate(name: str, shape: str, g: Graph, n_calls: int, nbytes: int, reps: int) -> Row:
+    s = timed(g, reps) / n_calls
+    return Row(name, shape, s * 1e6, nbytes / s / 1e9, "GB/s")
+
+
+def elementwise_rows(gpu: Gpu, quick: bool) -> list[Row]:
+    """silu, RMSNorm, softmax and argmax over big f32 arrays (bytes read + written per call)."""
+    from vkflash.gpu.ops import argmax, eltwise, norm, softmax
+    from vkflash.gpu.ops.views import Rows
+
+    rows_n, d = (512, 2560) if quick or gpu.caps.device_type == "cpu" else (8192, 10240)
+    reps = 3 if quick else 30
+    bufs = [(gpu.buffer(rows_n * d * 4, f"x{i}"), gpu.buffer(rows_n * d * 4, f"y{i}")) for i in range(3)]
+    for x, _ in bufs:
+        x.write(np.random.default_rng().standard_normal(rows_n * d, dtype=np.float32))
+    nb = rows_n * d * 4
+    out = []
+    for name, build in (
+        ("silu", lambda g, x, y: eltwise.silu(g, Rows(x, rows_n, d), Rows(y, rows_n, d))),
+        ("rms_norm", lambda g, x, y: norm.rms_norm(g, Rows(x, rows_n, d), Rows(y, rows_n, d), 1e-6)),
+        ("softmax", lambda g, x, y: softmax.softmax(g, Rows(x, rows_n, d), Rows(y, rows_n, d))),
+    ):
+        g = gpu.graph(f"bench.{name}")
+        for x, y in bufs:
+            build(g, x, y)
+        out.append(_rate(name, f"{rows_n}x{d}", g, len(bufs), 2 * nb, reps))
+    vocab = 248320
+    logits = [gpu.buffer(vocab * 4, f"logits{i}") for i in range(3)]
+    scratch = gpu.buffer(argmax.scratch_bytes(gpu.caps, vocab), "scratch")
+    idx = gpu.buffer(4, "idx")
+    g = gpu.graph("bench.argmax")
+    for lg in logits:
+        argmax.argmax(g, Rows.flat(lg, vocab), scratch, idx)
+    out.append(_rate("argmax", f"{vocab}", g, len(logits), vocab * 4, reps * 10))
+    return out
+
+
+KERNEL_BENCHES: list[Callable[[Gpu, bool], list[Row]]] = [elementwise_rows]
 
 
 def run(quick: bool, as_json: bool, console: Console) -> None:
