@@ -1,0 +1,68 @@
+"""NumPy float64 references and cache helpers shared by the attention and QSA GPU tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vkflash.formats.quant_simple import deq_q8_0, q_q8_0
+from vkflash.gpu.context import Gpu
+from vkflash.gpu.ops.attention import Cache, CacheType
+
+
+def encode(x: np.ndarray, ctype: CacheType) -> np.ndarray:
+    """The bytes a cache of `ctype` stores for float32 rows x (last dim a multiple of 32 for q8_0)."""
+    if ctype is CacheType.F32:
+        return x.astype(np.float32).view(np.uint8).reshape(-1)
+    if ctype is CacheType.F16:
+        return x.astype(np.float16).view(np.uint8).reshape(-1)
+    return q_q8_0(x.astype(np.float32).reshape(-1, 32)).reshape(-1)
+
+
+def rounded(x: np.ndarray, ctype: CacheType) -> np.ndarray:
+    """x as the cache stores it, decoded back to float32 (what attention must read)."""
+    if ctype is CacheType.F32:
+        return x.astype(np.float32)
+    if ctype is CacheType.F16:
+        return x.astype(np.float16).astype(np.float32)
+    return deq_q8_0(q_q8_0(x.astype(np.float32).reshape(-1, 32))).reshape(x.shape)
+
+
+def make_cache(gpu: Gpu, rng: np.random.Generator, n_ctx: int, heads: int, dim: int, ctype: CacheType,
+               name: str) -> tuple[Cache, np.ndarray]:
+    """A cache filled with random rows at every position (rows past n_kv act as garbage a kernel must
+    not read) and its decoded float32 contents (n_ctx, heads, dim)."""
+    x = rng.standard_normal((n_ctx, heads, dim)).astype(np.float32)
+    buf = gpu.buffer(Cache.nbytes(n_ctx, heads, dim, ctype), name)
+    buf.write(encode(x, ctype))
+    return Cache(buf, n_ctx, heads, dim, ctype), rounded(x, ctype)
+
+
+def attend(q: np.ndarray, K: np.ndarray, V: np.ndarray, visible: np.ndarray, scale: float,
+           gate: np.ndarray | None = None) -> np.ndarray:
+    """(A5)–(A7) in float64: q (T, H, Dh), K/V (n, H_kv, Dh), visible (T, n) bool -> o (T, H, Dh);
+    a query with no visible key gives 0 (the kernels' convention)."""
+    H, H_kv = q.shape[1], K.shape[1]
+    g = np.arange(H) // (H // H_kv)
+    s = np.einsum("thd,nhd->thn", q.astype(np.float64), K[:, g].astype(np.float64)) * scale
+    s = np.where(visible[:, None, :], s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    p = np.where(visible[:, None, :], np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
+    l = p.sum(axis=-1, keepdims=True)
+    o = np.einsum("thn,nhd->thd", p / np.where(l > 0, l, 1.0), V[:, g].astype(np.float64))
+    if gate is not None:
+        o = o / (1.0 + np.exp(-gate.astype(np.float64)))
+    return o
+
+
+def causal(p0: int, T: int, n: int) -> np.ndarray:
+    """visible[t, j] = j ≤ p0 + t, (T, n)."""
+    return np.arange(n)[None, :] <= p0 + np.arange(T)[:, None]
+
+
+def pack_bits(bits: np.ndarray, words: int) -> np.ndarray:
+    """Bool rows (T, n) -> uint32 bit rows (T, words), bit i of row t = bits[t, i]."""
+    T, n = bits.shape
+    padded = np.zeros((T, words * 32), dtype=np.uint64)
+    padded[:, :n] = bits
+    w = padded.reshape(T, words, 32) << np.arange(32, dtype=np.uint64)
+    return w.sum(axis=-1).astype(np.uint32)

@@ -1,0 +1,265 @@
+"""Attention kernels vs NumPy float64: KV append (f32/f16/q8_0), flash prefill (causal, GQA, gate,
+masked, gathered) and split-KV flash-decode replayed at several lengths from one recording.
+
+Tolerance of attention outputs: 2e-5·max|v|. The output is a convex combination of v rows; f32
+rounding perturbs each score by ≲ u·Σ_d|q_d k_d|·scale ≈ 0.64·√Dh·u ≤ 1e-6 (u = 2^-24, q, k ~ N(0,1)),
+exp adds (3 + 2|x|) ulp and the f32 sums over ≤ 5000 keys ≈ √n·u: every output moves by well under
+1e-5·max|v|. A wrong scale (1/Dh vs 1/√Dh: scores have std 1) or a wrong kv head changes outputs by
+~0.1·max|v|; one key dropped or added among ≤ 100 moves them by ~p_j·|v| ≳ 1e-3·max|v|.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from attention_ref import attend, causal, encode, make_cache, pack_bits, rounded
+from vkflash.gpu.ops.attention import Cache, CellMask, CacheType, CellList, Heads, attention, kv_append, \
+    partial_bytes, q_and_gate
+from vkflash.gpu.ops.views import Rows
+
+pytestmark = pytest.mark.gpu
+TOL = 2e-5
+
+
+def _params(gpu, words: np.ndarray):
+    return gpu.upload(np.asarray(words, dtype=np.int32), "params")
+
+
+def _check(got: np.ndarray, want: np.ndarray, vmax: float, what: str) -> None:
+    err = np.abs(got - want)
+    assert np.isfinite(got).all(), f"{what}: non-finite output"
+    assert err.max() <= TOL * vmax, f"{what}: max |Δ| {err.max():.3g} > {TOL * vmax:.3g}"
+
+
+# ---- KV append -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ctype", list(CacheType))
+@pytest.mark.parametrize("heads,dim", [(2, 64), (4, 128), (1, 256)])
+def test_kv_append(gpu, rng, ctype, heads, dim):
+    """Rows land at their positions rounded like the NumPy codec; other positions keep the poison."""
+    n_ctx, T = int(rng.integers(40, 70)), int(rng.integers(1, 30))
+    pos = rng.permutation(n_ctx)[:T].astype(np.int32)
+    pos[rng.integers(T)] = n_ctx + 3 if T > 1 else pos[0]  # out of range: must be skipped
+    extra, off = int(rng.integers(0, 40)), int(rng.integers(0, 9))  # fused-projection row layout
+    width = heads * dim + extra
+    src = rng.standard_normal((T, width)).astype(np.float32) * rng.uniform(0.1, 10)
+    sbuf = gpu.upload(np.concatenate([np.zeros(off, np.float32), src.reshape(-1)]), "src")
+    pos_off = int(rng.integers(0, 5))
+    params = _params(gpu, np.concatenate([np.full(pos_off, -7), pos]))
+    cache = Cache(gpu.buffer(Cache.nbytes(n_ctx, heads, dim, ctype), "cache"), n_ctx, heads, dim, ctype)
+    cache.buf.fill(0xA5, np.uint8)
+
+    g = gpu.graph("kv_append")
+    kv_append(g, params, pos_off, Heads(Rows(sbuf, T, width, off), heads, dim), cache)
+    g.run()
+
+    got = cache.buf.read(np.uint8, cache.buf.nbytes)
+    row = ctype.row_bytes(dim) * heads
+    rows = got[: n_ctx * row].reshape(n_ctx, row)
+    written = set()
+    for t, p in enumerate(pos):
+        if p >= n_ctx:
+            continue
+        written.add(int(p))
+        x = src[t, : heads * dim].reshape(heads, dim)
+        want = encode(x, ctype)
+        if ctype is CacheType.Q8_0:
+            _check_q8(rows[p], want, x)
+        else:
+            assert np.array_equal(rows[p], want), f"position {p}: cache row differs"
+    untouched = [p for p in range(n_ctx) if p not in written]
+    assert (rows[untouched] == 0xA5).all(), "a position that was not appended changed"
+
+
+def _check_q8(got: np.ndarray, want: np.ndarray, x: np.ndarray) -> None:
+    """q8_0 rows equal the codec's bytes, except that a GPU division (≤ 2.5 ulp in Vulkan) may move
+    a code by one where x/d sits within 1e-4 of a rounding midpoint, or a scale by one f16 ulp where
+    max|x|/127 sits within 1e-5 of an f16 midpoint: those and only those may differ."""
+    g, w = got.reshape(-1, 34), want.reshape(-1, 34)
+    xs = x.reshape(-1, 32).astype(np.float64)
+    for b in range(len(w)):
+        if np.array_equal(g[b], w[b]):
+            continue
+        dw = float(w[b, :2].view(np.float16)[0])
+        ideal = np.abs(xs[b]).max() / 127
+        h = np.float16(ideal)
+        near_tie = abs(ideal - float(h)) > 0.5 * float(np.spacing(h)) * (1 - 1e-5)
+        assert np.array_equal(g[b, :2], w[b, :2]) or near_tie, f"block {b}: scale differs"
+        if not np.array_equal(g[b, :2], w[b, :2]):
+            continue
+        u = xs[b] / dw
+        dq = g[b, 2:].view(np.int8).astype(int) - w[b, 2:].view(np.int8).astype(int)
+        frac = np.abs(np.abs(u) - np.floor(np.abs(u)) - 0.5)
+        assert (np.abs(dq) <= 1).all() and (frac[dq != 0] < 1e-4).all(), f"block {b}: codes differ"
+
+
+# ---- flash prefill ---------------------------------------------------------------------------
+
+CONFIGS = [  # (H, H_kv, Dh, cache type)
+    (6, 2, 64, CacheType.F16), (4, 4, 128, CacheType.F32), (24, 2, 64, CacheType.Q8_0),
+    (6, 2, 256, CacheType.Q8_0), (4, 4, 256, CacheType.F16), (6, 2, 128, CacheType.Q8_0),
+]
+
+
+def _queries(gpu, rng, T: int, H: int, Dh: int, gated: bool):
+    """q (and the gate) in the layout the model produces: interleaved QG rows (A1) when gated,
+    plain [T, H·Dh] rows at an offset otherwise."""
+    q = rng.standard_normal((T, H, Dh)).astype(np.float32)
+    if gated:
+        gate = rng.standard_normal((T, H, Dh)).astype(np.float32) * 2
+        qg = np.stack([q, gate], axis=2).reshape(T, 2 * H * Dh)
+        qh, gh = q_and_gate(Rows(gpu.upload(qg, "qg"), T, 2 * H * Dh), H, Dh)
+        return q, gate, qh, gh
+    off = int(rng.integers(1, 7))
+    buf = gpu.upload(np.concatenate([np.zeros(off, np.float32), q.reshape(-1)]), "q")
+    return q, None, Heads(Rows(buf, T, H * Dh, off), H, Dh), None
+
+
+def _out(gpu, T: int, H: int, Dh: int) -> tuple[Heads, object]:
+    buf = gpu.buffer(4 * T * H * Dh, "o")
+    buf.fill(np.nan)
+    return Heads(Rows(buf, T, H * Dh), H, Dh), buf
+
+
+@pytest.mark.parametrize("H,H_kv,Dh,ctype", CONFIGS)
+def test_prefill_causal(gpu, rng, H, H_kv, Dh, ctype):
+    """Causal GQA flash attention for T queries at p0.. over p0+T cached keys; gated via interleaved QG."""
+    gated = bool(rng.integers(2))
+    p0, T = int(rng.integers(0, 60)), int(rng.integers(1, 40))
+    n_ctx = p0 + T + int(rng.integers(1, 20))
+    K, Kf = make_cache(gpu, rng, n_ctx, H_kv, Dh, ctype, "K")
+    V, Vf = make_cache(gpu, rng, n_ctx, H_kv, Dh, ctype, "V")
+    q, gate, qh, gh = _queries(gpu, rng, T, H, Dh, gated)
+    params = _params(gpu, [99, p0, p0 + T])
+    out, obuf = _out(gpu, T, H, Dh)
+
+    g = gpu.graph("prefill")
+    attention(g, params, 1, qh, K, V, out, gate=gh)
+    g.run()
+
+    n = p0 + T
+    want = attend(q, Kf[:n], Vf[:n], causal(p0, T, n), 1 / np.sqrt(Dh), gate)
+    got = obuf.read(np.float32).reshape(T, H, Dh)
+    _check(got, want, np.abs(Vf[:n]).max(), f"H={H}/{H_kv} Dh={Dh} {ctype.value} p0={p0} T={T} gated={gated}")
+
+
+@pytest.mark.parametrize("H,H_kv,Dh,ctype", CONFIGS[:3])
+def test_prefill_masked(gpu, rng, H, H_kv, Dh, ctype):
+    """An all-ones mask reproduces dense bit for bit; a random per-query mask matches the reference."""
+    p0, T = int(rng.integers(0, 70)), int(rng.integers(1, 30))
+    n = p0 + T
+    n_ctx = n + int(rng.integers(0, 40))
+    K, Kf = make_cache(gpu, rng, n_ctx, H_kv, Dh, ctype, "K")
+    V, Vf = make_cache(gpu, rng, n_ctx, H_kv, Dh, ctype, "V")
+    q, _, qh, _ = _queries(gpu, rng, T, H, Dh, False)
+    params = _params(gpu, [p0, n])
+    words = -(-n_ctx // 32) + int(rng.integers(0, 3))
+    bits = rng.random((T, n_ctx)) < 0.4
+    bits[np.arange(T), p0 + np.arange(T)] |= rng.random(T) < 0.7  # most queries keep themselves
+    mbuf = gpu.upload(pack_bits(bits, words), "mask")
+    ones = gpu.upload(np.full((T, words), 0xFFFFFFFF, np.uint32), "ones")
+    (out_d, bd), (out_o, bo), (out_m, bm) = (_out(gpu, T, H, Dh) for _ in range(3))
+
+    g = gpu.graph("masked")
+    attention(g, params, 0, qh, K, V, out_d, name="dense")
+    attention(g, params, 0, qh, K, V, out_o, mask=CellMask(ones, words), name="ones")
+    attention(g, params, 0, qh, K, V, out_m, mask=CellMask(mbuf, words), name="masked")
+    g.run()
+
+    dense = bd.read(np.float32)
+    assert np.array_equal(bo.read(np.float32), dense), "all-ones mask differs from dense"
+    vis = causal(p0, T, n) & bits[:, :n]
+    want = attend(q, Kf[:n], Vf[:n], vis, 1 / np.sqrt(Dh))
+    _check(bm.read(np.float32).reshape(T, H, Dh), want, np.abs(Vf[:n]).max(), "masked")
+
+
+@pytest.mark.parametrize("H,H_kv,Dh,ctype", [CONFIGS[0], CONFIGS[3]])
+def test_gathered_equals_masked(gpu, rng, H, H_kv, Dh, ctype):
+    """(S2)–(S3): attention over a sorted cell list U with per-query bits over U equals the reference
+    with M_t[U_i] = bit; causality still applies to the gathered positions."""
+    p0, T = int(rng.integers(20, 90)), int(rng.integers(1, 20))
+    n = p0 + T
+    K, Kf = make_cache(gpu, rng, n + 5, H_kv, Dh, ctype, "K")
+    V, Vf = make_cache(gpu, rng, n + 5, H_kv, Dh, ctype, "V")
+    U = np.sort(rng.choice(n, size=int(rng.integers(1, n + 1)), replace=False)).astype(np.uint32)
+    cap = len(U) + int(rng.integers(0, 10))
+    words = -(-cap // 32)
+    bits = rng.random((T, len(U))) < 0.7
+    q, gate, qh, gh = _queries(gpu, rng, T, H, Dh, True)
+    params = _params(gpu, [p0, len(U)])
+    cbuf = gpu.upload(np.concatenate([np.full(3, 12345, np.uint32), U, np.full(cap - len(U), 7, np.uint32)]), "U")
+    mbuf = gpu.upload(pack_bits(bits, words), "mask")
+    out, obuf = _out(gpu, T, H, Dh)
+
+    g = gpu.graph("gather")
+    attention(g, params, 0, qh, K, V, out, gate=gh, mask=CellMask(mbuf, words), cells=CellList(cbuf, cap, 3))
+    g.run()
+
+    vis = np.zeros((T, n), bool)
+    vis[:, U] = bits
+    vis &= causal(p0, T, n)
+    want = attend(q, Kf[:n], Vf[:n], vis, 1 / np.sqrt(Dh), gate)
+    _check(obuf.read(np.float32).reshape(T, H, Dh), want, np.abs(Vf[:n]).max(), f"gather |U|={len(U)}")
+
+
+# ---- flash decode ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("H,H_kv,Dh,ctype,T,n_split", [
+    (4, 2, 64, CacheType.F16, 1, 7), (24, 2, 64, CacheType.Q8_0, 1, 5), (6, 2, 128, CacheType.F32, 3, 4),
+])
+def test_decode_split_replay(gpu, rng, H, H_kv, Dh, ctype, T, n_split):
+    """One recorded split-KV graph (attention + combine) replayed at n_kv from 1 to > 5000: the
+    length comes only from the params buffer, and nothing is re-recorded."""
+    n_ctx = 5200 + int(rng.integers(0, 300))
+    K, Kf = make_cache(gpu, rng, n_ctx, H_kv, Dh, ctype, "K")
+    V, Vf = make_cache(gpu, rng, n_ctx, H_kv, Dh, ctype, "V")
+    gated = T == 1
+    q, gate, qh, gh = _queries(gpu, rng, T, H, Dh, gated)
+    params = _params(gpu, [0, 0])
+    part = gpu.buffer(partial_bytes(T, H, Dh, n_split), "partial")
+    out, obuf = _out(gpu, T, H, Dh)
+    g = gpu.graph("decode")
+    attention(g, params, 0, qh, K, V, out, gate=gh, n_split=n_split, partial=part)
+
+    lengths = [T, T + 1, int(rng.integers(T + 2, 200)), int(rng.integers(5000, n_ctx + 1))]
+    recorded = None
+    for n in lengths:
+        p0 = n - T
+        params.write(np.array([p0, n], np.int32))
+        obuf.fill(np.nan)
+        part.fill(np.nan)
+        g.run()
+        if recorded is None:
+            recorded = [s.seq for s in g.submissions]
+        assert [s.seq for s in g.submissions] == recorded, "graph was re-recorded"
+        want = attend(q, Kf[:n], Vf[:n], causal(p0, T, n), 1 / np.sqrt(Dh), gate)
+        _check(obuf.read(np.float32).reshape(T, H, Dh), want, np.abs(Vf[:n]).max(), f"n_kv={n} split={n_split}")
+
+
+def test_append_then_attend(gpu, rng):
+    """End to end over two ubatches: append roped k/v rows with kv_append, then attend over the cache
+    (what a layer does), f16 cache; the reference rounds k/v the same way."""
+    H, H_kv, Dh, n_ctx = 6, 2, 128, 64
+    K = Cache(gpu.buffer(Cache.nbytes(n_ctx, H_kv, Dh, CacheType.F16), "K"), n_ctx, H_kv, Dh, CacheType.F16)
+    V = Cache(gpu.buffer(Cache.nbytes(n_ctx, H_kv, Dh, CacheType.F16), "V"), n_ctx, H_kv, Dh, CacheType.F16)
+    Kh, Vh = np.zeros((0, H_kv, Dh), np.float32), np.zeros((0, H_kv, Dh), np.float32)
+    p0 = 0
+    for T in (int(rng.integers(2, 30)), int(rng.integers(1, 30))):
+        k = rng.standard_normal((T, H_kv, Dh)).astype(np.float32)
+        v = rng.standard_normal((T, H_kv, Dh)).astype(np.float32)
+        q, _, qh, _ = _queries(gpu, rng, T, H, Dh, False)
+        kb, vb = gpu.upload(k, "k"), gpu.upload(v, "v")
+        params = _params(gpu, [p0, p0 + T, *range(p0, p0 + T)])
+        out, obuf = _out(gpu, T, H, Dh)
+        g = gpu.graph("layer")
+        kv_append(g, params, 2, Heads(Rows(kb, T, H_kv * Dh), H_kv, Dh), K, name="k_append")
+        kv_append(g, params, 2, Heads(Rows(vb, T, H_kv * Dh), H_kv, Dh), V, name="v_append")
+        attention(g, params, 0, qh, K, V, out)
+        g.run()
+        Kh = np.concatenate([Kh, rounded(k, CacheType.F16)])
+        Vh = np.concatenate([Vh, rounded(v, CacheType.F16)])
+        assert np.array_equal(K.read(p0 + T), Kh) and np.array_equal(V.read(p0 + T), Vh)
+        want = attend(q, Kh, Vh, causal(p0, T, p0 + T), 1 / np.sqrt(Dh))
+        _check(obuf.read(np.float32).reshape(T, H, Dh), want, np.abs(Vh).max(), f"ubatch at {p0}")
+        p0 += T

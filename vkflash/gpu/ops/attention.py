@@ -1,0 +1,231 @@
+"""Attention ops (MODEL.md §5.5 A4–A7, §5.6 Q9/S3): KV-cache append and flash attention.
+
+One flash kernel (shaders/attn_flash.comp) serves prefill and decode: rows are the (token, q head)
+pairs of one kv head, so K/V tiles are shared by the whole GQA group; with n_split > 1 the KV range
+is cut into n_split chunks whose partial (o, m, l) are merged by shaders/attn_combine.comp
+(flash-decode). Positions and lengths come from a step-params buffer, so one recorded graph
+replays at any context length. Caches are [n_ctx, heads, Dh] in f32, f16 or q8_0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from vkflash.formats.quant_simple import deq_q8_0
+from vkflash.gpu.memory import Buffer
+from vkflash.gpu.ops.views import F32, Rows, f32_bits, grid
+from vkflash.gpu.registry import Kernel, kernel
+
+if TYPE_CHECKING:
+    from vkflash.gpu.graph import Graph
+
+
+class CacheType(str, Enum):
+    """Storage type of a K/V (or indexer-key) cache row; q8_0 = blocks of f16 scale + 32 int8."""
+
+    F32 = "f32"
+    F16 = "f16"
+    Q8_0 = "q8_0"
+
+    @property
+    def define(self) -> str:
+        return {"f32": "KV_F32", "f16": "KV_F16", "q8_0": "KV_Q8_0"}[self.value]
+
+    def row_bytes(self, n: int) -> int:
+        """Bytes of n consecutive elements (n a multiple of 32 for q8_0)."""
+        return {"f32": 4 * n, "f16": 2 * n, "q8_0": 34 * (n // 32)}[self.value]
+
+
+KERNELS = (
+    [Kernel(f"kv_append_{c.value}", "kv_append.comp", 3, defines=((c.define, 1),), local_size=64) for c in CacheType]
+    + [Kernel(f"attn_flash_{c.value}", "attn_flash.comp", 8, defines=((c.define, 1),), local_size=128)
+       for c in CacheType]
+    + [Kernel("attn_combine", "attn_combine.comp", 3, local_size=64)]
+)
+MAX_GROUPS = 4096  # grid-stride loop of kv_append covers the rest
+NEG = -1.0e30  # the kernels' score of a masked key (the m of an empty split)
+
+
+@dataclass(frozen=True)
+class Cache:
+    """A cache buffer of n_ctx positions × n_heads rows of `dim` elements of `type`."""
+
+    buf: Buffer
+    n_ctx: int
+    n_heads: int
+    dim: int
+    type: CacheType
+
+    def __post_init__(self) -> None:
+        if self.type is CacheType.Q8_0 and self.dim % 32:
+            raise ValueError(f"q8_0 cache rows need a head dim that is a multiple of 32, got {self.dim}")
+        need = self.nbytes(self.n_ctx, self.n_heads, self.dim, self.type)
+        if need > self.buf.nbytes:
+            raise ValueError(f"cache {self.buf.name!r}: {self.n_ctx}x{self.n_heads}x{self.dim} {self.type.value} "
+                             f"needs {need} B, buffer has {self.buf.nbytes} B")
+
+    @staticmethod
+    def nbytes(n_ctx: int, n_heads: int, dim: int, type: CacheType) -> int:
+        return n_ctx * n_heads * type.row_bytes(dim)
+
+    def read(self, n: int) -> np.ndarray:
+        """Positions [0, n) decoded to float32, (n, n_heads, dim): for tests and debugging."""
+        m = n * self.n_heads * self.dim
+        if self.type is CacheType.F32:
+            x = self.buf.read(np.float32, m)
+        elif self.type is CacheType.F16:
+            x = self.buf.read(np.float16, m).astype(np.float32)
+        else:
+            x = deq_q8_0(self.buf.read(np.uint8, 34 * (m // 32)).reshape(-1, 34))
+        return x.reshape(n, self.n_heads, self.dim)
+
+
+@dataclass(frozen=True)
+class Heads:
+    """n_heads vectors of `dim` f32 in each row of `rows`: head h of row t starts at element
+    rows.off + t*rows.stride + col + h*head_stride (head_stride defaults to dim)."""
+
+    rows: Rows
+    n_heads: int
+    dim: int
+    head_stride: int = -1
+    col: int = 0
+
+    def __post_init__(self) -> None:
+        if self.head_stride == -1:
+            object.__setattr__(self, "head_stride", self.dim)
+        if self.head_stride < self.dim or self.col < 0:
+            raise ValueError(f"heads of {self.dim}: head stride {self.head_stride} or column {self.col} invalid")
+        if self.col + (self.n_heads - 1) * self.head_stride + self.dim > self.rows.n_cols:
+            raise ValueError(f"{self.n_heads} heads of {self.dim} (stride {self.head_stride}, column {self.col}) "
+                             f"do not fit a row of {self.rows.n_cols}")
+
+    @property
+    def off(self) -> int:
+        return self.rows.off + self.col
+
+    @property
+    def n_tokens(self) -> int:
+        return self.rows.n_rows
+
+
+def q_and_gate(qg: Rows, n_heads: int, dim: int) -> tuple[Heads, Heads]:
+    """(A1) the interleaved projection QG: q_h = QG[2h·Dh, 2h·Dh+Dh), gate_h = QG[2h·Dh+Dh, 2(h+1)·Dh)."""
+    return Heads(qg, n_heads, dim, 2 * dim), Heads(qg, n_heads, dim, 2 * dim, dim)
+
+
+def kv_append(g: "Graph", params: Buffer, pos_off: int, src: Heads, cache: Cache, name: str = "kv_append") -> None:
+    """(A4, Q1) cache[p_t, h, :] = round(src[t, h, :]) with p_t = params[pos_off + t] (int32) for each
+    token t of `src`; positions outside [0, n_ctx) are skipped."""
+    if (src.n_heads, src.dim) != (cache.n_heads, cache.dim):
+        raise ValueError(f"{name}: source has {src.n_heads}x{src.dim} heads, cache {cache.n_heads}x{cache.dim}")
+    if src.head_stride != src.dim:
+        raise ValueError(f"{name}: source heads must be contiguous (head stride {src.head_stride} != {src.dim})")
+    if src.dim % 32:
+        raise ValueError(f"{name}: head dim {src.dim} is not a multiple of 32")
+    T = src.n_tokens
+    if 4 * (pos_off + T) > params.nbytes:
+        raise ValueError(f"{name}: positions [{pos_off}, {pos_off + T}) overflow the params buffer")
+    kname = f"kv_append_{cache.type.value}"
+    wg = kernel(kname).workgroup(g.gpu.caps)
+    n_blocks = T * src.n_heads * src.dim // 32
+    g.dispatch(kname, [params, src.rows.buf, cache.buf], [grid(n_blocks, wg, MAX_GROUPS)],
+               push=[T, src.n_heads, src.off, src.rows.stride, pos_off, cache.n_ctx], spec=[src.dim], name=name,
+               desc=f"T={T} {src.n_heads}x{src.dim} {cache.type.value}",
+               nbytes=T * src.n_heads * (F32 * src.dim + cache.type.row_bytes(src.dim)))
+
+
+@dataclass(frozen=True)
+class CellMask:
+    """Per-query bit rows (S3/Q9): query t may see iteration slot i iff bit i%32 of
+    word buf[off + t*stride + i//32] is set (slot = cache position, or list slot with a CellList)."""
+
+    buf: Buffer
+    stride: int
+    off: int = 0
+
+
+@dataclass(frozen=True)
+class CellList:
+    """Gathered attention (S2): iteration slot i reads cache position buf[off + i] (uint32); the number
+    of slots replaces n_kv in the params buffer."""
+
+    buf: Buffer
+    capacity: int
+    off: int = 0
+
+
+def flash_tiles(dim: int, rows: int, shared_bytes: int) -> tuple[int, int]:
+    """(BR, BC): rows per workgroup (≤ 4096/Dh, no more than needed) and the largest key tile whose
+    shared arrays (q rows, padded K/V tile, scores, 3 row stats) fit the device's shared memory."""
+    br_max = max(4, 4096 // dim)
+    br = min(br_max, 1 << max(0, (rows - 1).bit_length()))
+    for bc in (64, 32, 16, 8, 4):
+        if 4 * (br * dim + bc * (dim + 1) + br * bc + 3 * br) <= shared_bytes:
+            return br, bc
+    raise ValueError(f"head dim {dim} does not fit {shared_bytes} B of shared memory")
+
+
+def attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v: Cache, out: Heads, *,
+              gate: Heads | None = None, mask: CellMask | None = None, cells: CellList | None = None,
+              n_split: int = 1, partial: Buffer | None = None, scale: float | None = None,
+              name: str = "attn") -> None:
+    """(A5)–(A7) out[t, h] = softmax_j((q_{t,h}·k_{j,g})·scale + M_t[j]) · v_{j,g} (⊙ σ(gate_{t,h}) if
+    gate), g = ⌊h/(H/H_kv)⌋, for queries at positions p0 + t with p0 = params[param_off] and
+    n_kv = params[param_off + 1] keys (or list slots). M is causal, ∩ `mask` when given; `cells`
+    gathers keys by position list. n_split > 1 (flash-decode) needs `partial` of
+    partial_bytes(...) and adds a combine dispatch."""
+    T, H, Dh, H_kv = q.n_tokens, q.n_heads, q.dim, k.n_heads
+    if (v.n_heads, v.dim, v.type, v.n_ctx) != (H_kv, k.dim, k.type, k.n_ctx) or k.dim != Dh:
+        raise ValueError(f"{name}: K {k.n_heads}x{k.dim} {k.type.value} [{k.n_ctx}], V {v.n_heads}x{v.dim} "
+                         f"{v.type.value} [{v.n_ctx}] and q heads of {Dh} must agree")
+    if H % H_kv:
+        raise ValueError(f"{name}: {H} q heads are not a multiple of {H_kv} kv heads")
+    if (out.n_tokens, out.n_heads, out.dim) != (T, H, Dh):
+        raise ValueError(f"{name}: output is {out.n_tokens}x{out.n_heads}x{out.dim}, needs {T}x{H}x{Dh}")
+    if gate is not None and (gate.n_tokens, gate.n_heads, gate.dim) != (T, H, Dh):
+        raise ValueError(f"{name}: gate is {gate.n_tokens}x{gate.n_heads}x{gate.dim}, needs {T}x{H}x{Dh}")
+    if 4 * (param_off + 2) > params.nbytes:
+        raise ValueError(f"{name}: params [{param_off}, {param_off + 2}) overflow the params buffer")
+    if n_split < 1:
+        raise ValueError(f"{name}: n_split must be ≥ 1, got {n_split}")
+    if mask is not None:
+        slots = cells.capacity if cells is not None else k.n_ctx
+        if mask.stride * 32 < slots or 4 * (mask.off + T * mask.stride) > mask.buf.nbytes:
+            raise ValueError(f"{name}: mask rows of {mask.stride} words do not cover {slots} slots x {T} queries")
+    if cells is not None and 4 * (cells.off + cells.capacity) > cells.buf.nbytes:
+        raise ValueError(f"{name}: cell list of {cells.capacity} overflows its buffer")
+    split = n_split > 1
+    if split and (partial is None or partial.nbytes < partial_bytes(T, H, Dh, n_split)):
+        raise ValueError(f"{name}: n_split={n_split} needs a partial buffer of {partial_bytes(T, H, Dh, n_split)} B")
+
+    G = H // H_kv
+    br, bc = flash_tiles(Dh, T * G, g.gpu.caps.shared_memory)
+    flags = (1 if gate is not None and not split else 0) | (2 if mask else 0) | (4 if cells else 0) | (8 if split else 0)
+    gv = gate if gate is not None else q
+    kname = f"attn_flash_{k.type.value}"
+    bufs = [params, q.rows.buf, gv.rows.buf, k.buf, v.buf, mask.buf if mask else k.buf,
+            cells.buf if cells else k.buf, partial if split else out.rows.buf]
+    push = [T, G, H_kv, k.n_ctx, q.off, q.rows.stride, q.head_stride, gv.off, gv.rows.stride, gv.head_stride,
+            out.off, out.rows.stride, out.head_stride, param_off, mask.off if mask else 0, mask.stride if mask else 0,
+            cells.off if cells else 0, n_split, f32_bits(1.0 / np.sqrt(Dh) if scale is None else scale)]
+    kv_bytes = 2 * k.n_ctx * H_kv * k.type.row_bytes(Dh)
+    g.dispatch(kname, bufs, [-(-T * G // br), H_kv, n_split], push=push, spec=[Dh, br, bc, flags], name=name,
+               desc=f"T={T} H={H}/{H_kv} Dh={Dh} {k.type.value} split={n_split}"
+               + (" gated" * (gate is not None)) + (" masked" * (mask is not None)) + (" gather" * (cells is not None)),
+               nbytes=kv_bytes)
+    if split:
+        g.dispatch("attn_combine", [partial, gv.rows.buf, out.rows.buf], [H, T],
+                   push=[T, H, n_split, gv.off, gv.rows.stride, gv.head_stride,
+                         out.off, out.rows.stride, out.head_stride],
+                   spec=[Dh, int(gate is not None)], name=f"{name}.combine", desc=f"T={T} H={H} split={n_split}",
+                   nbytes=partial_bytes(T, H, Dh, n_split))
+
+
+def partial_bytes(T: int, H: int, dim: int, n_split: int) -> int:
+    """Size of the split-KV partials: (o[dim], m, l) f32 per split, token and q head."""
+    return 4 * n_split * T * H * (dim + 2)
