@@ -1,0 +1,62 @@
+#version 450
+// MoE router (MODEL.md §5.7 M1–M3), one workgroup per token (grid-stride over tokens):
+//   p = softmax(z) over all E experts (max subtracted, e_i / Σe);
+//   I = top-k(p), in descending p, ties to the lower expert index;
+//   w_i = p_{I_i} / max(Σ_{i'} p_{I_{i'}}, 2^-14)   (selected p summed in rank order).
+// z row t is z[z_off + t*z_stride + e], e < E. Buffers: 0 z (f32), 1 ids (int32, T × k),
+// 2 w (f32, T × k). E ≤ MAX_E (constant_id 1) experts are held in shared memory.
+#extension GL_GOOGLE_include_directive : require
+#include "common/base.glsl"
+#include "common/reduce.glsl"
+
+layout(constant_id = 1) const uint MAX_E = 512;
+const float DENOM_CLAMP = 6.103515625e-5;  // 2^-14
+
+layout(std430, binding = 0) readonly buffer Z { float z[]; };
+layout(std430, binding = 1) buffer Ids { int ids[]; };
+layout(std430, binding = 2) buffer W { float w[]; };
+layout(push_constant) uniform P {
+    uint E; uint k; uint n_rows;
+    uint z_off; uint z_stride; uint id_off; uint id_stride; uint w_off; uint w_stride;
+} p;
+
+shared float prob[MAX_E];
+
+void main() {
+    uint lid = gl_LocalInvocationID.x, wg = gl_WorkGroupSize.x;
+    for (uint t = gl_WorkGroupID.x; t < p.n_rows; t += gl_NumWorkGroups.x) {
+        uint zr = p.z_off + t * p.z_stride, ir = p.id_off + t * p.id_stride, wr = p.w_off + t * p.w_stride;
+        float m = -1.0 / 0.0;  // -inf
+        for (uint e = lid; e < p.E; e += wg) m = max(m, z[zr + e]);
+        m = wg_max(m);
+        float s = 0.0;
+        for (uint e = lid; e < p.E; e += wg) {
+            float x = exp(z[zr + e] - m);
+            prob[e] = x;
+            s += x;
+        }
+        s = wg_sum(s);  // ends with a barrier: every prob[e] is written
+        for (uint e = lid; e < p.E; e += wg) prob[e] = prob[e] / s;
+        barrier();
+        precise float sel = 0.0;
+        for (uint j = 0; j < p.k; ++j) {
+            float bv = -1.0;  // below every probability: taken experts are set to it
+            uint bi = 0xFFFFFFFFu;
+            for (uint e = lid; e < p.E; e += wg) {
+                if (argmax_better(prob[e], e, bv, bi)) { bv = prob[e]; bi = e; }
+            }
+            bv = wg_argmax(bv, bi);  // ends with a barrier: all lanes have read prob
+            sel += bv;
+            if (lid == 0) {
+                ids[ir + j] = int(bi);
+                w[wr + j] = bv;
+                prob[bi] = -1.0;
+            }
+            barrier();
+        }
+        if (lid == 0) {
+            float denom = max(sel, DENOM_CLAMP);
+            for (uint j = 0; j < p.k; ++j) w[wr + j] = w[wr + j] / denom;
+        }
+    }
+}
