@@ -102,6 +102,8 @@ def test_hc_mix(gpu, rng, fuse):
     assert np.all(np.abs(got - want) <= tol), f"max err {np.max(np.abs(got - want)):.3g}"
     assert np.isnan(outside).all()
     assert np.array_equal(_take(xv)[0], X)  # X is only read
+    if fuse:  # only the plain path reuses g_pre as scratch
+        assert np.array_equal(_take(gv)[0], gp)
 
 
 @PATHS
@@ -118,6 +120,8 @@ def test_hc_combine(gpu, rng, fuse):
     H.hc_combine(g, rv, bv, iv, fuse=fuse)
     g.run()
     got, outside = _take(rv)
+    if fuse:  # only the plain path reuses ι as scratch
+        assert np.array_equal(_take(iv)[0], iota)
     y = iota.astype(np.float64) / HC
     sb = (2 * _sig(y))[:, :, None] * b.astype(np.float64)[:, None, :]
     want = (R.astype(np.float64).reshape(T, HC, d) + sb).reshape(T, HC * d)
