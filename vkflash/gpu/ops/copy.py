@@ -18,7 +18,8 @@ def copy_words(g: "Graph", src: "Buffer", src_off: int, dst: "Buffer", dst_off: 
     """dst[dst_off:dst_off+n] = src[src_off:src_off+n], in 32-bit words."""
     if src_off + n > src.words or dst_off + n > dst.words:
         raise ValueError(f"copy of {n} words out of range ({src.words}, {dst.words})")
+    vec4 = src_off % 4 == 0 and dst_off % 4 == 0
     wg = kernel("copy").workgroup(g.gpu.caps)
-    groups = max(1, min(MAX_GROUPS, -(-n // wg)))
-    g.dispatch("copy", [src, dst], [groups], push=[src_off, dst_off, n], name=name,
+    groups = max(1, min(MAX_GROUPS, -(-(n // 4 if vec4 else n) // wg)))
+    g.dispatch("copy", [src, dst], [groups], push=[src_off, dst_off, n, int(vec4)], name=name,
                desc=f"{n * 4} B", nbytes=8 * n)
