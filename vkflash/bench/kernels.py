@@ -138,7 +138,19 @@ def elementwise_rows(gpu: Gpu, quick: bool) -> list[Row]:
     return out
 
 
-KERNEL_BENCHES: list[Callable[[Gpu, bool], list[Row]]] = [elementwise_rows]
+def matmul_rows(gpu: Gpu, quick: bool) -> list[Row]:
+    """Decode GEMV weight GB/s (dense Flash-Next shapes, Q6_K LM head) and prefill GEMM TFLOP/s."""
+    from vkflash.bench import matmul
+
+    small = quick or gpu.caps.device_type == "cpu"
+    rows = [Row(r["name"], r["shape"], r["seconds"] * 1e6, r["GB/s"], "GB/s")
+            for r in matmul.gemv_bandwidth(gpu, quick=small)]
+    rows += [Row(r["name"], r["shape"], r["seconds"] * 1e6, r["TFLOP/s"], "TFLOP/s")
+             for r in matmul.gemm_tflops(gpu, quick=small)]
+    return rows
+
+
+KERNEL_BENCHES: list[Callable[[Gpu, bool], list[Row]]] = [elementwise_rows, matmul_rows]
 
 
 def run(quick: bool, as_json: bool, console: Console) -> None:
