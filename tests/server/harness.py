@@ -120,7 +120,8 @@ class InProcess:
 
 
 def start_in_process(state: Any) -> InProcess:
-    """Serve `state` on a free loopback port from a thread; the caller must call stop_in_process."""
+    """Serve `state` on a free loopback port from a thread (its model loads in the background);
+    returns once /health answers at all. The caller must call stop_in_process."""
     import uvicorn
 
     from vkflash.server.app import bind, create_app
@@ -128,10 +129,18 @@ def start_in_process(state: Any) -> InProcess:
     sock = bind("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning", lifespan="off"))
     t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    state.start_loading().join()
     t.start()
+    state.start_loading()
     base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    wait_health(base, 200 if state.health.status == "ok" else 503, timeout=30)
+    end = time.monotonic() + 30
+    while True:
+        try:
+            call(base, "GET", "/health", timeout=5)
+            break
+        except (urllib.error.URLError, ConnectionError, socket.timeout):
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.05)
     return InProcess(base, state, server, t)
 
 

@@ -3,12 +3,13 @@ stop strings, and a device lost mid-generation turning /health unhealthy for goo
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
 import pytest
 
-from harness import call, start_in_process
+from harness import call, start_in_process, wait_health
 
 from vkflash import settings
 from vkflash.engine.api import EngineInfo
@@ -64,6 +65,7 @@ def _serve(in_process, tiny_model, tokenizer, output: str, template: str | None 
     state = ServerState(settings.load(env={}), ServerOptions(queue_depth=1), lambda s: Loaded(fwd, tokenizer, info))
     p = start_in_process(state)
     in_process.append(p)
+    wait_health(p.base, 200)
     return p.base
 
 
@@ -124,3 +126,25 @@ def test_lost_device_makes_the_server_unhealthy(in_process, tiny_model, tokenize
     again = call(base, "POST", "/v1/chat/completions", {"messages": MSGS})
     assert again.status == 503 and "device lost" in again.body["error"]["message"]
     assert "vkflash_healthy 0" in call(base, "GET", "/metrics").body
+
+
+def test_loading_is_503_then_ready(in_process, tiny_model, tokenizer):
+    release = threading.Event()
+    fwd = ScriptedForward(tokenizer.encode("fib"), tokenizer.eos_id, tokenizer.vocab_size, 64)
+    info = EngineInfo("slow", str(tiny_model), "qwen4exp", "scripted", 64, 64, tokenizer.vocab_size,
+                      read_tokenizer_meta(tiny_model)["tokenizer.chat_template"])
+
+    def slow_loader(_s):
+        release.wait(30)
+        return Loaded(fwd, tokenizer, info)
+
+    p = start_in_process(ServerState(settings.load(env={}), ServerOptions(), slow_loader))
+    in_process.append(p)
+    h = call(p.base, "GET", "/health")
+    assert h.status == 503 and h.body["status"] == "loading"
+    r = call(p.base, "POST", "/v1/chat/completions", {"messages": MSGS})
+    assert r.status == 503 and r.body["error"]["code"] == "loading" and r.headers.get("retry-after")
+    release.set()
+    wait_health(p.base, 200, timeout=10)
+    r = call(p.base, "POST", "/v1/chat/completions", {"messages": MSGS, "temperature": 0})
+    assert r.body["choices"][0]["message"]["content"] == "fib"

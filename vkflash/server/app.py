@@ -17,6 +17,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -138,7 +139,7 @@ def create_app(state: ServerState) -> ASGIApp:
     @app.post("/tokenize", summary="Text → token ids (special tokens in the text are parsed)")
     async def tokenize(req: TokenizeRequest) -> JSONResponse:
         tok = state.ready().tokenizer
-        ids = tok.encode(req.content, add_special=req.add_special, parse_special=True)
+        ids = await run_in_threadpool(tok.encode, req.content, req.add_special, True)
         if req.with_pieces:
             return JSONResponse({"tokens": [{"id": t, "piece": tok.decode([t], special=True)} for t in ids]})
         return JSONResponse({"tokens": ids})

@@ -14,6 +14,11 @@ from vkflash.model.tokenizer import Tokenizer, read_tokenizer_meta
 from vkflash.model.weights import load_model
 from vkflash.settings import Settings
 
+# knobs that steer the GPU forward only (BLKTOPK and GP reach the reference's QSA options); the
+# reference backend says so instead of ignoring them silently
+REFERENCE_IGNORES = ("MODEL_DRAFT", "KV", "MTP", "DRAFT", "DEEPGUARD", "SPEC_STOCH", "RSROLL", "POOLED",
+                     "VKFLASH_MM_TILE_EPILOG", "VKFLASH_MMID_COMPACT", "VKFLASH_HC_FUSE")
+
 
 @dataclass
 class Loaded:
@@ -49,7 +54,11 @@ def load(settings: Settings) -> Loaded:
     if tok.vocab_size > hp.V:
         raise ModelError(f"{path.name}: the tokenizer has {tok.vocab_size} tokens but the model only {hp.V}")
     template = str(meta.get("tokenizer.chat_template") or QWEN3_THINKING_TEMPLATE)
-    fwd = ReferenceForward(weights, n_ctx)
+    fwd = ReferenceForward(weights, n_ctx, qsa_mode="block" if settings["BLKTOPK"] else "cell",
+                           gathered=bool(settings["GP"]))
+    unused = [k for k in REFERENCE_IGNORES if settings.sources.get(k, "default") != "default"]
+    if unused:
+        print(f"note: {', '.join(unused)} set but without effect on the NumPy reference backend", flush=True)
     info = EngineInfo(model_id=path.stem, model_path=str(path), arch=hp.arch, backend="numpy-reference",
                       n_ctx=n_ctx, n_ctx_train=hp.n_ctx_train, n_vocab=hp.V, chat_template=template,
                       ubatch=settings["UB"])

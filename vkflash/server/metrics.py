@@ -30,6 +30,11 @@ class Metrics:
         with self._lock:
             self.requests[(path, status)] += 1
 
+    def reject(self) -> None:
+        """Count one request refused for a full queue."""
+        with self._lock:
+            self.rejected += 1
+
     def finish(self, fin: Finish) -> None:
         """Fold one generation's counts and timings in."""
         t = fin.timings

@@ -112,7 +112,7 @@ def admit(state: ServerState, prep: Prepared) -> Job:
     try:
         return state.slot.submit(prep.ids, prep.params)
     except QueueFull:
-        state.metrics.rejected += 1
+        state.metrics.reject()
         raise ApiError(503, f"the server is busy: 1 generation running and {state.slot.depth} waiting",
                        code="queue_full", headers={"Retry-After": "1"}) from None
 
