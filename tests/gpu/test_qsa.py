@@ -1,0 +1,138 @@
+"""QSA kernels vs the NumPy reference (vkflash.model.layers): pooled summary rows (Q2–Q3), block
+scores (Q5), block-mode selection (Q6, Q8; ties to the lower block, kb beyond 1024) as cell lists
+and as bit rows, and a selection feeding gathered decode attention end to end."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from attention_ref import attend, make_cache
+from vkflash.gpu.ops.attention import CacheType, CellList, Heads, attention
+from vkflash.gpu.ops.qsa import qsa_pool, qsa_scores, qsa_select
+from vkflash.gpu.ops.views import Rows
+from vkflash.model.layers.norms import rms_norm
+from vkflash.model.layers.qsa import select_cells
+from vkflash.model.layers.rope import rope_neox
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("ctype,D,r", [(CacheType.F16, 128, 4), (CacheType.Q8_0, 64, 3), (CacheType.F32, 64, 4)])
+def test_pool_summary_rows(gpu, rng, ctype, D, r):
+    """Rows of the blocks this ubatch completes equal RoPE_{br}(rms(mean of the stored keys) ⊙ gain);
+    other rows stay poisoned. Bound: f32 sums/rms ≈ 1e-6 relative; GLSL sin/cos may err by 2^-11
+    absolute (Vulkan precision), so rotated dims get 1e-3·max|κ|, unrotated 1e-5·max|κ|. A wrong
+    position (≥ r rad in the fastest pair), pooling window or norm is off by O(max|κ|)."""
+    p0, T = int(rng.integers(0, 90)), int(rng.integers(1, 40))
+    n_ctx, n_rot, theta, eps = p0 + T + 4, 2 * int(rng.integers(4, D // 4 + 1)), 1e4, 1e-6
+    keys, kf = make_cache(gpu, rng, n_ctx, 1, D, ctype, "ik")
+    gain = (1 + rng.uniform(-0.1, 0.1, D)).astype(np.float32)
+    n_blocks = n_ctx // r + 1
+    sbuf = gpu.buffer(4 * n_blocks * D, "summary")
+    sbuf.fill(np.nan)
+    params = gpu.upload(np.array([p0, p0 + T], np.int32), "params")
+    g = gpu.graph("pool")
+    qsa_pool(g, params, 0, keys, gpu.upload(gain, "gain"), Rows(sbuf, n_blocks, D), r=r, T=T, n_rot=n_rot,
+             theta=theta, eps=eps)
+    g.run()
+    got = sbuf.read(np.float32).reshape(n_blocks, D)
+    new = np.arange(p0 // r, (p0 + T) // r)
+    assert np.isnan(np.delete(got, new, axis=0)).all(), "a row outside the completed blocks was written"
+    if len(new) == 0:
+        return
+    P = kf[:, 0].astype(np.float64)[new[0] * r: (new[-1] + 1) * r].reshape(len(new), r, D).sum(axis=1) / r
+    want = rope_neox(rms_norm(P, gain.astype(np.float64), eps)[:, None, :], new * r, n_rot, theta)[:, 0]
+    err = np.abs(got[new] - want)
+    scale = np.abs(want).max()
+    assert err[:, :n_rot].max() <= 1e-3 * scale and err[:, n_rot:].max(initial=0) <= 1e-5 * scale, err.max()
+
+
+def test_block_scores(gpu, rng):
+    """s_{t,b} = Σ_h relu(qI_{t,h}·κ_b) for visible blocks only. Bound: f32 dot products, 1e-5 of
+    Σ_h Σ_d |q κ|; a missing relu or head changes scores by O(the dots)."""
+    n_I, D, r = 4, 64, 4
+    p0, T = int(rng.integers(0, 200)), int(rng.integers(1, 12))
+    n_blocks = (p0 + T) // r + 3
+    qI = rng.standard_normal((T, n_I * D)).astype(np.float32)
+    kappa = rng.standard_normal((n_blocks, D)).astype(np.float32)
+    width = n_blocks + int(rng.integers(0, 5))
+    sbuf = gpu.buffer(4 * T * width, "scores")
+    sbuf.fill(np.nan)
+    params = gpu.upload(np.array([p0, p0 + T], np.int32), "params")
+    g = gpu.graph("scores")
+    qsa_scores(g, params, 0, Rows(gpu.upload(qI, "qI"), T, n_I * D), Rows(gpu.upload(kappa, "kappa"), n_blocks, D),
+               Rows(sbuf, T, width), n_I=n_I, r=r)
+    g.run()
+    got = sbuf.read(np.float32).reshape(T, width)
+    dots = np.einsum("thd,bd->tbh", qI.reshape(T, n_I, D).astype(np.float64), kappa.astype(np.float64))
+    bound = 1e-5 * np.abs(np.einsum("thd,bd->tb", np.abs(qI.reshape(T, n_I, D)), np.abs(kappa)))
+    want = np.maximum(dots, 0).sum(axis=-1)
+    for t in range(T):
+        nb = (p0 + t + 1) // r
+        assert (np.abs(got[t, :nb] - want[t, :nb]) <= bound[t, :nb]).all(), f"query {t}"
+        assert np.isnan(got[t, nb:]).all(), f"query {t}: an invisible block was scored"
+
+
+@pytest.mark.parametrize("r,B,n_max", [(4, 16, 300), (3, 12, 200), (4, 4800, 6500)])
+@pytest.mark.parametrize("listing", [True, False])
+def test_select_block_mode(gpu, rng, r, B, n_max, listing):
+    """Sel_t equals the reference's block mode with ties to the lower block index. Scores come from a
+    handful of values (many exact ties and relu zeros); kb = 1200 checks there is no 1024 limit."""
+    W = B + r - 1
+    T = int(rng.integers(1, 5))
+    p0 = int(rng.integers(max(0, W - 3 - T), n_max - T))  # both dense (t+1 ≤ W) and sparse queries when close
+    n = p0 + T
+    nb_cap = n // r + 2
+    scores = rng.integers(0, 6, (T, nb_cap)).astype(np.float32) * np.float32(rng.uniform(0.5, 2))
+    scores[rng.random((T, nb_cap)) < 0.2] = -0.0
+    params = gpu.upload(np.array([p0, n], np.int32), "params")
+    cols = W + int(rng.integers(0, 4)) if listing else -(-n // 32) + 1
+    obuf = gpu.buffer(4 * T * cols, "sel")
+    obuf.fill(0xDEADBEEF, np.uint32)
+    gp = gpu.buffer(4 * (2 * T + 1), "gp")
+    g = gpu.graph("select")
+    qsa_select(g, params, 0, Rows(gpu.upload(scores, "s"), T, nb_cap), Rows(obuf, T, cols), r=r, B=B,
+               gather_params=gp if listing else None, gp_off=1)
+    g.run()
+    got = obuf.read(np.uint32).reshape(T, cols)
+    for t in range(T):
+        tp = p0 + t
+        want = select_cells(tp, np.abs(scores[t, : (tp + 1) // r]).astype(np.float64), r, B, "block", "index")
+        if listing:
+            count = gp.read(np.int32, 2, 4 * (1 + 2 * t))
+            assert list(count) == [tp, len(want)], f"query at {tp}: gather params {count}"
+            assert np.array_equal(got[t, : len(want)], want), f"query at {tp}: cell list differs"
+        else:
+            words = -(-(tp + 1) // 32)
+            bits = ((got[t, :words, None] >> np.arange(32, dtype=np.uint32)) & 1).reshape(-1)[: tp + 1]
+            assert np.array_equal(np.flatnonzero(bits), want), f"query at {tp}: mask differs"
+            assert (got[t, words:] == 0xDEADBEEF).all(), "mask words past the query were written"
+
+
+def test_select_then_gathered_decode(gpu, rng):
+    """Decode over the selected cells: qsa_select's list and gather params drive attn_flash (GATHER)
+    with no host step; equals the reference masked attention (tolerance as in test_attention)."""
+    H, H_kv, Dh, r, B = 4, 2, 64, 4, 32
+    n = int(rng.integers(B + r, 400))
+    K, Kf = make_cache(gpu, rng, n + 3, H_kv, Dh, CacheType.F16, "K")
+    V, Vf = make_cache(gpu, rng, n + 3, H_kv, Dh, CacheType.F16, "V")
+    nb = n // r
+    s = np.maximum(rng.standard_normal((1, nb + 1)), 0).astype(np.float32)
+    q = rng.standard_normal((1, H, Dh)).astype(np.float32)
+    W = B + r - 1
+    cells, gp = gpu.buffer(4 * W, "cells"), gpu.buffer(8, "gp")
+    out = gpu.buffer(4 * H * Dh, "o")
+    out.fill(np.nan)
+    g = gpu.graph("qsa_decode")
+    qsa_select(g, gpu.upload(np.array([n - 1, n], np.int32)), 0, Rows(gpu.upload(s, "s"), 1, nb + 1),
+               Rows(cells, 1, W), r=r, B=B, gather_params=gp)
+    attention(g, gp, 0, Heads(Rows(gpu.upload(q, "q"), 1, H * Dh), H, Dh), K, V, Heads(Rows(out, 1, H * Dh), H, Dh),
+              cells=CellList(cells, W))
+    g.run()
+    sel = select_cells(n - 1, s[0, : n // r].astype(np.float64), r, B, "block", "index")
+    vis = np.zeros((1, n), bool)
+    vis[0, sel] = True
+    want = attend(q, Kf[:n], Vf[:n], vis, 1 / np.sqrt(Dh))
+    got = out.read(np.float32).reshape(1, H, Dh)
+    assert np.abs(got - want).max() <= 2e-5 * np.abs(Vf[:n]).max()

@@ -1,0 +1,77 @@
+"""QSA ops (MODEL.md §5.6 Q2–Q8): pooled-key summary rows, block scores and the block-mode selection.
+
+The raw indexer keys are written with attention.kv_append (one head of D_I). `qsa_pool` fills the
+summary rows of blocks an ubatch completes; `qsa_scores` computes s_{t,b}; `qsa_select` runs an
+exact top-kb over blocks (ties to the lower index, any kb) and emits either the sorted cell list +
+gather params of a gathered decode attention, or per-query bit rows for masked prefill attention.
+Positions and lengths come from the params buffer ([p0, n] at param_off), as for attention.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vkflash.gpu.memory import Buffer
+from vkflash.gpu.ops.attention import Cache, CacheType
+from vkflash.gpu.ops.views import Rows, f32_bits
+from vkflash.gpu.registry import Kernel
+
+if TYPE_CHECKING:
+    from vkflash.gpu.graph import Graph
+
+KERNELS = (
+    [Kernel(f"qsa_pool_{c.value}", "qsa_pool.comp", 4, defines=((c.define, 1),), local_size=128) for c in CacheType]
+    + [Kernel("qsa_scores", "qsa_scores.comp", 4, local_size=64),
+       Kernel("qsa_topk", "qsa_topk.comp", 4, local_size=256)]
+)
+SCORE_GROUPS = 64  # workgroups per query striding over blocks (grid-stride: any depth)
+
+
+def qsa_pool(g: "Graph", params: Buffer, param_off: int, keys: Cache, gain: Buffer, summary: Rows, *,
+             r: int, T: int, n_rot: int, theta: float, eps: float, name: str = "qsa_pool") -> None:
+    """(Q2)–(Q3) κ_b = RoPE_{br}(rms((1/r)Σ_i ρ_{br+i}) ⊙ gain) for every block b an ubatch of T tokens
+    at p0 = params[param_off] completes (n = params[param_off+1] keys after it); summary row b at
+    summary.off + b·summary.stride."""
+    D = keys.dim
+    if keys.n_heads != 1 or summary.n_cols != D or summary.stride != D or gain.nbytes < 4 * D:
+        raise ValueError(f"{name}: needs one key head of {D}, dense summary rows of {D} and a gain of {D}")
+    if summary.off:
+        raise ValueError(f"{name}: summary rows must start at element 0")
+    if n_rot % 2 or n_rot > D or r < 1:
+        raise ValueError(f"{name}: n_rot {n_rot} / r {r} invalid for D_I {D}")
+    kname = f"qsa_pool_{keys.type.value}"
+    g.dispatch(kname, [params, keys.buf, gain, summary.buf], [T // r + 1],
+               push=[param_off, r, summary.n_rows, n_rot, f32_bits(eps), f32_bits(theta)], spec=[D], name=name,
+               desc=f"T={T} r={r} D_I={D} {keys.type.value}")
+
+
+def qsa_scores(g: "Graph", params: Buffer, param_off: int, qI: Rows, summary: Rows, scores: Rows, *,
+               n_I: int, r: int, name: str = "qsa_scores") -> None:
+    """(Q5) scores[t, b] = Σ_h relu(qI_{t,h}·κ_b) for b < ⌊(p0+t+1)/r⌋ (other entries untouched);
+    qI rows hold n_I heads of D_I, scores rows have room for every summary row."""
+    D, T = summary.n_cols, qI.n_rows
+    if qI.n_cols != n_I * D or scores.n_rows != T or scores.n_cols < summary.n_rows or summary.stride != D:
+        raise ValueError(f"{name}: qI {qI.n_rows}x{qI.n_cols}, summary {summary.n_rows}x{D}, scores "
+                         f"{scores.n_rows}x{scores.n_cols} do not fit n_I={n_I}")
+    g.dispatch("qsa_scores", [params, qI.buf, summary.buf, scores.buf], [SCORE_GROUPS, T],
+               push=[param_off, r, summary.n_rows, qI.off, qI.stride, scores.off, scores.stride],
+               spec=[D, n_I], name=name, desc=f"T={T} n_I={n_I} D_I={D}")
+
+
+def qsa_select(g: "Graph", params: Buffer, param_off: int, scores: Rows, out: Rows, *, r: int, B: int,
+               gather_params: Buffer | None = None, gp_off: int = 0, name: str = "qsa_select") -> None:
+    """(Q6), (Q8) block-mode Sel_t for the T = scores.n_rows queries at p0 + t. With gather_params:
+    out row t = sorted cells of Sel_t (needs ≥ W = B + r − 1 columns) and gather_params[gp_off+2t],
+    [gp_off+2t+1] = (position, count); else out row t = bit words of Sel_t (≥ ⌈n_ctx/32⌉ columns)."""
+    if B % r:
+        raise ValueError(f"{name}: token budget B={B} is not a multiple of the block size r={r}")
+    W, T = B + r - 1, scores.n_rows
+    if out.n_rows != T:
+        raise ValueError(f"{name}: output has {out.n_rows} rows for {T} queries")
+    listing = gather_params is not None
+    if listing and (out.n_cols < W or gather_params.nbytes < 4 * (gp_off + 2 * T)):
+        raise ValueError(f"{name}: cell lists need {W} columns and {2 * T} gather-params words")
+    g.dispatch("qsa_topk", [params, scores.buf, gather_params if listing else params, out.buf], [T],
+               push=[param_off, r, B // r, W, scores.off, scores.stride, out.off, out.stride, gp_off],
+               spec=[int(listing)], writes=[2, 3] if listing else [3], name=name,
+               desc=f"T={T} kb={B // r} r={r} {'list' if listing else 'mask'}")
