@@ -1,0 +1,168 @@
+"""The GPU forward (qwen2) vs the float64 NumPy reference on tiny random models: logits at every
+position, prefill-then-decode = one prefill, greedy tokens, UB independence, context end,
+truncation, and the shape of the decode graph (one submission)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from qwen2_tiny import Geometry, write_qwen2
+from vkflash.engine.api import ArgmaxForward, Forward, InvalidRequest
+from vkflash.engine.gpu_forward import GpuForward, pieces
+from vkflash.engine.graphs.common import Head
+from vkflash.model import reference
+from vkflash.model.weights import load_model
+
+pytestmark = pytest.mark.gpu
+
+# Fixed ragged geometry (not powers of two; GQA 3:1): the pipelines' specialization constants then
+# repeat between runs, so Mesa's shader cache keeps lavapipe fast. Weights and tokens are fresh.
+GEO = Geometry(d=96, H=3, H_kv=1, Dh=32, F=160, V=301, L=2)
+EXACT = 1e-3  # MODEL.md §7.10: max|Δ| ≤ 1e-3·std(logits) with f32 caches and identical weights
+
+
+def _rel(got: np.ndarray, ref: np.ndarray) -> float:
+    """max|Δ| in units of std(ref)."""
+    return float(np.abs(got - ref).max() / ref.std())
+
+
+def _model(tmp_path: Path, rng: np.random.Generator, qtype: Q = Q.F32, embd: Q | None = None,
+           tied: bool = False) -> Path:
+    path = tmp_path / f"qwen2-{qtype.name}.gguf"
+    write_qwen2(path, rng, GEO, qtype, embd, tied)
+    return path
+
+
+def _reference(path: Path, toks: np.ndarray, cache: type = np.float32) -> np.ndarray:
+    """Reference logits (T, V) in float64, K/V rounded to `cache` at write."""
+    w = load_model(path, np.float64)
+    return reference.prefill(toks, reference.new_state(w, cache_dtype=cache))
+
+
+@pytest.mark.parametrize("qtype,embd,tied", [(Q.F32, None, False), (Q.Q8_0, None, True), (Q.Q4_0, Q.Q8_0, False),
+                                             (Q.Q4_0, None, True)],
+                         ids=["f32", "q8_0-tied", "q4_0", "q4_0-host-embd-tied"])
+def test_logits_at_every_position(gpu, rng, tmp_path, qtype, embd, tied):
+    """Teacher-forced logits of a 100-token prompt (steps 64 + 32 + 4) match the reference; the
+    Q4_0 table exercises the host-gathered embedding (the embed kernel has no Q4_0)."""
+    path = _model(tmp_path, rng, qtype, embd, tied)
+    toks = rng.integers(0, GEO.V, 100)
+    fwd = GpuForward(path, ctx=300, ub=64, kv="f32", gpu=gpu)
+    fwd.model.head.logits.fill(np.nan)
+    got = fwd.prefill_logits(toks)
+    ref = _reference(path, toks)
+    assert np.isfinite(got).all()
+    assert _rel(got, ref) <= EXACT, f"{qtype.name}: max|Δ| = {_rel(got, ref):.2e}·std"
+    assert fwd.n_past == len(toks)
+
+
+@pytest.mark.parametrize("kv", ["f32", "f16"])
+def test_prefill_then_decode_equals_one_prefill(gpu, rng, tmp_path, kv):
+    """prefill(37) + 20 decodes (flash-decode, split KV) = one 57-token prefill, and both match the
+    reference with K/V rounded to the same type at write (f16: the reference rounds identically, so
+    only f32 summation order differs and the exact bound still holds)."""
+    path = _model(tmp_path, rng, Q.Q8_0)
+    toks = rng.integers(0, GEO.V, 57)
+    fwd = GpuForward(path, ctx=600, ub=64, kv=kv, gpu=gpu)
+    assert fwd.model.n_split > 1, "ctx 600 should split the decode attention"
+    whole = fwd.prefill_logits(toks)
+    fwd.reset()
+    steps = [fwd.prefill(toks[:37])] + [fwd.decode(int(t)) for t in toks[37:]]
+    ref = _reference(path, toks, np.float32 if kv == "f32" else np.float16)
+    assert _rel(np.stack(steps), whole[36:]) <= 1e-4
+    assert _rel(whole, ref) <= EXACT
+    assert _rel(np.stack(steps), ref[36:]) <= EXACT
+
+
+def test_q8_0_cache_close_to_f32(gpu, rng, tmp_path):
+    """KV=q8_0 rounds each 32-block to 8 bits (relative step ≤ 1/254 of its max): the logits stay
+    within a few % of std of the exact ones, and decode agrees with prefill on the same cache."""
+    path = _model(tmp_path, rng, Q.F32)
+    toks = rng.integers(0, GEO.V, 40)
+    fwd = GpuForward(path, ctx=100, ub=16, kv="q8_0", gpu=gpu)
+    whole = fwd.prefill_logits(toks)
+    fwd.reset()
+    steps = [fwd.prefill(toks[:30])] + [fwd.decode(int(t)) for t in toks[30:]]
+    assert _rel(np.stack(steps), whole[29:]) <= 1e-4
+    assert _rel(whole, _reference(path, toks)) <= 5e-2
+
+
+def test_greedy_matches_reference(gpu, rng, tmp_path):
+    """16 greedy tokens from the device argmax equal the reference's greedy continuation, and the
+    argmax fast path agrees with the argmax of the logits it computed."""
+    path = _model(tmp_path, rng, Q.Q8_0)
+    prompt = rng.integers(0, GEO.V, 23)
+    fwd = GpuForward(path, ctx=128, ub=16, kv="f16", gpu=gpu)
+    assert isinstance(fwd, Forward) and isinstance(fwd, ArgmaxForward)
+    got = [fwd.prefill_argmax(prompt)]
+    for _ in range(15):
+        got.append(fwd.decode_argmax(got[-1]))
+    st = reference.new_state(load_model(path, np.float64), cache_dtype=np.float16)
+    want = [int(np.argmax(reference.prefill(prompt, st)[-1]))]
+    for _ in range(15):
+        want.append(int(np.argmax(reference.prefill([want[-1]], st)[-1])))
+    assert got == want
+    logits = fwd.decode(got[-1])
+    assert int(fwd.model.head.ids.read(np.uint32, 1)[0]) == int(np.argmax(logits))
+
+
+def test_ubatch_size_does_not_change_results(gpu, rng, tmp_path):
+    """UB = 5, 16, 48, 128 (steps of different sizes and kernels: GEMV vs GEMM) give the same logits."""
+    path = _model(tmp_path, rng, Q.Q4_0, Q.Q8_0)
+    toks = rng.integers(0, GEO.V, 100)
+    ref = _reference(path, toks)
+    for ub in (5, 16, 48, 128):
+        fwd = GpuForward(path, ctx=128, ub=ub, kv="f32", gpu=gpu)
+        last = fwd.prefill(toks[:97])
+        nxt = [fwd.decode(int(t)) for t in toks[97:]]
+        assert _rel(np.stack([last, *nxt]), ref[96:]) <= EXACT, f"UB={ub}"
+
+
+def test_context_end_and_truncate(gpu, rng, tmp_path):
+    """Feeding past n_ctx raises InvalidRequest and changes nothing; truncate keeps a prefix."""
+    path = _model(tmp_path, rng, Q.F32)
+    toks = rng.integers(0, GEO.V, 24)
+    fwd = GpuForward(path, ctx=24, ub=8, kv="f32", gpu=gpu)
+    fwd.prefill(toks[:20])
+    with pytest.raises(InvalidRequest, match="context full"):
+        fwd.prefill(toks[:5])
+    assert fwd.n_past == 20
+    for t in toks[20:]:
+        fwd.decode(int(t))
+    with pytest.raises(InvalidRequest, match="context full"):
+        fwd.decode(int(toks[0]))
+    with pytest.raises(InvalidRequest, match="vocabulary"):
+        GpuForward(path, ctx=24, ub=8, kv="f32", gpu=gpu).prefill([GEO.V])
+    fwd.truncate(11)
+    assert fwd.n_past == 11
+    alt = rng.integers(0, GEO.V, 3)
+    got = fwd.prefill(alt)
+    ref = _reference(path, np.concatenate([toks[:11], alt]))
+    assert _rel(got, ref[-1]) <= EXACT
+
+
+def test_decode_graph_is_one_submission(gpu, rng, tmp_path):
+    """Decode replays one recorded submission; its dispatches are the embedding, 13 per layer
+    (+1 flash-decode combine), and the head (norm, LM head, argmax in two passes)."""
+    path = _model(tmp_path, rng, Q.F32)
+    fwd = GpuForward(path, ctx=1000, ub=32, kv="f16", gpu=gpu)
+    stats = fwd.graph_stats(1, Head.LAST)
+    assert stats.submissions == 1
+    assert stats.dispatches == 1 + GEO.L * (13 + (fwd.model.n_split > 1)) + 4
+    names = {op.name for op in fwd.graph(1, Head.LAST).ops}
+    assert {"inp_embd", "blk.0.attn_norm", f"blk.{GEO.L - 1}.l_out", "result_output"} <= names
+
+
+def test_pieces_cover_without_padding(rng):
+    """A ubatch is cut into whole caps and descending powers of two, summing exactly."""
+    for _ in range(50):
+        cap = int(rng.integers(1, 300))
+        n = int(rng.integers(1, 1000))
+        ps = list(pieces(n, cap))
+        assert sum(ps) == n and all(1 <= p <= cap for p in ps)
+        tail = [p for p in ps if p != cap]
+        assert all(p & (p - 1) == 0 for p in tail) and tail == sorted(set(tail), reverse=True)

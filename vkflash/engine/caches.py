@@ -1,0 +1,68 @@
+"""Per-sequence caches on the GPU (MODEL.md §6): attention K/V per attention layer.
+
+Each attention layer has a K and a V cache of [n_ctx, H_kv, Dh] in f16 (default), q8_0 (KV knob)
+or f32 (exact comparisons). Rows are written at their positions by kv_append; the valid length
+(n_kv) lives in the step-params buffer, so truncating a sequence needs no GPU work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable
+
+from vkflash.errors import ConfigError
+from vkflash.gpu.ops.attention import Cache, CacheType
+from vkflash.model.hparams import HParams
+
+if TYPE_CHECKING:
+    from vkflash.gpu.context import Gpu
+
+
+def cache_type(name: str) -> CacheType:
+    """The KV knob value ("f16", "q8_0", or "f32" for exact tests) as a CacheType."""
+    try:
+        return CacheType(name)
+    except ValueError:
+        raise ConfigError(f"KV={name!r} is not a cache type; accepted: f16, q8_0, f32") from None
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """The K and V caches of one attention layer."""
+
+    k: Cache
+    v: Cache
+
+
+@dataclass(frozen=True)
+class KVCaches:
+    """K/V caches of every attention layer, by layer index."""
+
+    n_ctx: int
+    type: CacheType
+    layers: dict[int, LayerKV]
+
+    def __getitem__(self, layer: int) -> LayerKV:
+        return self.layers[layer]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(kv.k.buf.nbytes + kv.v.buf.nbytes for kv in self.layers.values())
+
+
+def kv_bytes_per_layer(hp: HParams, n_ctx: int, type: CacheType) -> int:
+    """Bytes of one layer's K plus V cache."""
+    return 2 * Cache.nbytes(n_ctx, hp.H_kv, hp.Dh, type)
+
+
+def allocate_kv(gpu: "Gpu", hp: HParams, n_ctx: int, type: CacheType, layers: Iterable[int]) -> KVCaches:
+    """K and V caches of n_ctx positions for each attention layer in `layers`."""
+    if type is CacheType.Q8_0 and hp.Dh % 32:
+        raise ConfigError(f"KV=q8_0 needs a head dim that is a multiple of 32, the model has {hp.Dh}")
+    out: dict[int, LayerKV] = {}
+    nbytes = Cache.nbytes(n_ctx, hp.H_kv, hp.Dh, type)
+    for i in layers:
+        k = gpu.buffer(nbytes, f"blk.{i}.cache_k")
+        v = gpu.buffer(nbytes, f"blk.{i}.cache_v")
+        out[i] = LayerKV(Cache(k, n_ctx, hp.H_kv, hp.Dh, type), Cache(v, n_ctx, hp.H_kv, hp.Dh, type))
+    return KVCaches(n_ctx, type, out)

@@ -1,0 +1,179 @@
+"""The Vulkan forward: one sequence of a GGUF model on the GPU behind the engine's Forward protocol.
+
+Step graphs are recorded once per (token count, head) and replayed with the step's positions and
+token ids written into the step-params buffer. A prompt is fed in ubatches of UB tokens; a
+ubatch that is not a whole recorded size is cut into power-of-two pieces (37 = 32 + 4 + 1), so no
+token is ever padded and there is never a per-token loop. Decode is one replay of the 1-token
+graph: one submission, ending in the LM head and a device argmax (greedy reads 4 bytes).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from vkflash import settings
+from vkflash.engine import graphs
+from vkflash.engine.api import InvalidRequest
+from vkflash.engine.caches import allocate_kv, cache_type
+from vkflash.engine.graphs.common import Head, HeadBuffers, StepModel, decode_splits
+from vkflash.engine.step_params import StepParams
+from vkflash.engine.weights_gpu import device_embeddable, host_row_gather, upload_weights
+from vkflash.formats.gguf_file import GGUFFile
+from vkflash.gpu.context import Gpu
+from vkflash.gpu.graph import Graph
+from vkflash.model.hparams import hparams_from_gguf
+
+LOGITS_BUDGET = 64 << 20
+"""Bytes of the all-rows logits buffer (verify / teacher forcing); bounds its rows at large V."""
+
+
+@dataclass(frozen=True)
+class GraphStats:
+    """Size of one recorded step graph: dispatches, submissions and barriers per replay."""
+
+    dispatches: int
+    submissions: int
+    barriers: int
+
+
+def pieces(n: int, cap: int) -> Iterator[int]:
+    """Step sizes covering n tokens: whole `cap`s, then the rest as descending powers of two."""
+    while n >= cap:
+        yield cap
+        n -= cap
+    bit = 1 << max(0, n.bit_length() - 1)
+    while n:
+        if n & bit:
+            yield bit
+            n -= bit
+        bit >>= 1
+
+
+def steps(total: int, cap: int) -> Iterator[tuple[int, int]]:
+    """(start, n) of the steps that feed `total` tokens in pieces(total, cap)."""
+    start = 0
+    for n in pieces(total, cap):
+        yield start, n
+        start += n
+
+
+class GpuForward:
+    """One sequence on the GPU: Forward + ArgmaxForward (vkflash.engine.api)."""
+
+    def __init__(self, model_path: str | os.PathLike[str], ctx: int | None = None, ub: int | None = None,
+                 kv: str | None = None, gpu: Gpu | None = None, logits_rows: int | None = None) -> None:
+        """ctx/ub/kv default to the CTX/UB/KV knobs (CTX 0: the model's context length);
+        logits_rows bounds the rows of one all-logits step (default: LOGITS_BUDGET / V)."""
+        s = settings.current()
+        self.gpu = gpu or Gpu()
+        gf = GGUFFile(model_path)
+        hp = hparams_from_gguf(gf)
+        self.hp = hp
+        self.arch = graphs.for_arch(hp.arch)
+        self.n_ctx = int((s["CTX"] if ctx is None else ctx) or hp.n_ctx_train)
+        self.n_vocab = hp.V
+        self.ub = max(1, min(int(s["UB"] if ub is None else ub), self.n_ctx))
+        table = gf.tensors["token_embd.weight"].ggml_type
+        host_embed = not device_embeddable(table)
+        # a table the embed kernel cannot decode is gathered on the host; keep it on the GPU only as LM head
+        skip = ["token_embd.weight"] if host_embed and "output.weight" in gf.tensors else []
+        self._gather = host_row_gather(gf, "token_embd.weight") if host_embed else None
+        weights = upload_weights(self.gpu, gf, hp, skip)
+        n_split = decode_splits(self.n_ctx)
+        rows = logits_rows or max(1, min(self.ub, LOGITS_BUDGET // (4 * hp.V)))
+        kv_caches = allocate_kv(self.gpu, hp, self.n_ctx, cache_type(s["KV"] if kv is None else kv),
+                                self.arch.attention_layers(hp))
+        self.model = StepModel(self.gpu, hp, weights, kv_caches,
+                               StepParams.allocate(self.gpu, self.ub, hp.d if host_embed else 0),
+                               HeadBuffers.allocate(self.gpu, hp.V, rows), n_split)
+        self.scratch = self.arch.Scratch.allocate(self.gpu, hp, self.ub, n_split)
+        self._graphs: dict[tuple[int, Head], Graph] = {}
+        self._n = 0
+
+    # --- Forward protocol -----------------------------------------------------------------
+    @property
+    def n_past(self) -> int:
+        """Tokens in the sequence so far."""
+        return self._n
+
+    def reset(self) -> None:
+        """Start a new, empty sequence (cache rows past n_kv are never read)."""
+        self._n = 0
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n tokens (attention-only models: just the length)."""
+        self._n = max(0, min(n, self._n))
+
+    def prefill(self, ids: Sequence[int]) -> np.ndarray:
+        """Feed ids; the next-token logits (float32[V]) after the last one."""
+        self._feed(self._ids(ids))
+        return self.model.head.logits.read(np.float32, self.n_vocab)
+
+    def decode(self, token: int) -> np.ndarray:
+        """Feed one token; its next-token logits."""
+        return self.prefill([token])
+
+    def prefill_argmax(self, ids: Sequence[int]) -> int:
+        """Feed ids; the greedy next token (device argmax, 4 bytes read back)."""
+        self._feed(self._ids(ids))
+        return int(self.model.head.ids.read(np.uint32, 1)[0])
+
+    def decode_argmax(self, token: int) -> int:
+        """Feed one token; the greedy next token."""
+        return self.prefill_argmax([token])
+
+    def prefill_logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Feed ids; the logits after every one of them, (len(ids), V) (teacher forcing, verify)."""
+        arr = self._ids(ids)
+        out = np.empty((len(arr), self.n_vocab), np.float32)
+        for start, n in steps(len(arr), self.model.head.rows):
+            self._run(arr[start:start + n], Head.ALL)
+            out[start:start + n] = self.model.head.logits.read(np.float32, n * self.n_vocab).reshape(n, -1)
+        return out
+
+    # --- steps ----------------------------------------------------------------------------
+    def graph(self, n: int, head: Head) -> Graph:
+        """The step graph of n tokens with `head`, built on first use (recorded on its first run)."""
+        key = (n, head)
+        g = self._graphs.get(key)
+        if g is None:
+            g = self.gpu.graph(f"{self.hp.arch}.{head.value}.{n}")
+            self.arch.build(g, self.model, self.scratch, n, head)
+            self._graphs[key] = g
+        return g
+
+    def graph_stats(self, n: int = 1, head: Head = Head.LAST) -> GraphStats:
+        """Dispatches, submissions and barriers of one replay of a step graph (recording it)."""
+        g = self.graph(n, head)
+        if not g.submissions:
+            g.record()
+        return GraphStats(len(g.ops), len(g.submissions), g.barriers)
+
+    def _ids(self, ids: Sequence[int]) -> np.ndarray:
+        """ids as int32, checked: not empty, inside the vocabulary, fitting the context."""
+        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if len(arr) == 0:
+            raise InvalidRequest("no tokens to feed")
+        if self._n + len(arr) > self.n_ctx:
+            raise InvalidRequest(f"context full: {self._n} + {len(arr)} tokens exceed the context of {self.n_ctx}")
+        if arr.min() < 0 or arr.max() >= self.n_vocab:
+            raise InvalidRequest(f"token id outside the vocabulary 0..{self.n_vocab - 1}")
+        return arr.astype(np.int32)
+
+    def _feed(self, ids: np.ndarray) -> None:
+        """Run ids in steps of at most UB tokens; only the last step computes logits."""
+        plan = list(steps(len(ids), self.ub))
+        for j, (start, n) in enumerate(plan):
+            self._run(ids[start:start + n], Head.LAST if j == len(plan) - 1 else Head.NONE)
+
+    def _run(self, ids: np.ndarray, head: Head) -> None:
+        """One replay: params for len(ids) tokens at n_past, then the graph."""
+        n = len(ids)
+        emb = self._gather(ids) if self._gather is not None else None
+        self.model.params.set(self._n, ids, emb)
+        self.graph(n, head).run()
+        self._n += n

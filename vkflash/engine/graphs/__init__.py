@@ -1,0 +1,19 @@
+"""Step graphs per architecture: each arch module offers `attention_layers(hp)`, a `Scratch` with
+`allocate(gpu, hp, ub, n_split)`, and `build(g, model, scratch, n, head)` listing its gpu ops."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from vkflash.engine.graphs import qwen2
+from vkflash.errors import ModelError
+
+ARCHS: dict[str, ModuleType] = {"qwen2": qwen2}
+
+
+def for_arch(arch: str) -> ModuleType:
+    """The step-graph module of `arch`; ModelError when the GPU forward does not have it yet."""
+    try:
+        return ARCHS[arch]
+    except KeyError:
+        raise ModelError(f"the GPU forward does not support arch {arch!r} yet (has: {', '.join(ARCHS)})") from None

@@ -1,0 +1,109 @@
+"""What every arch's step graph shares: the model's GPU parts, the output head choice, the
+token embedding (E1) and the LM head with device argmax (O3 / N2, greedy sampling)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from vkflash.engine.caches import KVCaches
+from vkflash.engine.step_params import StepParams
+from vkflash.engine.weights_gpu import GpuWeights
+from vkflash.gpu.memory import Buffer
+from vkflash.gpu.ops import argmax as argmax_op
+from vkflash.gpu.ops.copy import copy_words
+from vkflash.gpu.ops.embed import embed
+from vkflash.gpu.ops.matmul import matmul
+from vkflash.gpu.ops.norm import rms_norm
+from vkflash.gpu.ops.views import Rows
+from vkflash.model.hparams import HParams
+
+if TYPE_CHECKING:
+    from vkflash.gpu.context import Gpu
+    from vkflash.gpu.graph import Graph
+
+SPLIT_MAX_TOKENS = 8
+"""Steps of at most this many tokens (decode, MTP verify) use flash-decode (split KV + combine)."""
+
+
+class Head(Enum):
+    """Which rows of a step get logits: none (inner prefill pieces), the last row, or all rows."""
+
+    NONE = "none"
+    LAST = "last"
+    ALL = "all"
+
+
+@dataclass
+class HeadBuffers:
+    """LM head outputs: logits [rows, V] f32, argmax scratch, and the argmax ids (host-visible)."""
+
+    rows: int
+    logits: Buffer
+    scratch: Buffer
+    ids: Buffer
+
+    @classmethod
+    def allocate(cls, gpu: "Gpu", V: int, rows: int) -> "HeadBuffers":
+        return cls(rows, gpu.buffer(4 * rows * V, "logits"),
+                   gpu.buffer(argmax_op.scratch_bytes(gpu.caps, V, rows), "argmax.scratch"),
+                   gpu.buffer(4 * rows, "argmax.ids", host=True))
+
+
+@dataclass
+class StepModel:
+    """Everything a step graph is built from: weights, caches, step params, head buffers, and
+    `n_split`, the KV splits of flash-decode."""
+
+    gpu: "Gpu"
+    hp: HParams
+    weights: GpuWeights
+    kv: KVCaches
+    params: StepParams
+    head: HeadBuffers
+    n_split: int
+
+    @property
+    def host_embed(self) -> bool:
+        """Embedding rows come from the host (params) instead of the embed kernel."""
+        return self.params.emb_dim > 0
+
+    def splits(self, n: int) -> int:
+        """KV splits of the attention of an n-token step."""
+        return self.n_split if n <= SPLIT_MAX_TOKENS else 1
+
+
+def decode_splits(n_ctx: int) -> int:
+    """Flash-decode splits for a cache of n_ctx positions: about one per 256 positions, at most 16."""
+    return max(1, min(16, -(-n_ctx // 256)))
+
+
+def embed_tokens(g: "Graph", m: StepModel, x: Rows) -> None:
+    """(E1) x_t = token_embd[id_t] for the step's tokens (ids in the params buffer)."""
+    n = x.n_rows
+    if m.host_embed:
+        copy_words(g, m.params.buf, m.params.emb, x.buf, x.off, n * x.n_cols, name="inp_embd")
+        return
+    t = m.weights["token_embd.weight"]
+    embed(g, t.buf, int(t.qtype), m.hp.V, m.params.buf, n, x, ids_off=m.params.ids, name="inp_embd")
+
+
+def lm_head(g: "Graph", m: StepModel, h: Rows, tmp: Rows, head: Head, norm: str = "output_norm.weight") -> None:
+    """(N2) logits = W_out(rms(h) ⊙ output_norm) for the rows `head` asks for, then their argmax.
+
+    h: the residual of the step's n rows; tmp: an n-row scratch view of the same width.
+    """
+    if head is Head.NONE:
+        return
+    n, d = h.n_rows, h.n_cols
+    if head is Head.LAST:
+        h, tmp = Rows(h.buf, 1, d, h.off + (n - 1) * h.stride), Rows(tmp.buf, 1, d, tmp.off)
+    rows = h.n_rows
+    if rows > m.head.rows:
+        raise ValueError(f"lm_head: {rows} logit rows, the buffers hold {m.head.rows}")
+    rms_norm(g, h, tmp, m.hp.eps, m.weights[norm].buf, name="result_norm")
+    out = m.weights.get("output.weight") or m.weights["token_embd.weight"]
+    logits = Rows(m.head.logits, rows, m.hp.V)
+    matmul(g, out.matrix(), tmp, logits, name="result_output")
+    argmax_op.argmax(g, logits, m.head.scratch, m.head.ids, name="argmax")

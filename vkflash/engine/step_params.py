@@ -1,0 +1,70 @@
+"""The step-params buffer: everything that changes per replay of a recorded step graph.
+
+One host-visible buffer of 32-bit words, written by the host before each replay and read by the
+shaders (positions, lengths, token ids), so graphs are recorded once and never re-recorded:
+
+    word 0             p0     position of the step's first token (attention reads it)
+    word 1             n_kv   cache length after the step (p0 + n)
+    words POS..+ub     p_t    position of token t (RoPE, KV append)
+    words IDS..+ub     id_t   token ids (embedding gather)
+    words EMB..+ub·d   f32 embedding rows gathered on the host (only for tables the embed kernel
+                       cannot decode; the graph copies them into the residual)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from vkflash.gpu.memory import Buffer
+
+if TYPE_CHECKING:
+    from vkflash.gpu.context import Gpu
+
+P0, N_KV, POS = 0, 1, 2
+
+
+@dataclass
+class StepParams:
+    """The buffer and its layout for ubatches of up to `ub` tokens (`emb_dim` > 0: host embedding rows)."""
+
+    buf: Buffer
+    ub: int
+    emb_dim: int = 0
+
+    @classmethod
+    def allocate(cls, gpu: "Gpu", ub: int, emb_dim: int = 0) -> "StepParams":
+        words = POS + 2 * ub + ub * emb_dim
+        return cls(gpu.buffer(4 * words, "step_params", host=True), ub, emb_dim)
+
+    @property
+    def pos(self) -> int:
+        """Word offset of the token positions."""
+        return POS
+
+    @property
+    def ids(self) -> int:
+        """Word offset of the token ids."""
+        return POS + self.ub
+
+    @property
+    def emb(self) -> int:
+        """Word offset of the host-gathered embedding rows."""
+        return POS + 2 * self.ub
+
+    def set(self, p0: int, ids: np.ndarray, emb: np.ndarray | None = None) -> None:
+        """Describe a step of len(ids) tokens at positions p0, p0+1, …"""
+        n = len(ids)
+        if not 1 <= n <= self.ub:
+            raise ValueError(f"a step has 1..{self.ub} tokens, got {n}")
+        head = np.empty(POS + n, np.int32)
+        head[P0], head[N_KV] = p0, p0 + n
+        head[POS:] = p0 + np.arange(n, dtype=np.int32)
+        self.buf.write(head)
+        self.buf.write(np.asarray(ids, np.int32), 4 * self.ids)
+        if self.emb_dim:
+            if emb is None or emb.shape != (n, self.emb_dim):
+                raise ValueError(f"host embedding rows must be ({n}, {self.emb_dim})")
+            self.buf.write(np.asarray(emb, np.float32), 4 * self.emb)

@@ -1,0 +1,113 @@
+"""Model weights on the GPU: every GGUF tensor in its own buffer, matrices as raw GGML blocks.
+
+Matrices keep their file encoding (the matmul/embed shaders decode blocks on the fly), so the
+host never dequantizes a weight matrix; 1-D tensors (norm gains, biases) are decoded to f32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterable
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from vkflash.errors import ModelError
+from vkflash.formats.gguf_file import GGUFFile
+from vkflash.formats.quants import dequantize
+from vkflash.gpu.memory import Buffer
+from vkflash.gpu.ops import embed as embed_op
+from vkflash.gpu.ops.matmul import TYPES as MATMUL_TYPES
+from vkflash.gpu.ops.matmul import QWeight
+from vkflash.gpu.ops.views import Rows
+from vkflash.model.hparams import HParams
+from vkflash.model.tensors import validate_tensors
+
+if TYPE_CHECKING:
+    from vkflash.gpu.context import Gpu
+
+
+@dataclass(frozen=True)
+class GpuTensor:
+    """One uploaded tensor: its buffer, GGML type and dims ne (ne0 contiguous)."""
+
+    name: str
+    buf: Buffer
+    qtype: Q
+    ne: tuple[int, ...]
+
+    def matrix(self) -> QWeight:
+        """W ∈ R^{n_out×k} for matmul: k = ne0, n_out = the product of the other dims."""
+        try:
+            return QWeight(self.buf, int(self.qtype), self.ne[0], math.prod(self.ne[1:]))
+        except ValueError as e:
+            raise ModelError(f"tensor {self.name}: {e}") from None
+
+    def vector(self) -> Rows:
+        """A 1-D f32 tensor as one row (a gain or a bias)."""
+        if self.qtype is not Q.F32 or len(self.ne) != 1:
+            raise ModelError(f"tensor {self.name} is {self.qtype.name} {self.ne}, expected a 1-D f32 vector")
+        return Rows(self.buf, 1, self.ne[0])
+
+
+@dataclass
+class GpuWeights:
+    """The uploaded tensors of one model file, by GGUF name."""
+
+    hp: HParams
+    file: GGUFFile
+    tensors: dict[str, GpuTensor] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> GpuTensor:
+        return self.tensors[name]
+
+    def get(self, name: str) -> GpuTensor | None:
+        return self.tensors.get(name)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.buf.nbytes for t in self.tensors.values())
+
+
+def device_embeddable(qtype: int) -> bool:
+    """Whether the embed kernel gathers rows of this table type on the device."""
+    return Q(qtype) in embed_op.TABLE_TYPES
+
+
+def host_row_gather(gf: GGUFFile, name: str) -> Callable[[np.ndarray], np.ndarray]:
+    """Rows of a 2-D table decoded on the host from the mmapped file (tables the embed kernel
+    cannot decode): ids → (n, ne0) float32."""
+    info = gf.tensors[name]
+    ne0, ne1 = info.ne
+    data = info.data.reshape(ne1, -1)
+
+    def gather(ids: np.ndarray) -> np.ndarray:
+        picked = data[np.asarray(ids).reshape(-1)]
+        return dequantize(picked, info.ggml_type, picked.shape[0] * ne0).reshape(-1, ne0)
+
+    return gather
+
+
+def _check_type(name: str, qtype: Q, ne: tuple[int, ...]) -> None:
+    if len(ne) > 1 and qtype not in MATMUL_TYPES and not device_embeddable(qtype):
+        raise ModelError(f"tensor {name} has type {qtype.name}, which the GPU kernels cannot decode "
+                         f"(supported: {', '.join(t.name for t in MATMUL_TYPES)})")
+
+
+def upload_weights(gpu: "Gpu", gf: GGUFFile, hp: HParams, skip: Iterable[str] = ()) -> GpuWeights:
+    """Validate the file against hp's tensor table and upload every tensor not in `skip`."""
+    validate_tensors(hp, {n: t.ne for n, t in gf.tensors.items()})
+    w = GpuWeights(hp, gf)
+    skipped = frozenset(skip)
+    for name, info in gf.tensors.items():
+        if name in skipped:
+            continue
+        _check_type(name, info.ggml_type, info.ne)
+        if len(info.ne) == 1:
+            buf = gpu.upload(gf.tensor_f32(name), name)
+            w.tensors[name] = GpuTensor(name, buf, Q.F32, info.ne)
+        else:
+            buf = gpu.upload(info.data, name)
+            w.tensors[name] = GpuTensor(name, buf, info.ggml_type, info.ne)
+    return w
