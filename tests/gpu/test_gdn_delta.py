@@ -1,0 +1,205 @@
+"""GDN gated delta rule (G6–G8, GC1–GC6) vs the float64 token-by-token recurrence of the model
+reference: step and chunked variants, both head maps, in-place state, checkpoint slots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from vkflash.gpu.ops import gdn
+from vkflash.gpu.ops.gdn import GDNShape, HeadMap, Variant
+from vkflash.gpu.ops.views import Rows
+from vkflash.model.layers.common import sigmoid, softplus
+from vkflash.model.layers.gdn import recurrent
+from vkflash.model.layers.norms import l2_norm
+
+pytestmark = pytest.mark.gpu
+EPS = 1e-6
+
+
+@dataclass
+class Inputs:
+    """One ubatch of delta-rule inputs in f32: conv rows c (T, C), β and g (T, n_v), state (n_v, S, S)."""
+
+    c: np.ndarray
+    beta: np.ndarray
+    g: np.ndarray
+    state: np.ndarray
+
+
+def _inputs(rng: np.random.Generator, shape: GDNShape, T: int) -> Inputs:
+    """Conv-like rows (silu of normals, per-token scales down to where ε matters in G6), gates as
+    G2–G3 make them, a non-zero state."""
+    n_v, S = shape.n_v, shape.S
+    x = rng.standard_normal((T, shape.C)) * np.exp(rng.uniform(-7, 2, (T, 1)))
+    c = x * sigmoid(x)
+    beta = sigmoid(rng.normal(0, 2, (T, n_v)))
+    g = softplus(rng.normal(0, 2, (T, n_v))) * -rng.uniform(0.05, 1, n_v)
+    state = rng.normal(0, 0.5, (n_v, S, S))
+    return Inputs(*(a.astype(np.float32) for a in (c, beta, g, state)))
+
+
+def _reference(shape: GDNShape, x: Inputs, T_end: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """float64 (G6)–(G8) over the first T_end tokens: o (T, n_v·S) and the state (n_v, S, S)."""
+    S, n_k, n_v = shape.S, shape.n_k, shape.n_v
+    c = x.c[:T_end].astype(np.float64)
+    T = len(c)
+    q = l2_norm(c[:, :n_k * S].reshape(T, n_k, S), EPS) / np.sqrt(S)
+    k = l2_norm(c[:, n_k * S:2 * n_k * S].reshape(T, n_k, S), EPS)
+    v = c[:, 2 * n_k * S:].reshape(T, n_v, S)
+    j = np.arange(n_v)
+    pi = j % n_k if shape.head_map == HeadMap.TILED else j // (n_v // n_k)
+    o, st = recurrent(q[:, pi], k[:, pi], v, x.beta[:T_end].astype(np.float64), x.g[:T_end].astype(np.float64),
+                      x.state.astype(np.float64))
+    return o.reshape(T, n_v * S), st
+
+
+def _tol(ref: np.ndarray, S: int, T: int) -> float:
+    """Absolute bound for f32 results of the recurrence, relative to the data's scale.
+
+    Each output and state entry adds ≤ S + 64 rounded terms of O(scale) per token (a length-S dot
+    product; chunked, also ≤ 64 chunk rows). State errors are carried on contracted (α ≤ 1 and
+    I − βk̂k̂ᵀ has norm ≤ 1), so over T tokens ≈ (S + 64)(T + 1) roundings of random sign add up
+    like their square root; 8 covers the exp/sqrt ulps (measured errors are ~1/50 of this). A wrong
+    head map, ε, scale or decay is off by far more.
+    """
+    return 8 * np.sqrt((S + 64) * (T + 1)) * 2.0**-24 * float(np.abs(ref).max())
+
+
+def _run(gpu, shape: GDNShape, x: Inputs, variant: Variant, n_slots: int = 0, chunk: int | None = None,
+         c_pad: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, gdn.DeltaPlan]:
+    """One dispatch on fresh buffers (outputs NaN-poisoned; c at an offset with a padded row stride)."""
+    T, C, n_v, S = len(x.c), shape.C, shape.n_v, shape.S
+    stride = C + c_pad
+    cbuf = np.full(3 + T * stride, 7.0, np.float32)
+    cbuf[3:].reshape(T, stride)[:, :C] = x.c
+    cb = gpu.upload(cbuf, "conv")
+    gates = gpu.upload(np.concatenate([x.beta, x.g], axis=1), "beta|g")
+    sb = gpu.upload(x.state, "ssm_state")
+    ob = gpu.buffer(4 * T * n_v * S, "o")
+    ob.fill(np.nan)
+    slots = None
+    if n_slots:
+        slb = gpu.buffer(4 * n_slots * n_v * S * S, "ssm_slots")
+        slb.fill(np.nan)
+        slots = Rows(slb, n_slots * n_v, S * S)
+    g = gpu.graph("delta")
+    plan = gdn.delta(g, Rows(cb, T, C, 3, stride), Rows(gates, T, n_v, 0, 2 * n_v), Rows(gates, T, n_v, n_v, 2 * n_v),
+                     Rows(sb, n_v, S * S), Rows(ob, T, n_v * S), shape, EPS, variant, slots, chunk)
+    g.run()
+    sl = None if slots is None else slots.buf.read(np.float32).reshape(n_slots, n_v, S, S)
+    return ob.read(np.float32).reshape(T, n_v * S), sb.read(np.float32).reshape(n_v, S, S), sl, plan
+
+
+def _close(name: str, got: np.ndarray, want: np.ndarray, tol: float) -> None:
+    err = np.abs(got - want).max()
+    assert err <= tol, f"{name}: max err {err:.3g} > {tol:.3g} (scale {np.abs(want).max():.3g})"
+
+
+@pytest.mark.parametrize("head_map", list(HeadMap))
+@pytest.mark.parametrize("T", [1, 3, 63, 64, 65, 130])
+def test_chunked_equals_recurrence(gpu, rng, T, head_map):
+    """The chunked variant (the device's default chunk) over ragged T vs the f64 recurrence: o and state."""
+    shape = GDNShape(2, 6, 32, head_map)
+    x = _inputs(rng, shape, T)
+    o, st, _, plan = _run(gpu, shape, x, Variant.CHUNK, c_pad=int(rng.integers(0, 5)))
+    assert plan.variant == Variant.CHUNK
+    want_o, want_st = _reference(shape, x)
+    _close("o", o, want_o, _tol(want_o, 32, T))
+    _close("state", st, want_st, _tol(want_st, 32, T))
+
+
+@pytest.mark.parametrize("chunk", [8, 16])
+def test_small_chunks_and_slices(gpu, rng, chunk):
+    """Other chunk sizes (more chunk boundaries, padding rows in the last) on a larger S, n_k = 1."""
+    shape = GDNShape(1, 3, 64, HeadMap.GROUPED)
+    T = int(rng.integers(2 * chunk + 1, 5 * chunk))
+    x = _inputs(rng, shape, T)
+    o, st, _, plan = _run(gpu, shape, x, Variant.CHUNK, chunk=chunk)
+    assert plan.chunk == chunk
+    want_o, want_st = _reference(shape, x)
+    _close("o", o, want_o, _tol(want_o, 64, T))
+    _close("state", st, want_st, _tol(want_st, 64, T))
+
+
+@pytest.mark.parametrize("head_map", list(HeadMap))
+@pytest.mark.parametrize("T", [1, 3, 8])
+def test_step_with_slots(gpu, rng, T, head_map):
+    """The step variant (decode / MTP verify) with checkpoint slots: slot s = state s tokens before the end."""
+    shape = GDNShape(2, 6, 32, head_map)
+    x = _inputs(rng, shape, T)
+    n_slots = int(rng.integers(1, T + 1))
+    o, st, slots, plan = _run(gpu, shape, x, Variant.STEP, n_slots=n_slots)
+    assert plan.variant == Variant.STEP
+    want_o, want_st = _reference(shape, x)
+    tol = _tol(want_st, 32, T)
+    _close("o", o, want_o, _tol(want_o, 32, T))
+    _close("state", st, want_st, tol)
+    for s in range(n_slots):
+        _close(f"slot {s}", slots[s], _reference(shape, x, T - s)[1], tol)
+
+
+@pytest.mark.parametrize("S", [32, 128])
+def test_step_over_T_equals_chunked(gpu, rng, S):
+    """The step kernel over T tokens equals the chunked kernel over the same T (o and state)."""
+    shape = GDNShape(2, 4, S, HeadMap.TILED)
+    T = int(rng.integers(20, 70))
+    x = _inputs(rng, shape, T)
+    o1, st1, _, _ = _run(gpu, shape, x, Variant.STEP)
+    o2, st2, _, _ = _run(gpu, shape, x, Variant.CHUNK)
+    want_o, want_st = _reference(shape, x)
+    _close("o step vs chunk", o1, o2, 2 * _tol(want_o, S, T))
+    _close("state step vs chunk", st1, st2, 2 * _tol(want_st, S, T))
+    _close("o step", o1, want_o, _tol(want_o, S, T))
+
+
+def test_prefill_then_decode_in_one_graph(gpu, rng):
+    """Chunked prefill, then single-token steps, then a verify batch with slots, carrying the state
+    in place through one recorded graph: equal to the recurrence over all tokens."""
+    shape = GDNShape(2, 6, 32, HeadMap.TILED)
+    parts = [int(rng.integers(40, 100)), 1, 1, 4]
+    T = sum(parts)
+    x = _inputs(rng, shape, T)
+    C, n_v, S = shape.C, shape.n_v, shape.S
+    cb, sb = gpu.upload(x.c, "conv"), gpu.upload(x.state, "ssm_state")
+    bb, gb = gpu.upload(x.beta, "beta"), gpu.upload(x.g, "g")
+    ob, slb = gpu.buffer(4 * T * n_v * S, "o"), gpu.buffer(4 * 3 * n_v * S * S, "ssm_slots")
+    ob.fill(np.nan)
+    slb.fill(np.nan)
+    g = gpu.graph("prefill+decode")
+    t0 = 0
+    for n in parts:
+        gdn.delta(g, Rows(cb, n, C, t0 * C), Rows(bb, n, n_v, t0 * n_v), Rows(gb, n, n_v, t0 * n_v),
+                  Rows(sb, n_v, S * S), Rows(ob, n, n_v * S, t0 * n_v * S), shape, EPS,
+                  slots=Rows(slb, 3 * n_v, S * S) if n == 4 else None)
+        t0 += n
+    assert [op.spec[0] for op in g.ops] == [Variant.CHUNK, Variant.STEP, Variant.STEP, Variant.STEP]
+    g.run()
+    want_o, want_st = _reference(shape, x)
+    _close("o", ob.read(np.float32).reshape(T, -1), want_o, _tol(want_o, S, T))
+    _close("state", sb.read(np.float32).reshape(n_v, S, S), want_st, _tol(want_st, S, T))
+    slots = slb.read(np.float32).reshape(3, n_v, S, S)
+    for s in range(3):
+        _close(f"slot {s}", slots[s], _reference(shape, x, T - s)[1], _tol(want_st, S, T))
+
+
+def test_validation(gpu):
+    b = gpu.buffer(4 * 1 << 16, "b")
+    shape = GDNShape(2, 6, 32, HeadMap.TILED)
+    g = gpu.graph("bad")
+    C, T = shape.C, 5
+    args = (Rows(b, T, C), Rows(b, T, 6, 2000), Rows(b, T, 6, 2100), Rows(b, 6, 1024, 3000),
+            Rows(b, T, 192, 10000))
+    with pytest.raises(ValueError, match="slots need the step variant"):
+        gdn.delta(g, *args, shape, EPS, Variant.CHUNK, slots=Rows(b, 6, 1024, 20000))
+    with pytest.raises(ValueError, match="n_slots"):
+        gdn.delta(g, *args, shape, EPS, Variant.STEP, slots=Rows(b, 36, 1024, 20000))
+    with pytest.raises(ValueError, match="conv rows"):
+        gdn.delta(g, Rows(b, T, C - 1), *args[1:], shape, EPS)
+    with pytest.raises(ValueError, match="multiple of n_k"):
+        GDNShape(4, 6, 32, HeadMap.GROUPED)
+    with pytest.raises(ValueError, match="does not fit"):
+        gdn.delta(g, *args, shape, EPS, Variant.CHUNK, chunk=128)
+    assert not g.ops
