@@ -25,7 +25,7 @@ from vkflash.errors import DeviceError, VkflashError
 from vkflash.model.chat import ReasoningParser, prompt_opens_think, render_chat
 from vkflash.server.backend import Loaded
 from vkflash.server.errors import ApiError
-from vkflash.server.schemas import ChatMessage, ChatRequest, CompletionRequest, _Sampling
+from vkflash.server.schemas import ChatMessage, ChatRequest, CompletionRequest, SamplingFields
 from vkflash.server.slot import Job, QueueFull, Started
 from vkflash.server.state import ServerState
 
@@ -51,7 +51,7 @@ def sse(obj: dict[str, Any] | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def check_model(req: _Sampling, loaded: Loaded) -> None:
+def check_model(req: SamplingFields, loaded: Loaded) -> None:
     """The request's `model`, if given, must name the served model (id or file name)."""
     names = {loaded.info.model_id, Path(loaded.info.model_path).name}
     if req.model is not None and req.model not in names:
@@ -59,7 +59,7 @@ def check_model(req: _Sampling, loaded: Loaded) -> None:
                        param="model", code="model_not_found")
 
 
-def sampling_params(req: _Sampling, state: ServerState, max_tokens: int | None) -> SamplingParams:
+def sampling_params(req: SamplingFields, state: ServerState, max_tokens: int | None) -> SamplingParams:
     """SamplingParams from the request, with the TEMP knob as the default temperature."""
     if req.n != 1:
         raise ApiError(400, "n must be 1 (one generation slot)", param="n")

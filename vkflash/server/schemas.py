@@ -34,7 +34,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Sampling(_Strict):
+class SamplingFields(_Strict):
     """Sampling and stopping fields shared by chat and text completions (OpenAI + llama-server names)."""
 
     model: str | None = None
@@ -56,7 +56,7 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage]
@@ -68,7 +68,7 @@ class ChatRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     """POST /v1/completions: a raw prompt (text or token ids), no chat template."""
 
     prompt: str | list[int] | list[str]
