@@ -98,6 +98,29 @@ def info(as_json: bool = typer.Option(False, "--json", help="machine-readable ou
 
 
 @app.command()
+def serve(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (knob MODEL)"),
+    host: Optional[str] = typer.Option(None, "--host", help="bind address (knob HOST)"),
+    port: Optional[str] = typer.Option(None, "--port", help="port (knob PORT)"),
+    ctx: Optional[str] = typer.Option(None, "--ctx", "-c", help="context tokens (knob CTX)"),
+    ub: Optional[str] = typer.Option(None, "--ub", help="prefill ubatch (knob UB)"),
+    kv: Optional[str] = typer.Option(None, "--kv", help="KV cache type (knob KV)"),
+    queue: Optional[str] = typer.Option(None, "--queue", help="requests that may wait (knob QUEUE)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="bearer token (knob API_KEY)"),
+) -> None:
+    """Serve a model over the OpenAI-compatible HTTP API (flags override the env knobs)."""
+    try:
+        from vkflash.server.app import serve as run_server
+        from vkflash.server.state import ServerOptions
+
+        s = settings.load(flags={"MODEL": model, "HOST": host, "PORT": port, "CTX": ctx, "UB": ub, "KV": kv,
+                                 "QUEUE": queue, "API_KEY": api_key})
+        run_server(s, ServerOptions(queue_depth=s["QUEUE"]))
+    except VkflashError as e:
+        _fail(e)
+
+
+@app.command()
 def knobs(markdown: bool = typer.Option(False, "--markdown", help="the README table")) -> None:
     """List every knob, its value and where it came from."""
     try:

@@ -113,6 +113,7 @@ KNOBS: tuple[Knob, ...] = (
        "reasoning effort (empty: the template's default)", "launcher"),
     _k("DEEPGUARD", _bool, True, "deep-context guard (downgrade UB/KV as the context fills)", "launcher"),
     _k("API_KEY", _text, "", "require this bearer token on every request (empty: none)", "launcher"),
+    _k("QUEUE", _int_range(0, 1024), 8, "requests that may wait for the generation slot (more get 503)", "launcher"),
     # revert knobs: each 0 restores the plain path so an optimisation can be A/B-tested
     _k("SPEC_STOCH", _bool, True, "0: exact-match verification instead of rejection sampling", "revert"),
     _k("RSROLL", _bool, True, "0: restore recurrent checkpoints instead of rolling back in place", "revert"),
