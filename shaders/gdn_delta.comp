@@ -15,7 +15,6 @@
 // Shared memory is one array of SH floats (host-computed per mode), carved into regions below.
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"
-#include "common/reduce.glsl"
 
 layout(constant_id = 1) const uint MODE = 0;
 layout(constant_id = 2) const uint S = 32;
@@ -48,11 +47,11 @@ uint v_col(uint b) { return p.c_off + 2 * p.n_k * S + j * S + b0 + b; }
 uint st_idx(uint a, uint b) { return p.st_off + (j * S + a) * S + b0 + b; }
 
 // MODE 0. Invocation (pp, b) of P = WG/BW owns rows a = pp + P·r (r < ROWS) of column b.
-// Shared: ks [S] | qs [S] | part1 [WG] | part2 [WG].
+// Shared: ks [S] | qs [S] | part1 [WG] | part2 [WG] | 3 sums per subgroup [3·WG].
 void step_mode() {
     const uint WG = gl_WorkGroupSize.x, NP = WG / BW;
     uint tid = gl_LocalInvocationID.x, b = tid % BW, pp = tid / BW;
-    const uint KS = 0, QS = S, P1 = 2 * S, P2 = 2 * S + WG;
+    const uint KS = 0, QS = S, P1 = 2 * S, P2 = 2 * S + WG, RD = 2 * S + 2 * WG;
     float s[ROWS];
     for (uint r = 0; r < ROWS; ++r) s[r] = st[st_idx(pp + NP * r, b)];
     for (uint t = 0; t < p.T; ++t) {
@@ -66,9 +65,28 @@ void step_mode() {
             qq += qv * qv;
             kq += kv * qv;
         }
-        float rk = 1.0 / sqrt(wg_sum(kk) + eps);  // wg_sum's barriers also publish ks, qs
-        float rq = 1.0 / sqrt(wg_sum(qq) + eps) / sqrt(float(S));
-        float kq_hat = wg_sum(kq) * rk * rq;
+        // Σk², Σq², Σkq over the workgroup: subgroup sums, then per-subgroup slots summed in order
+        // by every invocation (the barrier also publishes ks, qs)
+        kk = subgroupAdd(kk);
+        qq = subgroupAdd(qq);
+        kq = subgroupAdd(kq);
+        if (subgroupElect()) {
+            sh[RD + 3 * gl_SubgroupID] = kk;
+            sh[RD + 3 * gl_SubgroupID + 1] = qq;
+            sh[RD + 3 * gl_SubgroupID + 2] = kq;
+        }
+        barrier();
+        kk = 0.0;
+        qq = 0.0;
+        kq = 0.0;
+        for (uint i = 0; i < gl_NumSubgroups; ++i) {
+            kk += sh[RD + 3 * i];
+            qq += sh[RD + 3 * i + 1];
+            kq += sh[RD + 3 * i + 2];
+        }
+        float rk = 1.0 / sqrt(kk + eps);
+        float rq = 1.0 / sqrt(qq + eps) / sqrt(float(S));
+        float kq_hat = kq * rk * rq;
         float r1 = 0.0, r2 = 0.0;
         for (uint r = 0; r < ROWS; ++r) {
             uint a = pp + NP * r;

@@ -154,16 +154,16 @@ def _divisors_down(S: int, top: int) -> list[int]:
 
 def plan_delta(g: "Graph", shape: GDNShape, T: int, variant: Variant | None = None, chunk: int | None = None) -> DeltaPlan:
     """Pick the variant (step for T ≤ STEP_MAX_T unless told), value-column slice and chunk so the
-    workgroup's shared memory fits the device (the reductions of common/reduce.glsl included)."""
+    workgroup's shared memory fits the device."""
     wg = kernel("gdn_delta").workgroup(g.gpu.caps)
-    budget = g.gpu.caps.shared_memory // F32 - 2 * wg
+    budget = g.gpu.caps.shared_memory // F32
     S = shape.S
     v = variant if variant is not None else (Variant.STEP if T <= STEP_MAX_T else Variant.CHUNK)
     if v == Variant.STEP:
         for cols in _divisors_down(S, 32):
             n_par = wg // cols
-            if wg % cols == 0 and S % n_par == 0 and n_par <= S and 2 * S + 2 * wg <= budget:
-                return DeltaPlan(v, cols, 1, S // n_par, 2 * S + 2 * wg)
+            if wg % cols == 0 and S % n_par == 0 and n_par <= S and 2 * S + 5 * wg <= budget:
+                return DeltaPlan(v, cols, 1, S // n_par, 2 * S + 5 * wg)
         raise ValueError(f"gdn_delta: no step layout for S = {S} with {wg} invocations")
     chunks = CHUNKS if chunk is None else (chunk,)
     for ch in chunks:
