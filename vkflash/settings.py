@@ -125,6 +125,8 @@ KNOBS: tuple[Knob, ...] = (
     _k("VKFLASH_MMID_COMPACT", _bool, True, "0: plain MoE grid instead of live (expert, tile) pairs", "revert"),
     _k("VKFLASH_HC_FUSE", _bool, True, "0: unfused hyper-connection mix/combine", "revert"),
     # backend
+    _k("VKFLASH_BACKEND", _choice("auto", "gpu", "reference"), "auto",
+       "auto: the GPU forward where the arch has step graphs, else the NumPy reference", "backend"),
     _k("VKFLASH_DEVICE", _int_range(0, 63), 0, "Vulkan device index", "backend", "GGML_VK_VISIBLE_DEVICES"),
     _k("VKFLASH_MAX_INFLIGHT", _int_range(1, 16), 2, "submissions in flight at most", "backend"),
     _k("VKFLASH_SERIALIZE_SUBMISSIONS", _bool, False, "wait for each submission before the next", "backend",

@@ -29,6 +29,23 @@ class Loaded:
     info: EngineInfo
 
 
+def _forward(settings: Settings, path: Path, weights, n_ctx: int) -> tuple[Forward, str]:
+    """The GPU forward when VKFLASH_BACKEND allows and the arch has step graphs, else the reference."""
+    from vkflash.engine import graphs
+
+    choice = settings["VKFLASH_BACKEND"]
+    if choice == "gpu" or (choice == "auto" and weights.hp.arch in graphs.ARCHS):
+        from vkflash.engine.gpu_forward import GpuForward
+
+        return GpuForward(path, ctx=n_ctx), "vulkan"
+    fwd = ReferenceForward(weights, n_ctx, qsa_mode="block" if settings["BLKTOPK"] else "cell",
+                           gathered=bool(settings["GP"]))
+    unused = [k for k in REFERENCE_IGNORES if settings.sources.get(k, "default") != "default"]
+    if unused:
+        print(f"note: {', '.join(unused)} set but without effect on the NumPy reference backend", flush=True)
+    return fwd, "numpy-reference"
+
+
 def model_path(settings: Settings) -> Path:
     """MODEL if set (it must exist), else the embedded default model (fetched once, cached)."""
     if settings["MODEL"]:
@@ -54,12 +71,8 @@ def load(settings: Settings) -> Loaded:
     if tok.vocab_size > hp.V:
         raise ModelError(f"{path.name}: the tokenizer has {tok.vocab_size} tokens but the model only {hp.V}")
     template = str(meta.get("tokenizer.chat_template") or QWEN3_THINKING_TEMPLATE)
-    fwd = ReferenceForward(weights, n_ctx, qsa_mode="block" if settings["BLKTOPK"] else "cell",
-                           gathered=bool(settings["GP"]))
-    unused = [k for k in REFERENCE_IGNORES if settings.sources.get(k, "default") != "default"]
-    if unused:
-        print(f"note: {', '.join(unused)} set but without effect on the NumPy reference backend", flush=True)
-    info = EngineInfo(model_id=path.stem, model_path=str(path), arch=hp.arch, backend="numpy-reference",
+    fwd, name = _forward(settings, path, weights, n_ctx)
+    info = EngineInfo(model_id=path.stem, model_path=str(path), arch=hp.arch, backend=name,
                       n_ctx=n_ctx, n_ctx_train=hp.n_ctx_train, n_vocab=hp.V, chat_template=template,
                       ubatch=settings["UB"])
     return Loaded(fwd, tok, info)
