@@ -166,3 +166,21 @@ def test_pieces_cover_without_padding(rng):
         assert sum(ps) == n and all(1 <= p <= cap for p in ps)
         tail = [p for p in ps if p != cap]
         assert all(p & (p - 1) == 0 for p in tail) and tail == sorted(set(tail), reverse=True)
+
+
+@pytest.mark.slow
+def test_real_qwen2_teacher_forced(gpu, rng):
+    """The default Qwen2.5-Coder-0.5B (Q5_0/Q8_0/Q4_K/Q6_K weights, a Q5_0 embedding table gathered on
+    the host, untied Q8_0 LM head): 16 prompt logits (GEMM path) and one decode step (GEMV) match
+    the reference on the same dequantized weights with f32 caches. ~90 s on lavapipe (2 cores)."""
+    from vkflash.model.default_model import FILE_NAME, cache_dir
+
+    path = cache_dir() / FILE_NAME
+    if not path.is_file():
+        pytest.skip("default qwen2 model not in the cache (vkflash fetches it on first run)")
+    toks = rng.integers(0, 151643, 17)  # ordinary (non-special) token ids
+    fwd = GpuForward(path, ctx=64, ub=16, kv="f32", gpu=gpu)
+    got = np.vstack([fwd.prefill_logits(toks[:16]), fwd.decode(int(toks[16]))[None]])
+    ref = reference.prefill(toks, reference.new_state(load_model(path)))
+    assert _rel(got, ref) <= EXACT, f"max|Δ| = {_rel(got, ref):.2e}·std"
+    assert (got.argmax(1) == ref.argmax(1)).all()
