@@ -82,10 +82,12 @@ class DeltaPlan:
 
     @property
     def spec_tail(self) -> list[int]:
+        """Specialization constants 4–7 of gdn_delta.comp (BW, CH, ROWS, SH)."""
         return [self.cols, self.chunk, self.rows, self.shared]
 
 
 def _check_dense(op: str, **views: Rows) -> None:
+    """Views the kernels index as packed arrays (weights, states, slots) must have stride = n_cols."""
     for k, v in views.items():
         if v.stride != v.n_cols:
             raise ValueError(f"{op}: {k} must be dense (stride {v.stride} ≠ {v.n_cols})")
