@@ -5,11 +5,14 @@
 // Normal mode: a workgroup owns NDEC consecutive weight rows (workgroup id = x + y*groups_x) and
 // all NPLAIN = n_tok (1..8) columns. Transposed mode (tiny output, n_out <= 8, e.g. the HC
 // inject W_inj ∈ R^{4×10240}): a workgroup owns NPLAIN tokens and all NDEC = n_out weight rows.
-// Either way each invocation walks 32-element groups k/32 = tid, tid + WG, ... of its rows,
-// decodes each weight group once and dots it with every x column; partial sums are reduced with
-// subgroupAdd, then one shared slot per subgroup (SG_MIN = the device's smallest subgroup size
-// bounds the slot count; gl_SubgroupSize is never assumed). The row and column loops are kept
-// rolled: unrolled, lavapipe's LLVM takes seconds per pipeline and a CPU test run is dominated by it.
+// Either way each invocation walks 32-element groups k/32 = tid, tid + WG, ... of its rows; per
+// group it loads each x column once and dots it with the decoded group of every row (x is read
+// from L2 once per NDEC rows: with one row per x load, x traffic rather than the weights bound
+// the GEMV). Partial sums are reduced with subgroupAdd, then one shared slot per subgroup
+// (SG_MIN = the device's smallest subgroup size bounds the slot count; gl_SubgroupSize is never
+// assumed). The row loop is unrolled (the decodes' loads overlap); the column loop is kept
+// rolled: unrolled NDEC×NPLAIN times, lavapipe's LLVM takes seconds per pipeline. For NPLAIN > 1
+// a group is decoded once per column (ALU, not memory: the block is in L1 after the first).
 // MoE: an expert stack {K, out, E} is addressed by w_row0 = e*out (push constant); a routed
 // variant can derive it from an expert-ids buffer with the same decoders and loop.
 #extension GL_GOOGLE_include_directive : require
@@ -39,13 +42,15 @@ void main() {
     for (uint a = 0u; a < NACC; ++a) acc[a] = 0.0;
 
     for (uint u = tid; u < gpr; u += gl_WorkGroupSize.x) {
-        [[dont_unroll]] for (uint i = 0u; i < NDEC; ++i) {
-            vec4 w[8];
-            dequant_group((p.w_row0 + min(r0 + i, p.n_out - 1u)) * gpr + u, w);
-            [[dont_unroll]] for (uint j = 0u; j < NPLAIN; ++j) {
-                uint xb = (p.x_off + min(t0 + j, p.n_tok - 1u) * p.x_stride) / 4u + u * 8u;
+        [[dont_unroll]] for (uint j = 0u; j < NPLAIN; ++j) {
+            uint xb = (p.x_off + min(t0 + j, p.n_tok - 1u) * p.x_stride) / 4u + u * 8u;
+            vec4 xg[8];
+            for (uint q = 0u; q < 8u; ++q) xg[q] = xv[xb + q];
+            for (uint i = 0u; i < NDEC; ++i) {
+                vec4 w[8];
+                dequant_group((p.w_row0 + min(r0 + i, p.n_out - 1u)) * gpr + u, w);
                 float s = 0.0;
-                for (uint q = 0u; q < 8u; ++q) s += dot(w[q], xv[xb + q]);
+                for (uint q = 0u; q < 8u; ++q) s += dot(w[q], xg[q]);
                 acc[i * NPLAIN + j] += s;
             }
         }
