@@ -14,6 +14,7 @@ from qwen2_tiny import Geometry, write_qwen2
 from vkflash.engine.api import ArgmaxForward, Forward, InvalidRequest
 from vkflash.engine.gpu_forward import GpuForward, pieces
 from vkflash.engine.graphs.common import Head
+from vkflash.gpu.ops.matmul import fuse_epilogue
 from vkflash.model import reference
 from vkflash.model.weights import load_model
 
@@ -147,12 +148,14 @@ def test_context_end_and_truncate(gpu, rng, tmp_path):
 
 def test_decode_graph_is_one_submission(gpu, rng, tmp_path):
     """Decode replays one recorded submission; its dispatches are the embedding, 13 per layer
-    (+1 flash-decode combine), and the head (norm, LM head, argmax in two passes)."""
+    (+1 flash-decode combine, +7 eltwise epilogues when fusion is off), and the head (norm, LM
+    head, argmax in two passes)."""
     path = _model(tmp_path, rng, Q.F32)
     fwd = GpuForward(path, ctx=1000, ub=32, kv="f16", gpu=gpu)
     stats = fwd.graph_stats(1, Head.LAST)
     assert stats.submissions == 1
-    assert stats.dispatches == 1 + GEO.L * (13 + (fwd.model.n_split > 1)) + 4
+    per_layer = 13 + (fwd.model.n_split > 1) + (0 if fuse_epilogue() else 7)
+    assert stats.dispatches == 1 + GEO.L * per_layer + 4
     names = {op.name for op in fwd.graph(1, Head.LAST).ops}
     assert {"inp_embd", "blk.0.attn_norm", f"blk.{GEO.L - 1}.l_out", "result_output"} <= names
 
