@@ -5,10 +5,11 @@
 // Normal mode: a workgroup owns NDEC consecutive weight rows (workgroup id = x + y*groups_x) and
 // all NPLAIN = n_tok (1..8) columns. Transposed mode (tiny output, n_out <= 8, e.g. the HC
 // inject W_inj ∈ R^{4×10240}): a workgroup owns NPLAIN tokens and all NDEC = n_out weight rows.
-// Either way each invocation walks 32-element groups k/32 = tid, tid + WG, ... of its rows; per
-// group it loads each x column once and dots it with the decoded group of every row (x is read
-// from L2 once per NDEC rows: with one row per x load, x traffic rather than the weights bound
-// the GEMV). Partial sums are reduced with subgroupAdd, then one shared slot per subgroup
+// Either way each invocation walks 32-element slices u = tid, tid + WG, ... of its rows
+// (common/quant.glsl dequant_slice: for K-quants one 16-byte chunk of quants, so a subgroup reads
+// contiguous bytes); per slice it loads each x column's matching 32 elements once and dots them
+// with the decoded slice of every row (x is read from L2 once per NDEC rows: with one row per x
+// load, x traffic rather than the weights bounded the GEMV). Partial sums are reduced with subgroupAdd, then one shared slot per subgroup
 // (SG_MIN = the device's smallest subgroup size bounds the slot count; gl_SubgroupSize is never
 // assumed). The row loop is unrolled (the decodes' loads overlap); the column loop is kept
 // rolled: unrolled NDEC×NPLAIN times, lavapipe's LLVM takes seconds per pipeline. For NPLAIN > 1
@@ -42,13 +43,17 @@ void main() {
     for (uint a = 0u; a < NACC; ++a) acc[a] = 0.0;
 
     for (uint u = tid; u < gpr; u += gl_WorkGroupSize.x) {
+        const uvec2 runs = slice_runs(u) / 4u;
         [[dont_unroll]] for (uint j = 0u; j < NPLAIN; ++j) {
-            uint xb = (p.x_off + min(t0 + j, p.n_tok - 1u) * p.x_stride) / 4u + u * 8u;
+            uint xb = (p.x_off + min(t0 + j, p.n_tok - 1u) * p.x_stride) / 4u;
             vec4 xg[8];
-            for (uint q = 0u; q < 8u; ++q) xg[q] = xv[xb + q];
+            for (uint q = 0u; q < 4u; ++q) {
+                xg[q] = xv[xb + runs.x + q];
+                xg[q + 4u] = xv[xb + runs.y + q];
+            }
             for (uint i = 0u; i < NDEC; ++i) {
                 vec4 w[8];
-                dequant_group((p.w_row0 + min(r0 + i, p.n_out - 1u)) * gpr + u, w);
+                dequant_slice((p.w_row0 + min(r0 + i, p.n_out - 1u)) * gpr + u, w);
                 float s = 0.0;
                 for (uint q = 0u; q < 8u; ++q) s += dot(w[q], xg[q]);
                 acc[i * NPLAIN + j] += s;

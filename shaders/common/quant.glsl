@@ -17,6 +17,12 @@
 //    {K, out, E} is row e*out + r. Float types (F32/F16/BF16) need K % 32 == 0 here. Loads are
 //    32-bit where the block is 4-byte aligned (Q4_K, Q5_K, IQ4_XS, floats as uvec4), 16-bit where
 //    it is only 2-byte aligned (Q8_0, Q4_0, Q5_0, Q6_K).
+//      void dequant_slice(uint S, out vec4 v[8])   uvec2 slice_runs(uint u)
+//    are the GEMV's variant: slice S also holds 32 elements of the buffer's S/SPB-th block of
+//    32·SPB elements, but as two runs of 16 (v[0..3] and v[4..7]) at in-row element offsets
+//    slice_runs(u) (u = the slice's index within its row). For K-quants (SPB = 8) a slice is one
+//    16-byte chunk of the block's quants, so consecutive invocations read consecutive 16 bytes
+//    (coalesced uvec4 / u16 loads); for the other types (SPB = 1) a slice is the group itself.
 
 #define GGML_TYPE_F32 0
 #define GGML_TYPE_F16 1
@@ -196,6 +202,50 @@ void dequant_group(uint G, out vec4 v[8]) {
     }
 }
 
+// The same blocks as uvec4s: [dm, scales] then (Q5_K) 2 of qh, then 8 of qs.
+layout(std430, binding = QUANT_BINDING) readonly buffer QW4 { uvec4 qw4[]; };
+#if QTYPE == GGML_TYPE_Q4_K
+const uint KQ_VEC4 = 9u, KQ_QS = 1u;
+#else
+const uint KQ_VEC4 = 11u, KQ_QS = 3u;
+#endif
+#define SPB 8u
+// (scale, min) of sub-block g from the 12 scale bytes held in sb.
+vec2 k_scale_min(uvec3 sb, uint g) {
+    uint b0 = (sb[g >> 2] >> (8u * (g & 3u))) & 0xFFu;
+    uint b4 = (sb[(g + 4u) >> 2] >> (8u * (g & 3u))) & 0xFFu;
+    if (g < 4u) return vec2(b0 & 63u, b4 & 63u);
+    uint bm4 = (sb[(g - 4u) >> 2] >> (8u * (g & 3u))) & 0xFFu;
+    return vec2((b4 & 0xFu) | ((bm4 >> 6) << 4), (b4 >> 4) | ((b0 >> 6) << 4));
+}
+// Slice c = chunk c of qs (bytes 16c..16c+15): low nibbles are elements 64(c/2) + 16(c%2) + i
+// (sub-block g0 = 2(c/2)), high nibbles the same + 32 (sub-block g0 + 1).
+uvec2 slice_runs(uint u) {
+    uint c = u & 7u, o = 256u * (u >> 3) + 64u * (c >> 1) + 16u * (c & 1u);
+    return uvec2(o, o + 32u);
+}
+void dequant_slice(uint S, out vec4 v[8]) {
+    uint ib = S >> 3, c = S & 7u, g0 = 2u * (c >> 1);
+    uvec4 h = qw4[ib * KQ_VEC4];
+    vec2 dm = unpackHalf2x16(h.x);
+    vec2 sm0 = k_scale_min(h.yzw, g0), sm1 = k_scale_min(h.yzw, g0 + 1u);
+    float d0 = dm.x * sm0.x, m0 = dm.y * sm0.y, d1 = dm.x * sm1.x, m1 = dm.y * sm1.y;
+    uvec4 q = qw4[ib * KQ_VEC4 + KQ_QS + c];
+#if QTYPE == GGML_TYPE_Q5_K
+    uvec4 qh = qw4[ib * KQ_VEC4 + 1u + (c & 1u)];
+#endif
+    for (uint k = 0u; k < 4u; ++k) {
+        vec4 lo = nib4(q[k], 0u), hi = nib4(q[k], 4u);
+#if QTYPE == GGML_TYPE_Q5_K
+        uint a = qh[k] >> g0, b = qh[k] >> (g0 + 1u);
+        lo += 16.0 * vec4(a & 1u, (a >> 8) & 1u, (a >> 16) & 1u, (a >> 24) & 1u);
+        hi += 16.0 * vec4(b & 1u, (b >> 8) & 1u, (b >> 16) & 1u, (b >> 24) & 1u);
+#endif
+        v[k] = d0 * lo - m0;
+        v[k + 4u] = d1 * hi - m1;
+    }
+}
+
 #elif QTYPE == GGML_TYPE_Q6_K
 // block: u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d  (210 bytes)
 // Half n = g/4 (128 elements), quarter j = g%4: low bits from ql[64n + 32(j&1) + l] (nibble
@@ -214,6 +264,33 @@ void dequant_group(uint G, out vec4 v[8]) {
         vec4 q = nib4(l, ls) + 16.0 * vec4((h >> hs) & 3u, (h >> (hs + 8u)) & 3u,
                                            (h >> (hs + 16u)) & 3u, (h >> (hs + 24u)) & 3u) - 32.0;
         v[i] = (i < 4u ? d0 : d1) * q;
+    }
+}
+#define SPB 8u
+// Slice c: half n = c/4, cc = c%4 covers ql bytes 64n + 16cc .. +15 (l = 16(cc%2) + i of quarter
+// jlo = cc/2 in the low nibbles, quarter jlo + 2 in the high ones) and qh bytes 32n + l.
+uvec2 slice_runs(uint u) {
+    uint c = u & 7u, cc = c & 3u;
+    uint o = 256u * (u >> 3) + 128u * (c >> 2) + 32u * (cc >> 1) + 16u * (cc & 1u);
+    return uvec2(o, o + 64u);
+}
+void dequant_slice(uint S, out vec4 v[8]) {
+    uint ib = S >> 3, c = S & 7u, n = c >> 2, cc = c & 3u, jlo = cc >> 1;
+    float d = float(qw[ib].d);
+    uint slo = 8u * n + 2u * jlo + (cc & 1u), shi = slo + 4u;  // scale bytes of the two runs
+    uint wlo = uint(qw[ib].scales[slo >> 1]), whi = uint(qw[ib].scales[shi >> 1]);
+    float d0 = d * float((slo & 1u) == 0u ? sbyte_lo(wlo) : sbyte_hi(wlo));
+    float d1 = d * float((shi & 1u) == 0u ? sbyte_lo(whi) : sbyte_hi(whi));
+    uint lb = 32u * n + 8u * cc, hb = 16u * n + 8u * (cc & 1u), slo2 = 2u * jlo, shi2 = slo2 + 4u;
+    for (uint k = 0u; k < 4u; ++k) {
+        uint l = uint(qw[ib].ql[lb + 2u * k]) | (uint(qw[ib].ql[lb + 2u * k + 1u]) << 16);
+        uint h = uint(qw[ib].qh[hb + 2u * k]) | (uint(qw[ib].qh[hb + 2u * k + 1u]) << 16);
+        vec4 qlo = nib4(l, 0u) + 16.0 * vec4((h >> slo2) & 3u, (h >> (slo2 + 8u)) & 3u,
+                                             (h >> (slo2 + 16u)) & 3u, (h >> (slo2 + 24u)) & 3u);
+        vec4 qhi = nib4(l, 4u) + 16.0 * vec4((h >> shi2) & 3u, (h >> (shi2 + 8u)) & 3u,
+                                             (h >> (shi2 + 16u)) & 3u, (h >> (shi2 + 24u)) & 3u);
+        v[k] = d0 * (qlo - 32.0);
+        v[k + 4u] = d1 * (qhi - 32.0);
     }
 }
 
@@ -242,5 +319,12 @@ void dequant_group(uint G, out vec4 v[8]) {
 
 #else
 #error "unsupported QTYPE"
+#endif
+
+#ifndef SPB
+// Every other type: a slice is a 32-element group (runs at 32u and 32u + 16).
+#define SPB 1u
+uvec2 slice_runs(uint u) { return uvec2(32u * u, 32u * u + 16u); }
+void dequant_slice(uint S, out vec4 v[8]) { dequant_group(S, v); }
 #endif
 #endif  // QTYPE
