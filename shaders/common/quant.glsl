@@ -17,10 +17,11 @@
 //    {K, out, E} is row e*out + r. Float types (F32/F16/BF16) need K % 32 == 0 here. Loads are
 //    32-bit where the block is 4-byte aligned (Q4_K, Q5_K, IQ4_XS, floats as uvec4), 16-bit where
 //    it is only 2-byte aligned (Q8_0, Q4_0, Q5_0, Q6_K).
-//      void dequant_slice(uint S, out vec4 v[8])   uvec2 slice_runs(uint u)
+//      float dot_slice(uint S, vec4 xg[8], vec2 xs)   uvec2 slice_runs(uint u)
 //    are the GEMV's variant: slice S also holds 32 elements of the buffer's S/SPB-th block of
-//    32·SPB elements, but as two runs of 16 (v[0..3] and v[4..7]) at in-row element offsets
-//    slice_runs(u) (u = the slice's index within its row). For K-quants (SPB = 8) a slice is one
+//    32·SPB elements, but as two runs of 16 at in-row element offsets slice_runs(u) (u = the
+//    slice's index within its row); dot_slice returns Σ W·x over the slice given x's values
+//    there (xg[0..3] = run 0, xg[4..7] = run 1) and the runs' sums xs. For K-quants (SPB = 8) a slice is one
 //    16-byte chunk of the block's quants, so consecutive invocations read consecutive 16 bytes
 //    (coalesced uvec4 / u16 loads); for the other types (SPB = 1) a slice is the group itself.
 
@@ -224,16 +225,18 @@ uvec2 slice_runs(uint u) {
     uint c = u & 7u, o = 256u * (u >> 3) + 64u * (c >> 1) + 16u * (c & 1u);
     return uvec2(o, o + 32u);
 }
-void dequant_slice(uint S, out vec4 v[8]) {
+// Σ W·x over slice S given its x values xg and their run sums xs: the scales and mins are applied
+// once per run (d0·Σq·x − m0·Σx), not per element.
+float dot_slice(uint S, vec4 xg[8], vec2 xs) {
     uint ib = S >> 3, c = S & 7u, g0 = 2u * (c >> 1);
     uvec4 h = qw4[ib * KQ_VEC4];
     vec2 dm = unpackHalf2x16(h.x);
     vec2 sm0 = k_scale_min(h.yzw, g0), sm1 = k_scale_min(h.yzw, g0 + 1u);
-    float d0 = dm.x * sm0.x, m0 = dm.y * sm0.y, d1 = dm.x * sm1.x, m1 = dm.y * sm1.y;
     uvec4 q = qw4[ib * KQ_VEC4 + KQ_QS + c];
 #if QTYPE == GGML_TYPE_Q5_K
     uvec4 qh = qw4[ib * KQ_VEC4 + 1u + (c & 1u)];
 #endif
+    float s0 = 0.0, s1 = 0.0;
     for (uint k = 0u; k < 4u; ++k) {
         vec4 lo = nib4(q[k], 0u), hi = nib4(q[k], 4u);
 #if QTYPE == GGML_TYPE_Q5_K
@@ -241,9 +244,10 @@ void dequant_slice(uint S, out vec4 v[8]) {
         lo += 16.0 * vec4(a & 1u, (a >> 8) & 1u, (a >> 16) & 1u, (a >> 24) & 1u);
         hi += 16.0 * vec4(b & 1u, (b >> 8) & 1u, (b >> 16) & 1u, (b >> 24) & 1u);
 #endif
-        v[k] = d0 * lo - m0;
-        v[k + 4u] = d1 * hi - m1;
+        s0 += dot(lo, xg[k]);
+        s1 += dot(hi, xg[k + 4u]);
     }
+    return dm.x * (sm0.x * s0 + sm1.x * s1) - dm.y * (sm0.y * xs.x + sm1.y * xs.y);
 }
 
 #elif QTYPE == GGML_TYPE_Q6_K
@@ -274,14 +278,15 @@ uvec2 slice_runs(uint u) {
     uint o = 256u * (u >> 3) + 128u * (c >> 2) + 32u * (cc >> 1) + 16u * (cc & 1u);
     return uvec2(o, o + 64u);
 }
-void dequant_slice(uint S, out vec4 v[8]) {
+// Σ W·x over slice S given its x values xg and their run sums xs: d·sc·(Σq·x − 32·Σx) per run.
+float dot_slice(uint S, vec4 xg[8], vec2 xs) {
     uint ib = S >> 3, c = S & 7u, n = c >> 2, cc = c & 3u, jlo = cc >> 1;
-    float d = float(qw[ib].d);
-    uint slo = 8u * n + 2u * jlo + (cc & 1u), shi = slo + 4u;  // scale bytes of the two runs
+    uint slo = 8u * n + 2u * jlo + (cc & 1u), shi = slo + 4u;
     uint wlo = uint(qw[ib].scales[slo >> 1]), whi = uint(qw[ib].scales[shi >> 1]);
-    float d0 = d * float((slo & 1u) == 0u ? sbyte_lo(wlo) : sbyte_hi(wlo));
-    float d1 = d * float((shi & 1u) == 0u ? sbyte_lo(whi) : sbyte_hi(whi));
+    float sc0 = float((slo & 1u) == 0u ? sbyte_lo(wlo) : sbyte_hi(wlo));
+    float sc1 = float((shi & 1u) == 0u ? sbyte_lo(whi) : sbyte_hi(whi));
     uint lb = 32u * n + 8u * cc, hb = 16u * n + 8u * (cc & 1u), slo2 = 2u * jlo, shi2 = slo2 + 4u;
+    float s0 = 0.0, s1 = 0.0;
     for (uint k = 0u; k < 4u; ++k) {
         uint l = uint(qw[ib].ql[lb + 2u * k]) | (uint(qw[ib].ql[lb + 2u * k + 1u]) << 16);
         uint h = uint(qw[ib].qh[hb + 2u * k]) | (uint(qw[ib].qh[hb + 2u * k + 1u]) << 16);
@@ -289,9 +294,10 @@ void dequant_slice(uint S, out vec4 v[8]) {
                                              (h >> (slo2 + 16u)) & 3u, (h >> (slo2 + 24u)) & 3u);
         vec4 qhi = nib4(l, 4u) + 16.0 * vec4((h >> shi2) & 3u, (h >> (shi2 + 8u)) & 3u,
                                              (h >> (shi2 + 16u)) & 3u, (h >> (shi2 + 24u)) & 3u);
-        v[k] = d0 * (qlo - 32.0);
-        v[k + 4u] = d1 * (qhi - 32.0);
+        s0 += dot(qlo, xg[k]);
+        s1 += dot(qhi, xg[k + 4u]);
     }
+    return float(qw[ib].d) * (sc0 * (s0 - 32.0 * xs.x) + sc1 * (s1 - 32.0 * xs.y));
 }
 
 #elif QTYPE == GGML_TYPE_IQ4_XS
@@ -325,6 +331,12 @@ void dequant_group(uint G, out vec4 v[8]) {
 // Every other type: a slice is a 32-element group (runs at 32u and 32u + 16).
 #define SPB 1u
 uvec2 slice_runs(uint u) { return uvec2(32u * u, 32u * u + 16u); }
-void dequant_slice(uint S, out vec4 v[8]) { dequant_group(S, v); }
+float dot_slice(uint S, vec4 xg[8], vec2 xs) {
+    vec4 w[8];
+    dequant_group(S, w);
+    float s = 0.0;
+    for (uint q = 0u; q < 8u; ++q) s += dot(w[q], xg[q]);
+    return s;
+}
 #endif
 #endif  // QTYPE
