@@ -124,6 +124,8 @@ KNOBS: tuple[Knob, ...] = (
     _k("VKFLASH_MM_TILE_EPILOG", _bool, True, "0: separate epilogue ops instead of fused GEMM stores", "revert"),
     _k("VKFLASH_MMID_COMPACT", _bool, True, "0: plain MoE grid instead of live (expert, tile) pairs", "revert"),
     _k("VKFLASH_HC_FUSE", _bool, True, "0: unfused hyper-connection mix/combine", "revert"),
+    _k("VKFLASH_DEP_BARRIERS", _bool, True, "0: a barrier before every dispatch instead of only on real dependencies",
+       "revert"),
     # backend
     _k("VKFLASH_BACKEND", _choice("auto", "gpu", "reference"), "auto",
        "auto: the GPU forward where the arch has step graphs, else the NumPy reference", "backend"),

@@ -107,8 +107,9 @@ class Graph:
             sub.n_recorded = 1
             written: set[int] = set()
             read: set[int] = set()
+            every = not self.gpu.settings["VKFLASH_DEP_BARRIERS"]
             for op in ops:
-                if op.reads & written or op.writes & (written | read):
+                if every or op.reads & written or op.writes & (written | read):
                     seq.record(kp.OpBarrier())
                     sub.n_recorded += 1
                     written, read = set(), set()
