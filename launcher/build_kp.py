@@ -114,6 +114,15 @@ def headers_dir() -> str | None:
     return os.environ.get("VKFLASH_VK_HEADERS") or None
 
 
+def patch_set_id(patches: list[Path]) -> str:
+    """Short hash of the pinned sdist and the patch files: the module's version names it."""
+    h = hashlib.sha256(SDIST_SHA256.encode())
+    for p in patches:
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:10]
+
+
 def stamp_key(sdist: Path, patches: list[Path], target: Target) -> str:
     """Everything that changes the built module, hashed."""
     h = hashlib.sha256()
@@ -269,7 +278,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--venv", help="venv to install into (default: the running interpreter's)")
     ap.add_argument("--site", help="install into this directory instead of site-packages")
     ap.add_argument("--out", help="also copy the built .so into this directory")
-    ap.add_argument("--prebuilt", help="install this kp*.so instead of building")
+    ap.add_argument("--prebuilt", help="install this kp*.so instead of building (built anyway if it is from another patch set)")
     ap.add_argument("--stock", action="store_true",
                     help="build without the behaviour patches (only 00-*), into build/kp-stock; for comparisons")
     ap.add_argument("--force", action="store_true", help="rebuild even if the stamp matches")
@@ -284,11 +293,18 @@ def main(argv: list[str]) -> int:
     python = str(Path(a.venv) / "bin" / "python") if a.venv else sys.executable
     target = query_target(python, a.site)
     out = Path(a.out) if a.out else None
+    patches = list_patches(a.stock)
+    want_version = f"{KP_VERSION}+vkflash.{'stock' if a.stock else patch_set_id(patches)}"
     if a.prebuilt:
         deliver(Path(a.prebuilt), target, out, stock=False)
-        log(f"prebuilt module {check_import(target)} installed")
-        return 0
-    patches = list_patches(a.stock)
+        try:
+            version = check_import(target)
+        except BuildError as e:
+            version = f"unimportable ({str(e).strip().splitlines()[-1]})"
+        if version == want_version:
+            log(f"prebuilt module {version} installed")
+            return 0
+        log(f"prebuilt module is {version}, not the current patch set {want_version}: building instead")
     sdist = get_sdist(python)
     key = stamp_key(sdist, patches, target)
     work = ROOT / "build" / ("kp-stock" if a.stock else "kp")
@@ -303,8 +319,7 @@ def main(argv: list[str]) -> int:
     log(f"unpacking {sdist.name} into {work.relative_to(ROOT)}")
     src = unpack(sdist, work)
     apply_patches(src, patches)
-    version_info = f"{KP_VERSION}+vkflash.{'stock' if a.stock else key[:10]}"
-    so = cmake_build(src, work / "build", target, version_info, a.jobs)
+    so = cmake_build(src, work / "build", target, want_version, a.jobs)
     shutil.copy2(so, built)
     deliver(built, target, out, a.stock)
     if not a.stock:
