@@ -99,7 +99,7 @@ class Graph:
         timestamps = trace.wants_timestamps()
         self.submissions = []
         for ops in self._split():
-            n_kp = 1 + 2 * len(ops)  # upper bound: a barrier before every op
+            n_kp = 2 + 2 * len(ops)  # upper bound: a barrier before every op, one to the host
             seq = self.gpu.mgr.sequence(0, n_kp + 1 if timestamps else 0)
             seq.set_spin_wait(bool(self.gpu.settings["VKFLASH_SPIN_WAIT"]))
             sub = Submission(ops, seq)
@@ -121,11 +121,15 @@ class Graph:
                 sub.n_recorded += 1
                 written |= op.writes
                 read |= op.reads
+            # The fence alone does not make shader writes visible to host reads of mapped memory.
+            seq.record(kp.OpBarrier(kp.STAGE_COMPUTE, kp.STAGE_HOST, kp.ACCESS_SHADER_WRITE, kp.ACCESS_HOST_READ))
+            sub.n_recorded += 1
             self.submissions.append(sub)
 
     @property
     def barriers(self) -> int:
-        return sum(s.n_recorded - len(s.ops) for s in self.submissions)
+        """Compute→compute barriers recorded (the closing compute→host barrier not counted)."""
+        return sum(s.n_recorded - len(s.ops) - 1 for s in self.submissions)
 
     # --- replay ---------------------------------------------------------------------------
     def run(self) -> None:

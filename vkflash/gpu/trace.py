@@ -83,7 +83,7 @@ def finished(graph: "Graph", sub: "Submission", t_wait: float) -> None:
     gpu_ms = (ts[sub.n_recorded] - ts[0]) * period / 1e6
     host_ms = (time.perf_counter() - sub.t_submit) * 1e3  # type: ignore[attr-defined]
     if _on("VKFLASH_JOB_LOG"):
-        OUT.write(f"job {sub.job_id} {graph.name} ops={len(sub.ops)} barriers={sub.n_recorded - len(sub.ops)} "  # type: ignore[attr-defined]
+        OUT.write(f"job {sub.job_id} {graph.name} ops={len(sub.ops)} barriers={sub.n_recorded - len(sub.ops) - 1} "  # type: ignore[attr-defined]
                   f"gpu={gpu_ms:.3f}ms host={host_ms:.3f}ms\n")
         OUT.flush()
     for op, slot in zip(sub.ops, sub.op_slots):
