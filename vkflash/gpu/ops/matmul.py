@@ -14,7 +14,7 @@ An expert stack {K, out, E} is addressed by QWeight.row0 = e·out (see shaders/m
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 from gguf import GGMLQuantizationType as Q
 
@@ -35,7 +35,7 @@ TYPES: tuple[Q, ...] = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.
 GEMV_WG = 64  # invocations of a GEMV workgroup
 GEMV_ROWS_FLOAT = 4  # weight rows per GEMV workgroup (NDEC) for F32/F16/BF16 (long rows)
 GEMV_ROWS_QUANT = 8  # ... for block-quantized rows (a few bytes per element: more rows per workgroup)
-GEMV_MAX_COLS = 8  # token columns of one GEMV (acc registers: NDEC × NPLAIN)
+GEMV_MAX_COLS = 8  # token columns of one GEMV (handled one after the other in the shader)
 TINY_OUT = 8  # outputs at most this many rows go through the transposed GEMV
 TINY_TOKENS = 8  # tokens per workgroup of the transposed GEMV
 TILE = 64  # GEMM tile: 64 weight rows × 64 tokens (scalar and coopmat)
@@ -106,9 +106,9 @@ class Epilogue:
 
     @property
     def flags(self) -> int:
-        return ((EP_SCALE if self.scale is not None else 0) | (EP_BIAS if self.bias else 0)
+        return ((EP_SCALE if self.scale is not None else 0) | (EP_BIAS if self.bias is not None else 0)
                 | {"": 0, "sigmoid": EP_SIGMOID, "silu": EP_SILU}[self.act]
-                | (EP_MUL if self.mul else 0) | (EP_RES if self.res else 0))
+                | (EP_MUL if self.mul is not None else 0) | (EP_RES if self.res is not None else 0))
 
 
 PLAIN = Epilogue()
@@ -135,7 +135,7 @@ def _check(w: QWeight, x: Rows, y: Rows, ep: Epilogue) -> None:
         raise ValueError(f"matmul: x offset {x.off} and stride {x.stride} must be multiples of 4 (vec4 loads)")
     if x.buf is y.buf and x.overlaps(y):
         raise ValueError("matmul: y overlaps x")
-    if ep.bias and (ep.bias.n_rows, ep.bias.n_cols) != (1, w.n_out):
+    if ep.bias is not None and (ep.bias.n_rows, ep.bias.n_cols) != (1, w.n_out):
         raise ValueError(f"matmul: bias must be one row of {w.n_out}")
     for nm, v in (("mul", ep.mul), ("res", ep.res)):
         if v is None:
@@ -187,18 +187,18 @@ def _dispatch(g: "Graph", w: QWeight, x: Rows, y: Rows, ep: Epilogue, coopmat: b
 
 def _plain_epilogue(g: "Graph", tmp: Rows, y: Rows, ep: Epilogue, name: str) -> None:
     """The epilogue as separate eltwise dispatches on tmp (in place), the last one writing y."""
-    steps: list = []
+    steps: list[Callable[[Rows, Rows], None]] = []
     if ep.scale is not None:
         steps.append(lambda a, o: eltwise.scale(g, a, ep.scale, o, name=f"{name}.scale"))
-    if ep.bias:
+    if ep.bias is not None:
         steps.append(lambda a, o: eltwise.add(g, a, ep.bias, o, name=f"{name}.bias"))
     if ep.act == "sigmoid":
         steps.append(lambda a, o: eltwise.sigmoid(g, a, o, name=f"{name}.sigmoid"))
     if ep.act == "silu":
         steps.append(lambda a, o: eltwise.silu(g, a, o, name=f"{name}.silu"))
-    if ep.mul:
+    if ep.mul is not None:
         steps.append(lambda a, o: eltwise.mul(g, a, ep.mul, o, name=f"{name}.mul"))
-    if ep.res:
+    if ep.res is not None:
         steps.append(lambda a, o: eltwise.add(g, a, ep.res, o, name=f"{name}.res"))
     for i, step in enumerate(steps):
         step(tmp, y if i == len(steps) - 1 else tmp)
