@@ -10,7 +10,7 @@ graph: one submission, ending in the LM head and a device argmax (greedy reads 4
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +19,7 @@ from vkflash import settings
 from vkflash.engine import graphs
 from vkflash.engine.api import InvalidRequest
 from vkflash.engine.caches import allocate_kv, cache_type
+from vkflash.engine.dump import read_taps, tapped
 from vkflash.engine.graphs.common import Head, HeadBuffers, StepModel, decode_splits
 from vkflash.engine.step_params import StepParams
 from vkflash.engine.weights_gpu import device_embeddable, host_row_gather, upload_weights
@@ -65,9 +66,11 @@ class GpuForward:
     """One sequence on the GPU: Forward + ArgmaxForward (vkflash.engine.api)."""
 
     def __init__(self, model_path: str | os.PathLike[str], ctx: int | None = None, ub: int | None = None,
-                 kv: str | None = None, gpu: Gpu | None = None, logits_rows: int | None = None) -> None:
+                 kv: str | None = None, gpu: Gpu | None = None, logits_rows: int | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> None:
         """ctx/ub/kv default to the CTX/UB/KV knobs (CTX 0: the model's context length);
-        logits_rows bounds the rows of one all-logits step (default: LOGITS_BUDGET / V)."""
+        logits_rows bounds the rows of one all-logits step (default: LOGITS_BUDGET / V);
+        progress(done, total) is called with weight bytes uploaded (a load progress bar)."""
         s = settings.current()
         self.gpu = gpu or Gpu()
         gf = GGUFFile(model_path)
@@ -82,17 +85,22 @@ class GpuForward:
         # a table the embed kernel cannot decode is gathered on the host; keep it on the GPU only as LM head
         skip = ["token_embd.weight"] if host_embed and "output.weight" in gf.tensors else []
         self._gather = host_row_gather(gf, "token_embd.weight") if host_embed else None
-        weights = upload_weights(self.gpu, gf, hp, skip)
+        transforms = self.arch.weight_transforms(gf, hp) if hasattr(self.arch, "weight_transforms") else None
+        weights = upload_weights(self.gpu, gf, hp, skip, progress, transforms)
         n_split = decode_splits(self.n_ctx)
         rows = logits_rows or max(1, min(self.ub, LOGITS_BUDGET // (4 * hp.V)))
-        kv_caches = allocate_kv(self.gpu, hp, self.n_ctx, cache_type(s["KV"] if kv is None else kv),
-                                self.arch.attention_layers(hp))
+        kv_type = cache_type(s["KV"] if kv is None else kv)
+        kv_caches = allocate_kv(self.gpu, hp, self.n_ctx, kv_type, self.arch.attention_layers(hp))
+        extra = self.arch.extra_dim(hp) if hasattr(self.arch, "extra_dim") else 0
+        state = (self.arch.allocate_state(self.gpu, gf, hp, self.n_ctx, kv_type)
+                 if hasattr(self.arch, "allocate_state") else None)
         self.model = StepModel(self.gpu, hp, weights, kv_caches,
-                               StepParams.allocate(self.gpu, self.ub, hp.d if host_embed else 0),
-                               HeadBuffers.allocate(self.gpu, hp.V, rows), n_split)
+                               StepParams.allocate(self.gpu, self.ub, hp.d if host_embed else 0, extra),
+                               HeadBuffers.allocate(self.gpu, hp.V, rows), n_split, state)
         self.scratch = self.arch.Scratch.allocate(self.gpu, hp, self.ub, n_split)
         self._graphs: dict[tuple[int, Head], Graph] = {}
         self._n = 0
+        self._seq: list[int] = []  # the tokens fed (a recurrent model replays a prefix it cannot restore)
 
     # --- Forward protocol -----------------------------------------------------------------
     @property
@@ -101,12 +109,25 @@ class GpuForward:
         return self._n
 
     def reset(self) -> None:
-        """Start a new, empty sequence (cache rows past n_kv are never read)."""
+        """Start a new, empty sequence (cache rows past n_kv are never read; recurrent states zeroed)."""
         self._n = 0
+        self._seq = []
+        if self.model.state is not None:
+            self.model.state.reset()
 
     def truncate(self, n: int) -> None:
-        """Keep the first n tokens (attention-only models: just the length)."""
-        self._n = max(0, min(n, self._n))
+        """Keep the first n tokens: attention-only models just shorten the length; recurrent states
+        are restored from a checkpoint slot when the last step wrote one, else the prefix is re-run."""
+        n = max(0, min(n, self._n))
+        st = self.model.state
+        if st is not None and n < self._n and not st.truncate(self._n - n):
+            keep = self._seq[:n]
+            self.reset()
+            if keep:
+                self._feed(np.asarray(keep, np.int32))
+            return
+        self._n = n
+        del self._seq[n:]
 
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
         """Feed ids; the next-token logits (float32[V]) after the last one."""
@@ -134,6 +155,16 @@ class GpuForward:
             self._run(arr[start:start + n], Head.ALL)
             out[start:start + n] = self.model.head.logits.read(np.float32, n * self.n_vocab).reshape(n, -1)
         return out
+
+    def dump_step(self, ids: Sequence[int], names: Iterable[str]) -> dict[str, np.ndarray]:
+        """Feed ids as one step with logits for every row; the buffers written by the dispatches
+        named in `names`, read right after them (flat float32, engine/dump.py). For verify."""
+        arr = self._ids(ids)
+        if len(arr) > min(self.ub, self.model.head.rows):
+            raise InvalidRequest(f"a dumped step holds at most {min(self.ub, self.model.head.rows)} tokens")
+        g, taps = tapped(self.graph(len(arr), Head.ALL), names)
+        self._run(arr, Head.ALL, g)
+        return read_taps(taps)
 
     # --- steps ----------------------------------------------------------------------------
     def graph(self, n: int, head: Head) -> Graph:
@@ -170,10 +201,16 @@ class GpuForward:
         for j, (start, n) in enumerate(plan):
             self._run(ids[start:start + n], Head.LAST if j == len(plan) - 1 else Head.NONE)
 
-    def _run(self, ids: np.ndarray, head: Head) -> None:
-        """One replay: params for len(ids) tokens at n_past, then the graph."""
+    def _run(self, ids: np.ndarray, head: Head, g: Graph | None = None) -> None:
+        """One replay: params for len(ids) tokens at n_past, then the graph (or `g`, a tapped copy)."""
         n = len(ids)
         emb = self._gather(ids) if self._gather is not None else None
         self.model.params.set(self._n, ids, emb)
-        self.graph(n, head).run()
+        st = self.model.state
+        if st is not None:
+            st.before_step(self.model.params, ids)
+        (g or self.graph(n, head)).run()
+        if st is not None:
+            st.stepped(ids)
         self._n += n
+        self._seq.extend(int(t) for t in ids)
