@@ -4,75 +4,29 @@ stop strings, and a device lost mid-generation turning /health unhealthy for goo
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 
-import numpy as np
 import pytest
 
 from harness import call, start_in_process, wait_health
+from scripted import ScriptedForward, openai_client, serve_scripted
 
 from vkflash import settings
 from vkflash.engine.api import EngineInfo
-from vkflash.errors import DeviceError
 from vkflash.model.tokenizer import read_tokenizer_meta
 from vkflash.server.backend import Loaded
 from vkflash.server.state import ServerOptions, ServerState
-
-
-class ScriptedForward:
-    """Greedy output is `script` (then the end token); decode number `lose_at` raises DeviceError."""
-
-    def __init__(self, script: Sequence[int], eos: int, V: int, n_ctx: int, lose_at: int | None = None) -> None:
-        self.script, self.eos, self.n_vocab, self.n_ctx, self.lose_at = list(script), eos, V, n_ctx, lose_at
-        self._n, self._k = 0, 0
-
-    @property
-    def n_past(self) -> int:
-        return self._n
-
-    def reset(self) -> None:
-        self._n, self._k = 0, 0
-
-    def _next(self) -> np.ndarray:
-        z = np.zeros(self.n_vocab, np.float32)
-        z[self.script[self._k] if self._k < len(self.script) else self.eos] = 1.0
-        return z
-
-    def prefill(self, ids: Sequence[int]) -> np.ndarray:
-        self._n += len(ids)
-        return self._next()
-
-    def decode(self, token: int) -> np.ndarray:
-        self._k += 1
-        if self.lose_at is not None and self._k >= self.lose_at:
-            raise DeviceError("vkQueueSubmit: VK_ERROR_DEVICE_LOST")
-        self._n += 1
-        return self._next()
-
-    def truncate(self, n: int) -> None:
-        self._n = min(self._n, n)
-
 
 OPENS_THINK = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
                "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
 
 
 def _serve(in_process, tiny_model, tokenizer, output: str, template: str | None = None, lose_at: int | None = None):
-    script = tokenizer.encode(output, parse_special=True)
-    tpl = template or read_tokenizer_meta(tiny_model)["tokenizer.chat_template"]
-    fwd = ScriptedForward(script, tokenizer.eos_id, tokenizer.vocab_size, 256, lose_at)
-    info = EngineInfo("scripted", str(tiny_model), "qwen4exp", "scripted", 256, 256, tokenizer.vocab_size, tpl)
-    state = ServerState(settings.load(env={}), ServerOptions(queue_depth=1), lambda s: Loaded(fwd, tokenizer, info))
-    p = start_in_process(state)
-    in_process.append(p)
-    wait_health(p.base, 200)
-    return p.base
+    fwd = ScriptedForward(tokenizer.encode(output, parse_special=True), tokenizer.eos_id, tokenizer.vocab_size, 256,
+                          lose_at)
+    return serve_scripted(in_process, tiny_model, tokenizer, fwd, template)
 
 
-def _client(base):
-    import openai
-
-    return openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+_client = openai_client
 
 
 MSGS = [{"role": "user", "content": "why?"}]

@@ -346,3 +346,24 @@ def test_bad_knob_stops_startup(tmp_path):
                        env={"PATH": "/usr/bin:/bin", "CTX": "lots"}, timeout=60)
     assert r.returncode == 1
     assert "CTX" in r.stderr and "'lots'" in r.stderr and "integer" in r.stderr
+
+
+def test_logprobs_match_the_reference(client, model_id, tiny_model, tokenizer, rng):
+    """Completion logprobs of a real model = log-softmax of the reference's teacher-forced logits."""
+    prompt = [int(t) for t in rng.integers(0, 400, size=int(rng.integers(3, 20)))]
+    m, k = int(rng.integers(2, 8)), int(rng.integers(1, 6))
+    r = client.completions.create(model=model_id, prompt=prompt, max_tokens=m, temperature=0, logprobs=k,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    fwd = ReferenceForward(load_model(tiny_model), CTX)
+    z = fwd.prefill(prompt)
+    for i in range(m):
+        want = z.astype(np.float64) - z.max() - np.log(np.exp(z.astype(np.float64) - z.max()).sum())
+        t = int(np.argmax(z))
+        assert abs(lp.token_logprobs[i] - want[t]) < 1e-4, (i, lp)
+        top: dict[str, float] = {}
+        for j in np.argsort(-want, kind="stable")[:k]:  # alternatives that print alike keep the best
+            top.setdefault(tokenizer.token_bytes(int(j), special=True).decode(errors="replace"), want[j])
+        assert lp.top_logprobs[i].keys() == top.keys(), (i, lp)
+        assert list(lp.top_logprobs[i].values()) == pytest.approx(list(top.values()), abs=1e-4)
+        z = fwd.decode(t)

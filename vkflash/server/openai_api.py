@@ -25,9 +25,11 @@ from vkflash.errors import DeviceError, VkflashError
 from vkflash.model.chat import ReasoningParser, prompt_opens_think, render_chat
 from vkflash.server.backend import Loaded
 from vkflash.server.errors import ApiError
+from vkflash.server.logprobs import Piece, ScoredToken, chat_entries, completion_logprobs
 from vkflash.server.schemas import ChatMessage, ChatRequest, CompletionRequest, SamplingFields
 from vkflash.server.slot import Job, QueueFull, Started
 from vkflash.server.state import ServerState
+from vkflash.server.tools import ToolCallParser, split_tool_calls
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -94,11 +96,29 @@ def message_dict(m: ChatMessage) -> dict[str, Any]:
 
 @dataclass
 class Prepared:
-    """A validated request ready for the slot."""
+    """A validated request ready for the slot, and how its output is shaped: reasoning split
+    (`split`, `in_think` when the prompt opened <think>), tool-call parsing, log-probabilities."""
 
     ids: list[int]
     params: SamplingParams
     in_think: bool = False
+    split: bool = False
+    tools: bool = False
+    top_logprobs: int | None = None
+
+
+def piece_of(loaded: Loaded) -> Piece:
+    """Token id → its bytes, special tokens spelled out (what logprobs entries show)."""
+    return lambda t: loaded.tokenizer.token_bytes(t, special=True)
+
+
+def chat_top_logprobs(req: ChatRequest) -> int | None:
+    """How many alternatives per token a chat request wants (None: no logprobs at all)."""
+    if req.logprobs:
+        return req.top_logprobs or 0
+    if req.top_logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    return None
 
 
 def admit(state: ServerState, prep: Prepared) -> Job:
@@ -110,15 +130,16 @@ def admit(state: ServerState, prep: Prepared) -> Job:
         raise ApiError(400, str(e), param=e.param, code="context_length_exceeded") from None
     assert state.slot is not None
     try:
-        return state.slot.submit(prep.ids, prep.params)
+        return state.slot.submit(prep.ids, prep.params, prep.top_logprobs)
     except QueueFull:
         state.metrics.reject()
         raise ApiError(503, f"the server is busy: 1 generation running and {state.slot.depth} waiting",
                        code="queue_full", headers={"Retry-After": "1"}) from None
 
 
-async def collect(job: Job, request: Request) -> tuple[str, Finish]:
-    """Run a non-streamed job to its end; a client disconnect cancels it."""
+async def collect(job: Job, request: Request) -> tuple[str, Finish, list[ScoredToken]]:
+    """Run a non-streamed job to its end (text, finish, scored tokens if it asked for logprobs);
+    a client disconnect cancels it."""
 
     async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -127,17 +148,20 @@ async def collect(job: Job, request: Request) -> tuple[str, Finish]:
 
     watcher = asyncio.create_task(watch())
     parts: list[str] = []
+    scored: list[ScoredToken] = []
     fin = Finish("error", error=RuntimeError("no finish"))
     try:
         async for ev in job.stream():
             if isinstance(ev, TokenEvent):
                 parts.append(ev.text)
+                if isinstance(ev, ScoredToken):
+                    scored.append(ev)
             elif isinstance(ev, Finish):
                 fin = ev
     finally:
         watcher.cancel()
     parts.append(fin.text)
-    return "".join(parts), fin
+    return "".join(parts), fin, scored
 
 
 def split_output(text: str, in_think: bool) -> tuple[str, str]:
@@ -154,6 +178,11 @@ def raise_for(fin: Finish) -> None:
     if fin.reason == "error":
         status = 503 if isinstance(fin.error, DeviceError) else 500
         raise ApiError(status, f"generation failed: {fin.error}", code="generation_failed")
+
+
+def finish_reason(fin: Finish, n_calls: int) -> str:
+    """OpenAI's finish_reason: `tool_calls` when the output ended normally after making calls."""
+    return "tool_calls" if n_calls and fin.reason == "stop" else fin.reason
 
 
 def usage(fin: Finish) -> dict[str, int]:
@@ -191,22 +220,31 @@ def make_router(state: ServerState) -> APIRouter:
         except VkflashError as e:
             raise ApiError(400, str(e), param="messages") from None
         ids = await run_in_threadpool(loaded.tokenizer.encode, text, True, True)
-        prep = Prepared(ids, params, req.reasoning_format == "auto" and prompt_opens_think(text))
+        split = req.reasoning_format == "auto"
+        prep = Prepared(ids, params, split and prompt_opens_think(text), split,
+                        bool(req.tools) and req.tool_choice != "none", chat_top_logprobs(req))
         job = admit(state, prep)
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), loaded.info.model_id
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return JobStream(job, chat_stream(job, cid, created, model, prep, req.reasoning_format == "auto",
-                                              include_usage))
-        out, fin = await collect(job, request)
+            return JobStream(job, chat_stream(job, cid, created, model, prep, include_usage, piece_of(loaded)))
+        out, fin, scored = await collect(job, request)
         raise_for(fin)
         msg: dict[str, Any] = {"role": "assistant", "content": out}
-        if req.reasoning_format == "auto":
+        if split:
             msg["content"], reasoning = split_output(out, prep.in_think)
             if reasoning:
                 msg["reasoning_content"] = reasoning
+        calls = []
+        if prep.tools:
+            content, calls = split_tool_calls(msg["content"])
+            if calls:
+                msg["content"] = content or None
+                msg["tool_calls"] = [c.to_json() for c in calls]
+        logprobs = None if prep.top_logprobs is None else {"content": chat_entries(scored, piece_of(loaded))}
         return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model,
-                             "choices": [{"index": 0, "message": msg, "finish_reason": fin.reason, "logprobs": None}],
+                             "choices": [{"index": 0, "message": msg, "finish_reason": finish_reason(fin, len(calls)),
+                                          "logprobs": logprobs}],
                              "usage": usage(fin), "timings": fin.timings.to_json()})
 
     @router.post("/v1/completions", summary="Text completion (OpenAI legacy), streamed with stream=true")
@@ -229,78 +267,113 @@ def make_router(state: ServerState) -> APIRouter:
             if bad:
                 raise ApiError(400, f"token id {bad[0]} is outside the vocabulary 0..{loaded.info.n_vocab - 1}",
                                param="prompt")
-        job = admit(state, Prepared(ids, params))
+        job = admit(state, Prepared(ids, params, top_logprobs=req.logprobs))
         cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), loaded.info.model_id
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return JobStream(job, text_stream(job, cid, created, model, include_usage))
-        out, fin = await collect(job, request)
+            return JobStream(job, text_stream(job, cid, created, model, include_usage,
+                                              piece_of(loaded) if req.logprobs is not None else None))
+        out, fin, scored = await collect(job, request)
         raise_for(fin)
+        logprobs = None if req.logprobs is None else completion_logprobs(scored, piece_of(loaded))
         return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                             "choices": [{"index": 0, "text": out, "finish_reason": fin.reason, "logprobs": None}],
+                             "choices": [{"index": 0, "text": out, "finish_reason": fin.reason, "logprobs": logprobs}],
                              "usage": usage(fin), "timings": fin.timings.to_json()})
 
     return router
 
 
-async def chat_stream(job: Job, cid: str, created: int, model: str, prep: Prepared, split: bool,
-                      include_usage: bool) -> AsyncIterator[str]:
-    """SSE chunks of a chat completion: role, then content / reasoning_content deltas, then the finish."""
+async def chat_stream(job: Job, cid: str, created: int, model: str, prep: Prepared, include_usage: bool,
+                      piece: Piece) -> AsyncIterator[str]:
+    """SSE chunks of a chat completion: role, then content / reasoning_content / tool_calls deltas
+    (each carrying the logprobs of the tokens since the last chunk, if asked), then the finish."""
+    pending: list[ScoredToken] = []
+    reasoning_parser = ReasoningParser(in_think=prep.in_think) if prep.split else None
+    tool_parser = ToolCallParser() if prep.tools else None
+    n_calls = 0
 
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
+        logprobs = None
+        if pending:
+            logprobs = {"content": chat_entries(pending, piece)}
+            pending.clear()
         return sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra})
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}], **extra})
 
-    parser = ReasoningParser(in_think=prep.in_think) if split else None
-
-    def delta_of(text: str, final: bool = False) -> dict[str, str]:
-        if parser is None:
-            return {"content": text} if text else {}
-        reasoning, content = parser.push(text)
-        if final:
-            r2, c2 = parser.flush()
-            reasoning, content = reasoning + r2, content + c2
-        d = {}
+    def delta_of(text: str, final: bool = False) -> dict[str, Any]:
+        nonlocal n_calls
+        reasoning, content = "", text
+        if reasoning_parser is not None:
+            reasoning, content = reasoning_parser.push(text)
+            if final:
+                r2, c2 = reasoning_parser.flush()
+                reasoning, content = reasoning + r2, content + c2
+        calls = []
+        if tool_parser is not None:
+            content, calls = tool_parser.push(content)
+            if final:
+                c2, more = tool_parser.flush()
+                content, calls = content + c2, calls + more
+        d: dict[str, Any] = {}
         if reasoning:
             d["reasoning_content"] = reasoning
         if content:
             d["content"] = content
+        if calls:
+            d["tool_calls"] = [c.to_json(n_calls + i) for i, c in enumerate(calls)]
+            n_calls += len(calls)
         return d
 
     async for ev in job.stream():
         if isinstance(ev, Started):
             yield chunk({"role": "assistant", "content": ""})
         elif isinstance(ev, TokenEvent):
+            if isinstance(ev, ScoredToken):
+                pending.append(ev)
             if d := delta_of(ev.text):
                 yield chunk(d)
         else:
             if ev.reason == "error":
                 yield error_event(ev)
             else:
-                if d := delta_of(ev.text, final=True):
+                d = delta_of(ev.text, final=True)
+                if d or pending:
                     yield chunk(d)
-                yield chunk({}, ev.reason, usage=usage(ev), timings=ev.timings.to_json())
+                yield chunk({}, finish_reason(ev, n_calls), usage=usage(ev), timings=ev.timings.to_json())
                 if include_usage:
                     yield sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                                "choices": [], "usage": usage(ev)})
             yield sse("[DONE]")
 
 
-async def text_stream(job: Job, cid: str, created: int, model: str, include_usage: bool) -> AsyncIterator[str]:
-    """SSE chunks of a text completion: text deltas, then the finish."""
+async def text_stream(job: Job, cid: str, created: int, model: str, include_usage: bool,
+                      piece: Piece | None) -> AsyncIterator[str]:
+    """SSE chunks of a text completion: text deltas (with the logprobs of the tokens since the last
+    chunk when `piece` is given), then the finish."""
+    pending: list[ScoredToken] = []
+    offset = 0
 
     def chunk(text: str, finish: str | None = None, **extra: Any) -> str:
+        nonlocal offset
+        logprobs = None
+        if piece is not None:
+            logprobs = completion_logprobs(pending, piece, offset)
+            offset += sum(len(t) for t in logprobs["tokens"])
+            pending.clear()
         return sse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}], **extra})
+                    "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}], **extra})
 
     async for ev in job.stream():
-        if isinstance(ev, TokenEvent) and ev.text:
-            yield chunk(ev.text)
+        if isinstance(ev, TokenEvent):
+            if isinstance(ev, ScoredToken):
+                pending.append(ev)
+            if ev.text:
+                yield chunk(ev.text)
         elif isinstance(ev, Finish):
             if ev.reason == "error":
                 yield error_event(ev)
             else:
-                if ev.text:
+                if ev.text or pending:
                     yield chunk(ev.text)
                 yield chunk("", ev.reason, usage=usage(ev), timings=ev.timings.to_json())
                 if include_usage:

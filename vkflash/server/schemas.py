@@ -61,7 +61,11 @@ class ChatRequest(SamplingFields):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(
+        default=None, description="function tools; `<tool_call>` blocks in the output become tool_calls")
+    tool_choice: str | dict[str, Any] | None = Field(default=None, description="\"none\": no tool_calls parsing")
+    logprobs: bool = Field(default=False, description="report each output token's log-probability")
+    top_logprobs: int | None = Field(default=None, ge=0, le=20, description="alternatives per token (needs logprobs)")
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     reasoning_format: Literal["auto", "none"] = Field(
         default="auto", description="auto: <think> output goes to reasoning_content; none: all of it in content")
@@ -73,6 +77,8 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[int] | list[str]
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20,
+                                 description="report each token's log-probability and this many alternatives")
 
 
 class TokenizeRequest(_Strict):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from vkflash.engine.api import Finish, Forward, SamplingParams, TextCodec, TokenEvent
 from vkflash.engine.generate import generate
 from vkflash.errors import DeviceError
+from vkflash.server.logprobs import LogitsTap, scored
 
 
 class QueueFull(Exception):
@@ -33,11 +34,16 @@ Event = Started | TokenEvent | Finish
 
 @dataclass
 class Job:
-    """One admitted request: its prompt and parameters, cancel flag and event channel."""
+    """One admitted request: its prompt and parameters, cancel flag and event channel.
+
+    top_logprobs: None, or how many alternatives each token reports (its TokenEvents are then
+    ScoredTokens, computed from full logits).
+    """
 
     prompt: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
+    top_logprobs: int | None = None
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
 
@@ -74,9 +80,9 @@ class Slot:
         self._thread = threading.Thread(target=self._run, name="vkflash-slot", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams) -> Job:
+    def submit(self, prompt: Sequence[int], params: SamplingParams, top_logprobs: int | None = None) -> Job:
         """Admit a job or raise QueueFull (call from the event loop)."""
-        job = Job(list(prompt), params, asyncio.get_running_loop())
+        job = Job(list(prompt), params, asyncio.get_running_loop(), top_logprobs)
         with self._lock:
             if self.waiting + int(self.busy) >= 1 + self.depth:
                 raise QueueFull
@@ -110,11 +116,15 @@ class Slot:
         else:
             job.deliver(Started())
             fin = Finish("error", error=RuntimeError("generation ended without a finish"))
+            tap = LogitsTap(self.fwd) if job.top_logprobs is not None else None
             try:
-                for ev in generate(self.fwd, self.codec, job.prompt, job.params, job.cancel, self.ubatch):
+                for ev in generate(tap or self.fwd, self.codec, job.prompt, job.params, job.cancel, self.ubatch):
                     if isinstance(ev, Finish):
                         fin = ev
                         break
+                    if tap is not None and tap.logits is not None:
+                        # generate yields a token before computing the next logits: these are its own
+                        ev = scored(ev, tap.logits, job.top_logprobs or 0)
                     job.deliver(ev)
                     if self.token_delay_s:
                         time.sleep(self.token_delay_s)
