@@ -1,0 +1,44 @@
+"""`vkflash bench serve --quick` on a tiny generated model: both prompts reported, every figure
+present and plausible (no speeds asserted), and the table form prints."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+from harness import ROOT
+
+
+def _bench(model, *extra: str) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "vkflash.cli", "bench", "serve", "--quick", "--model", str(model), *extra],
+                       cwd=ROOT, capture_output=True, text=True, timeout=240, env={"PATH": "/usr/bin:/bin", "COLUMNS": "200"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def test_bench_serve_quick_json(tiny_model):
+    from vkflash.bench.serve import QUICK
+
+    res = json.loads(_bench(tiny_model, "--json").stdout)
+    assert res["model"] == tiny_model.name and res["backend"] == res["server_backend"] == "numpy-reference"
+    rows = {r["prompt"]: r for r in res["rows"]}
+    assert set(rows) == {"short", "long"}
+    assert rows["short"]["prompt_tokens"] == QUICK.short and rows["long"]["prompt_tokens"] == QUICK.long
+    assert res["ctx"] >= QUICK.long + QUICK.gen
+    for r in rows.values():
+        assert r["gen_tokens"] == QUICK.gen  # ignore_eos: exactly the asked number
+        for k in ("ttft_ms_engine", "ttft_ms_http", "tok_s_engine", "tok_s_http"):
+            assert 0 < r[k] < 1e6, (k, r)
+        for k in ("ttft_overhead_pct", "per_token_overhead_pct"):
+            assert math.isfinite(r[k]) and r[k] > -100, (k, r)
+        # the overheads are the figures' own ratios
+        assert math.isclose(r["ttft_overhead_pct"], 100 * (r["ttft_ms_http"] / r["ttft_ms_engine"] - 1), rel_tol=1e-6)
+        assert math.isclose(r["per_token_overhead_pct"], 100 * (r["tok_s_engine"] / r["tok_s_http"] - 1),
+                            rel_tol=1e-6)
+
+
+def test_bench_serve_table(tiny_model):
+    out = _bench(tiny_model).stdout
+    assert "bench serve" in out and "short" in out and "long" in out and "per-token" in out

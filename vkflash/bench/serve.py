@@ -1,0 +1,326 @@
+"""`vkflash bench serve`: what HTTP costs. The real server process (`python -m vkflash.server` on a
+free loopback port) is timed through a raw-socket streaming client, then the same Forward the
+server builds (`server.backend.load`) is driven in this process with `engine.generate`, on the
+same prompt ids and greedy settings.
+
+TTFT is the time to the first visible text (request sent → first SSE chunk with text; generate
+called → first TokenEvent with text). Decode rate is (n − 1) / (end − first), n the generated
+tokens and end the finish (finish chunk / Finish event). Overheads are HTTP over in-process, in %.
+Each figure is the median of `reps` runs after one warm-up run (shader compiles, caches).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from vkflash import settings as settings_mod
+from vkflash.engine.api import Finish, SamplingParams, TokenEvent
+from vkflash.engine.generate import generate
+from vkflash.errors import ConfigError
+from vkflash.model.tokenizer import Tokenizer
+from vkflash.model.weights import load_model
+
+# plain English to cut prompts from (any text works; this one tokenizes like a real request)
+PROSE = ("The server reads a request, renders the prompt, and hands the token ids to a single generation slot. "
+         "The engine fills the cache with the prompt in large batches, then produces one token at a time; "
+         "each token is detokenized, checked against the stop rules and sent to the client as its own event. ")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Prompt lengths (tokens), tokens generated per run, measured runs per figure."""
+
+    short: int
+    long: int
+    gen: int
+    reps: int
+
+
+FULL, QUICK = Sizes(32, 1024, 64, 3), Sizes(8, 64, 8, 1)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One generation's timing: seconds to first text, seconds from it to the finish, tokens made."""
+
+    ttft_s: float
+    decode_s: float
+    n: int
+
+    @property
+    def tok_s(self) -> float:
+        """Decode rate after the first visible token."""
+        return (self.n - 1) / self.decode_s if self.n > 1 and self.decode_s > 0 else 0.0
+
+
+@dataclass
+class Row:
+    """One prompt's figures, in-process vs HTTP."""
+
+    prompt: str
+    prompt_tokens: int
+    gen_tokens: int
+    ttft_ms_engine: float
+    ttft_ms_http: float
+    ttft_overhead_pct: float
+    tok_s_engine: float
+    tok_s_http: float
+    per_token_overhead_pct: float
+
+
+def prompt_ids(tok: Tokenizer, n: int) -> list[int]:
+    """The first n token ids of enough repeated PROSE."""
+    text = PROSE
+    while len(ids := tok.encode(text)) < n:
+        text += PROSE
+    return ids[:n]
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m vkflash.server` with this environment (its knobs) on a free loopback port, its
+    output in a file."""
+
+    def __init__(self, env: dict[str, str], timeout_s: float) -> None:
+        self.port = free_port()
+        fd, name = tempfile.mkstemp(prefix="vkflash-bench-serve-", suffix=".log")
+        os.close(fd)
+        self.log = Path(name)
+        full = {**env, "HOST": "127.0.0.1", "PORT": str(self.port), "PYTHONUNBUFFERED": "1"}
+        with open(self.log, "w") as f:
+            self.proc = subprocess.Popen([sys.executable, "-m", "vkflash.server"], env=full, stdout=f,
+                                         stderr=subprocess.STDOUT)
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise ConfigError(f"the server exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                status, body = http_get("127.0.0.1", self.port, "/health")
+                if status == 200:
+                    return
+                if b'"failed"' in body:
+                    raise ConfigError(f"the server could not load the model:\n{self.tail()}")
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise ConfigError(f"the server was not ready within {timeout_s:.0f} s:\n{self.tail()}")
+
+    def tail(self, n: int = 15) -> str:
+        """The last lines the server printed."""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        """SIGTERM, then kill if it hangs; the log file goes too."""
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.unlink(missing_ok=True)
+
+
+def http_get(host: str, port: int, path: str) -> tuple[int, bytes]:
+    """Status and body of one GET (Connection: close)."""
+    with socket.create_connection((host, port), timeout=10) as s:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+def _body(s: socket.socket, buf: bytes, chunked: bool) -> Iterator[bytes]:
+    """The response body as it arrives, de-chunked (HTTP/1.1 chunked or close-delimited)."""
+    def more() -> bytes:
+        data = s.recv(65536)
+        if not data:
+            raise ConnectionError("the server closed the connection mid-response")
+        return data
+
+    if not chunked:
+        if buf:
+            yield buf
+        while data := s.recv(65536):
+            yield data
+        return
+    while True:
+        while b"\r\n" not in buf:
+            buf += more()
+        line, buf = buf.split(b"\r\n", 1)
+        size = int(line.split(b";")[0], 16)
+        if size == 0:
+            return
+        while len(buf) < size + 2:
+            buf += more()
+        yield buf[:size]
+        buf = buf[size + 2:]
+
+
+def sse_completion(port: int, body: dict) -> Iterator[tuple[float, dict]]:
+    """POST a streamed /v1/completions over a plain socket; (arrival time, event) per SSE event."""
+    payload = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=600) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload)
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            data = s.recv(65536)
+            if not data:
+                raise ConnectionError("the server closed the connection before answering")
+            buf += data
+        head, buf = buf.split(b"\r\n\r\n", 1)
+        status = int(head.split(b" ", 2)[1])
+        chunked = b"transfer-encoding: chunked" in head.lower()
+        if status != 200:
+            raise ConfigError(f"the server answered {status}: {b''.join(_body(s, buf, chunked)).decode()}")
+        events = b""
+        for piece in _body(s, buf, chunked):
+            now = time.perf_counter()
+            events += piece
+            while b"\n\n" in events:
+                ev, events = events.split(b"\n\n", 1)
+                data = ev.decode().removeprefix("data: ")
+                if data != "[DONE]":
+                    yield now, json.loads(data)
+
+
+def http_sample(port: int, ids: list[int], gen: int) -> Sample:
+    """One greedy streamed completion through the server."""
+    t0 = time.perf_counter()
+    first = end = None
+    n = 0
+    for t, ev in sse_completion(port, {"prompt": ids, "max_tokens": gen, "temperature": 0, "ignore_eos": True,
+                                       "stream": True}):
+        if "error" in ev:
+            raise ConfigError(f"the server failed: {ev['error'].get('message')}")
+        choice = ev["choices"][0]
+        if first is None and choice["text"]:
+            first = t
+        if choice["finish_reason"] is not None:
+            end, n = t, ev["usage"]["completion_tokens"]
+    if first is None or end is None:
+        raise ConfigError("the server's stream had no text or no finish")
+    return Sample(first - t0, end - first, n)
+
+
+def engine_sample(fwd, tok: Tokenizer, ids: list[int], gen: int, ubatch: int) -> Sample:
+    """One greedy generation with engine.generate in this process."""
+    params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
+    t0 = time.perf_counter()
+    first = end = None
+    n = 0
+    for ev in generate(fwd, tok, ids, params, ubatch=ubatch):
+        t = time.perf_counter()
+        if isinstance(ev, TokenEvent):
+            if first is None and ev.text:
+                first = t
+        elif isinstance(ev, Finish):
+            if ev.reason == "error":
+                raise ev.error or ConfigError("generation failed")
+            end, n = t, ev.completion_tokens
+    if first is None or end is None:
+        raise ConfigError("the generation produced no text")
+    return Sample(first - t0, end - first, n)
+
+
+def median_sample(run, reps: int) -> Sample:
+    """Warm up once, then the median of each figure over reps runs."""
+    run()
+    samples = [run() for _ in range(reps)]
+    return Sample(statistics.median(s.ttft_s for s in samples), statistics.median(s.decode_s for s in samples),
+                  samples[0].n)
+
+
+def overhead_pct(http: float, engine: float) -> float:
+    """How much longer HTTP took, in % of the in-process time."""
+    return 100.0 * (http - engine) / engine if engine > 0 else float("nan")
+
+
+def measure(model: str | None, sizes: Sizes, load_timeout_s: float = 900.0) -> dict:
+    """Both measurements on one model; the result as a JSON-ready dict (model, backend, rows)."""
+    from vkflash.server import backend
+
+    env = {k: v for k, v in os.environ.items() if k not in ("HOST", "PORT", "API_KEY")}
+    if model:
+        env["MODEL"] = model
+    s = settings_mod.load(env=env)
+    path = backend.model_path(s)
+    n_ctx = s["CTX"] or load_model(path).hp.n_ctx_train
+    long_n = min(sizes.long, n_ctx - sizes.gen - 1)
+    if long_n <= sizes.short:
+        raise ConfigError(f"{path.name}: a context of {n_ctx} tokens is too small for this benchmark")
+    if not s["CTX"]:
+        env["CTX"] = str(long_n + sizes.gen + 1)
+    env["MODEL"] = str(path)
+    s = settings_mod.load(env=env)
+    tok = Tokenizer.from_gguf(path)
+    prompts = {"short": prompt_ids(tok, sizes.short), "long": prompt_ids(tok, long_n)}
+
+    server = ServerProcess(env, load_timeout_s)
+    try:
+        _, props = http_get("127.0.0.1", server.port, "/props")
+        http = {name: median_sample(lambda ids=ids: http_sample(server.port, ids, sizes.gen), sizes.reps)
+                for name, ids in prompts.items()}
+    finally:
+        server.stop()
+
+    settings_mod.install(s)
+    loaded = backend.load(s)
+    engine = {name: median_sample(lambda ids=ids: engine_sample(loaded.fwd, loaded.tokenizer, ids, sizes.gen,
+                                                                loaded.info.ubatch), sizes.reps)
+              for name, ids in prompts.items()}
+    rows = []
+    for name, ids in prompts.items():
+        e, h = engine[name], http[name]
+        rows.append(Row(name, len(ids), h.n, e.ttft_s * 1e3, h.ttft_s * 1e3, overhead_pct(h.ttft_s, e.ttft_s),
+                        e.tok_s, h.tok_s, overhead_pct(1 / h.tok_s if h.tok_s else 0, 1 / e.tok_s if e.tok_s else 0)))
+    return {"model": path.name, "backend": loaded.info.backend, "server_backend": json.loads(props).get("backend"),
+            "ctx": s["CTX"], "gen_tokens": sizes.gen, "reps": sizes.reps, "rows": [asdict(r) for r in rows]}
+
+
+def run(model: str | None, quick: bool, as_json: bool, console: Console) -> None:
+    """Measure and print a table (or JSON)."""
+    res = measure(model, QUICK if quick else FULL)
+    if as_json:
+        print(json.dumps(res, indent=1))
+        return
+    t = Table(title=f"vkflash bench serve — {res['model']} ({res['backend']}), CTX={res['ctx']}, "
+                    f"median of {res['reps']}")
+    for c in ("prompt", "tokens in", "tokens out", "TTFT ms engine", "TTFT ms HTTP", "TTFT +%",
+              "tok/s engine", "tok/s HTTP", "per-token +%"):
+        t.add_column(c, justify="right")
+    for r in res["rows"]:
+        t.add_row(r["prompt"], str(r["prompt_tokens"]), str(r["gen_tokens"]), f"{r['ttft_ms_engine']:.1f}",
+                  f"{r['ttft_ms_http']:.1f}", f"{r['ttft_overhead_pct']:+.1f}", f"{r['tok_s_engine']:.1f}",
+                  f"{r['tok_s_http']:.1f}", f"{r['per_token_overhead_pct']:+.1f}")
+    console.print(t)
+
