@@ -155,6 +155,61 @@ def make_model_cmd(
         _fail(e)
 
 
+@app.command("run")
+def run_cmd(
+    model: Optional[str] = typer.Argument(None, help="GGUF file (default: the embedded default model)"),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="answer this and exit; without it: chat"),
+    raw: bool = typer.Option(False, "--raw", help="feed the prompt as is, without the chat template"),
+    system: Optional[str] = typer.Option(None, "--system", help="system message"),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help="stop after this many tokens"),
+    temperature: float = typer.Option(0.0, "--temp", help="0: greedy"),
+    top_k: int = typer.Option(0, "--top-k"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    min_p: float = typer.Option(0.0, "--min-p"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    ctx: Optional[int] = typer.Option(None, "--ctx", "-c", help="context tokens (knob CTX)"),
+    ub: Optional[int] = typer.Option(None, "--ub", help="prefill ubatch (knob UB)"),
+    kv: Optional[str] = typer.Option(None, "--kv", help="KV cache type (knob KV)"),
+) -> None:
+    """Run one prompt (-p) or chat interactively: streamed text, then prefill and decode tok/s."""
+    try:
+        from vkflash import run as runner
+
+        err = Console(stderr=True)
+        params = runner.sampling(temperature, top_k, top_p, min_p, seed, max_tokens)
+        session = runner.open_session(runner.resolve_model(model), err, ctx, ub, kv)
+        if prompt is not None:
+            runner.run_prompt(session, prompt, params, sys.stdout, err, raw=raw, system=system)
+        else:
+            runner.chat_loop(session, params, runner.read_stdin(), sys.stdout, err, system=system)
+    except VkflashError as e:
+        _fail(e)
+
+
+@app.command("verify")
+def verify_cmd(
+    model: Path = typer.Argument(..., help="GGUF file"),
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="text to verify on (default: random token ids)"),
+    tokens: int = typer.Option(17, "--tokens", help="random token ids when no prompt is given"),
+    ctx: int = typer.Option(512, "--ctx", help="context of the GPU caches (decode splits the KV above 256)"),
+    dump: bool = typer.Option(False, "--dump", help="a row for every compared intermediate"),
+) -> None:
+    """Run the GPU forward and the NumPy reference on the same tokens; exit 1 above tolerance."""
+    try:
+        import numpy as np
+
+        from vkflash import verify as ver
+
+        toks = ver.prompt_tokens(model, prompt, tokens, np.random.default_rng())
+        report = ver.verify(model, toks, ctx=ctx)
+    except VkflashError as e:
+        _fail(e)
+        return
+    ver.print_report(report, console, every_op=dump)
+    if not report.passed:
+        raise typer.Exit(1)
+
+
 @bench_app.command("kernels")
 def bench_kernels(as_json: bool = typer.Option(False, "--json"),
                   quick: bool = typer.Option(False, "--quick", help="small sizes (CI, lavapipe)")) -> None:

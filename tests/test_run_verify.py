@@ -1,0 +1,191 @@
+"""`vkflash run` and `vkflash verify` on tiny random qwen2 models (lavapipe): streamed text and rates,
+a clean stop at the context end (prompt and chat), verify passing on a correct model and naming
+the first diverging op when a weight buffer is corrupted after upload."""
+
+from __future__ import annotations
+
+import io
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from rich.console import Console
+from typer.testing import CliRunner
+
+from engine.qwen2_tiny import Geometry, write_qwen2
+from vkflash import cli, verify
+from vkflash.engine.api import SamplingParams
+from vkflash.formats.gguf_file import GGUFFile
+from vkflash.formats.gguf_write import RawTensor, write_gguf
+from vkflash.model.chat import QWEN3_THINKING_TEMPLATE
+from vkflash.model.vocab_build import tiny_vocab
+from vkflash.run import chat_loop, open_session, run_prompt
+
+pytestmark = pytest.mark.gpu
+
+VOCAB = tiny_vocab(512)
+# fixed ragged geometry (lavapipe's shader cache keeps repeated pipelines fast); weights are fresh
+GEO = Geometry(d=64, H=2, H_kv=1, Dh=32, F=96, V=len(VOCAB.tokens), L=2)
+N_TOKENS = 12  # verify's token count: one size, so the step pipelines are compiled once per run
+RATES = re.compile(r"prefill (\d+) tokens at ([\d.]+) tok/s, decode (\d+) tokens at ([\d.]+) tok/s")
+
+
+def with_tokenizer(src: Path, dst: Path) -> Path:
+    """Copy a tokenizer-less qwen2 GGUF, adding the tiny BPE vocabulary and the chat template."""
+    f = GGUFFile(src)
+    meta = {k: v for k, v in f.metadata.items() if k != "general.architecture"}
+    meta.update({
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": VOCAB.pre, "tokenizer.ggml.tokens": VOCAB.tokens,
+        "tokenizer.ggml.token_type": np.asarray(VOCAB.token_types, np.int32),
+        "tokenizer.ggml.merges": VOCAB.merges, "tokenizer.ggml.bos_token_id": VOCAB.bos_id,
+        "tokenizer.ggml.eos_token_id": VOCAB.eos_id, "tokenizer.ggml.add_bos_token": False,
+        "tokenizer.chat_template": QWEN3_THINKING_TEMPLATE,
+    })
+    write_gguf(dst, f.arch, meta, {n: RawTensor(t.data.tobytes(), t.ggml_type, t.ne) for n, t in f.tensors.items()})
+    return dst
+
+
+@pytest.fixture
+def chat_model(tmp_path: Path, rng: np.random.Generator) -> Path:
+    """A tiny Q8_0 qwen2 with a tokenizer and a 4096-token training context."""
+    bare = tmp_path / "bare.gguf"
+    write_qwen2(bare, rng, GEO, Q.Q8_0)
+    return with_tokenizer(bare, tmp_path / "chat.gguf")
+
+
+def _console() -> tuple[Console, io.StringIO]:
+    buf = io.StringIO()
+    return Console(file=buf, width=200), buf
+
+
+def test_run_streams_text_and_rates(gpu, chat_model):
+    """A prompt through the chat template: the streamed text is the detokenized output, the rates
+    line counts the prompt and the generated tokens (max_tokens caps it, no context message)."""
+    err, log = _console()
+    session = open_session(chat_model, err, ctx=256, ub=16)
+    out = io.StringIO()
+    n = 12
+    fin = run_prompt(session, "def fibonacci(n):", SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                     out, err)
+    assert fin.reason == "length" and fin.completion_tokens == n
+    m = RATES.search(log.getvalue())
+    assert m, log.getvalue()
+    assert int(m.group(1)) == fin.prompt_tokens > 5 and int(m.group(3)) == n
+    assert float(m.group(2)) > 0 and float(m.group(4)) > 0
+    assert "context end" not in log.getvalue()
+    assert "loading" not in out.getvalue() and out.getvalue().endswith("\n")
+    # the streamed text is exactly what the greedy tokens decode to (rerun step by step)
+    session.fwd.reset()
+    greedy = [session.fwd.prefill_argmax(session.tokenizer.encode(_template_of(session, "def fibonacci(n):")))]
+    for _ in range(n - 1):
+        greedy.append(session.fwd.decode_argmax(greedy[-1]))
+    assert out.getvalue() == session.tokenizer.decode(greedy) + "\n"
+
+
+def _template_of(session, user: str) -> str:
+    from vkflash.model.chat import render_chat
+
+    return render_chat(session.template, [{"role": "user", "content": user}])
+
+
+def test_run_stops_at_context_end(gpu, chat_model):
+    """With no max_tokens and EOS ignored, output fills the context exactly and stops with a message."""
+    err, log = _console()
+    ctx = 40
+    session = open_session(chat_model, err, ctx=ctx, ub=16)
+    fin = run_prompt(session, "hi", SamplingParams(temperature=0.0, ignore_eos=True), io.StringIO(), err, raw=True)
+    assert fin.reason == "length" and fin.prompt_tokens + fin.completion_tokens == ctx
+    assert f"context end reached ({ctx} tokens)" in log.getvalue()
+
+
+def test_chat_fills_context_then_asks_for_reset(gpu, chat_model):
+    """Chat turns keep the history; when a reply fills the context, or the history no longer fits,
+    chat says so instead of failing, and /reset starts over."""
+    err, log = _console()
+    session = open_session(chat_model, err, ctx=64, ub=16)
+    lines = iter(["hello", "what is 2 + 2?", "again", "/reset", "hi", "/exit", "never read"])
+    out = io.StringIO()
+    chat_loop(session, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), lambda: next(lines, None),
+              out, err)
+    text = log.getvalue()
+    assert "context end reached" in text and "/reset" in text and "conversation cleared" in text
+    assert len(RATES.findall(text)) >= 2  # at least the first turn and the turn after /reset
+    assert next(lines) == "never read"
+
+
+def test_cli_run_prompt(gpu, chat_model):
+    """`vkflash run MODEL -p …`: exit 0, text on stdout, rates on stderr."""
+    r = CliRunner().invoke(cli.app, ["run", str(chat_model), "-p", "hello", "-n", "5", "--ctx", "128", "--ub", "16"])
+    assert r.exit_code == 0, r.stderr
+    assert RATES.search(r.stderr), r.stderr
+    assert r.stdout.endswith("\n") and "prefill" not in r.stdout
+
+
+# --- verify ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def f32_model(tmp_path: Path, rng: np.random.Generator) -> Path:
+    path = tmp_path / "f32.gguf"
+    write_qwen2(path, rng, GEO, Q.F32)
+    return path
+
+
+def test_verify_passes_on_a_correct_model(gpu, f32_model, rng):
+    """Every layer's output, the logits and the greedy token agree in both steps; exit code 0."""
+    toks = rng.integers(0, GEO.V, N_TOKENS)
+    rep = verify.verify(f32_model, toks)
+    assert rep.passed, rep.first_bad
+    names = {(r.phase, r.name) for r in rep.rows}
+    for phase in ("prefill", "decode"):
+        assert {(phase, f"blk.{i}.l_out") for i in range(GEO.L)} <= names
+        assert (phase, "result_output") in names
+    r = CliRunner().invoke(cli.app, ["verify", str(f32_model), "--tokens", str(N_TOKENS)])
+    assert r.exit_code == 0, r.output
+    assert "PASS" in r.output and "blk.1" in r.output
+
+
+# tensor corrupted → the first reference-named op it feeds (Qcur is roped in place with Kcur on the
+# GPU, so a bad W_q first shows in the attention output)
+FIRST_OP = {"attn_norm.weight": "attn_norm", "attn_v.weight": "Vcur", "attn_q.weight": "kqv_out",
+            "attn_output.weight": "attn_residual", "ffn_norm.weight": "ffn_norm", "ffn_gate.weight": "l_out",
+            "ffn_down.weight": "l_out"}
+
+
+@pytest.mark.parametrize("tensor", sorted(FIRST_OP))
+def test_verify_names_a_corrupted_weight(gpu, f32_model, rng, tensor):
+    """A finite perturbation (1% relative noise) of one layer's weight buffer after upload fails
+    verify at the first op that reads it, in that layer."""
+    toks = rng.integers(0, GEO.V, N_TOKENS)
+    layer = int(rng.integers(0, GEO.L))
+    fwd = verify.open_forward(f32_model, len(toks), 512)
+    buf = fwd.model.weights[f"blk.{layer}.{tensor}"].buf
+    w = buf.read(np.float32)
+    buf.write((w * (1 + 0.01 * rng.standard_normal(w.size))).astype(np.float32))
+    rep = verify.verify(f32_model, toks, fwd)
+    assert not rep.passed
+    bad = rep.first_bad
+    assert bad is not None and (bad.phase, bad.name) == ("prefill", f"blk.{layer}.{FIRST_OP[tensor]}")
+    assert all(r.ok for r in rep.rows[:rep.rows.index(bad)])
+
+
+def test_cli_verify_fails_on_a_corrupted_weight(gpu, f32_model, monkeypatch, rng):
+    """The command exits 1 and names the op (the forward it opens gets a corrupted LM head)."""
+    real = verify.open_forward
+
+    def corrupted(*args, **kwargs):
+        fwd = real(*args, **kwargs)
+        buf = fwd.model.weights["output.weight"].buf
+        buf.write(rng.standard_normal(buf.nbytes // 4).astype(np.float32))
+        return fwd
+
+    monkeypatch.setattr(verify, "open_forward", corrupted)
+    r = CliRunner().invoke(cli.app, ["verify", str(f32_model), "--tokens", str(N_TOKENS)])
+    assert r.exit_code == 1
+    assert "FAIL" in r.output and "result_output" in r.output
+
+
+def test_verify_needs_two_tokens(gpu, f32_model):
+    r = CliRunner().invoke(cli.app, ["verify", str(f32_model), "--tokens", "1"])
+    assert r.exit_code == 1 and "at least 2 tokens" in r.stderr

@@ -1,0 +1,202 @@
+"""`vkflash run`: one prompt or an interactive chat on the GPU forward, from the terminal.
+
+The model loads behind a progress bar; text streams to stdout token by token through the engine's
+generation loop (`engine.generate`, the same one the server uses); prefill and decode rates go to
+stderr at the end. A conversation that reaches the context end stops with a message instead of
+failing: the last reply ends there, and chat says to start over (/reset).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+from vkflash.engine.api import Finish, Forward, InvalidRequest, SamplingParams, TokenEvent
+from vkflash.engine.generate import generate
+from vkflash.errors import ConfigError
+from vkflash.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+EXIT_WORDS = ("/exit", "/quit")
+RESET_WORD = "/reset"
+
+
+@dataclass
+class Session:
+    """A loaded model ready to generate: forward, tokenizer, chat template, prefill ubatch."""
+
+    path: Path
+    fwd: Forward
+    tokenizer: Tokenizer
+    template: str
+    ubatch: int
+
+
+def resolve_model(model: str | None) -> Path:
+    """The GGUF to run: `model` if given (it must exist), else the embedded default model."""
+    if model:
+        p = Path(model).expanduser()
+        if not p.is_file():
+            raise ConfigError(f"{model}: no such model file")
+        return p
+    from vkflash.model.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+def open_session(path: Path, console: "Console", ctx: int | None = None, ub: int | None = None,
+                 kv: str | None = None) -> Session:
+    """Read the tokenizer and template, then upload the weights behind a progress bar."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from vkflash.engine.gpu_forward import GpuForward
+    from vkflash.model.chat import QWEN3_THINKING_TEMPLATE
+    from vkflash.model.tokenizer import read_tokenizer_meta
+
+    meta = read_tokenizer_meta(path)
+    tok = Tokenizer.from_fields(meta)
+    template = str(meta.get("tokenizer.chat_template") or QWEN3_THINKING_TEMPLATE)
+    with Progress(TextColumn(f"loading {path.name}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("load", total=None)
+        fwd = GpuForward(path, ctx=ctx, ub=ub, kv=kv,
+                         progress=lambda done, total: bar.update(task, completed=done, total=total))
+    if tok.vocab_size > fwd.n_vocab:
+        raise ConfigError(f"{path.name}: the tokenizer has {tok.vocab_size} tokens but the model only {fwd.n_vocab}")
+    console.print(f"{path.name}: {fwd.hp.arch}, context {fwd.n_ctx} tokens, ubatch {fwd.ub}, on {fwd.gpu.caps.name}")
+    return Session(path, fwd, tok, template, fwd.ub)
+
+
+@dataclass
+class Turn:
+    """What one generation produced: the text and how it ended."""
+
+    text: str
+    finish: Finish
+
+
+def stream(session: Session, ids: list[int], params: SamplingParams, out: TextIO,
+           cancel: threading.Event | None = None) -> Turn:
+    """Generate from ids, writing each piece of text to `out` as it is released; the whole turn."""
+    pieces: list[str] = []
+    events: Iterator[TokenEvent | Finish] = generate(session.fwd, session.tokenizer, ids, params, cancel,
+                                                     session.ubatch)
+    for ev in events:
+        if ev.text:
+            out.write(ev.text)
+            out.flush()
+            pieces.append(ev.text)
+        if isinstance(ev, Finish):
+            if ev.reason == "error" and ev.error is not None:
+                raise ev.error
+            return Turn("".join(pieces), ev)
+    raise RuntimeError("generation ended without a Finish")  # generate always yields one
+
+
+def context_full(fin: Finish, n_ctx: int) -> bool:
+    """The generation stopped because prompt + output filled the context."""
+    return fin.reason == "length" and fin.prompt_tokens + fin.completion_tokens >= n_ctx
+
+
+def report(fin: Finish, n_ctx: int, console: "Console") -> None:
+    """Prefill and decode rates of one generation, and why it stopped when that was the context end."""
+    t = fin.timings.to_json()
+    console.print(f"prefill {t['prompt_n']} tokens at {t['prompt_per_second']:.1f} tok/s, "
+                  f"decode {t['predicted_n']} tokens at {t['predicted_per_second']:.1f} tok/s "
+                  f"(stop: {fin.reason})")
+    if context_full(fin, n_ctx):
+        console.print(f"[yellow]context end reached ({n_ctx} tokens): generation stopped[/yellow]")
+
+
+def prompt_ids(session: Session, messages: list[dict[str, str]] | None, raw: str | None) -> list[int]:
+    """Token ids of a raw text prompt, or of the messages through the chat template."""
+    from vkflash.model.chat import render_chat
+
+    text = raw if messages is None else render_chat(session.template, messages)
+    assert text is not None
+    return session.tokenizer.encode(text, add_special=messages is None)
+
+
+def run_prompt(session: Session, prompt: str, params: SamplingParams, out: TextIO, console: "Console",
+               raw: bool = False, system: str | None = None) -> Finish:
+    """One prompt (as a user message through the chat template unless raw), streamed, then the rates."""
+    msgs = None if raw else ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": prompt}]
+    turn = stream(session, prompt_ids(session, msgs, prompt if raw else None), params, out)
+    out.write("\n")
+    out.flush()
+    report(turn.finish, session.fwd.n_ctx, console)
+    return turn.finish
+
+
+@dataclass
+class Chat:
+    """An interactive conversation: the messages so far (each turn re-renders the whole history)."""
+
+    session: Session
+    params: SamplingParams
+    system: str | None = None
+    messages: list[dict[str, str]] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def turn(self, user: str, out: TextIO, console: "Console") -> bool:
+        """Answer one user message; False when the context is full (the conversation must restart)."""
+        self.messages.append({"role": "user", "content": user})
+        ids = prompt_ids(self.session, self.messages, None)
+        try:
+            reply = stream(self.session, ids, self.params, out)
+        except InvalidRequest as e:  # the history alone no longer leaves room for an answer
+            self.messages.pop()
+            console.print(f"[yellow]context end reached: {e}; type {RESET_WORD} to start over[/yellow]")
+            return False
+        out.write("\n")
+        out.flush()
+        self.messages.append({"role": "assistant", "content": reply.text})
+        report(reply.finish, self.session.fwd.n_ctx, console)
+        if context_full(reply.finish, self.session.fwd.n_ctx):
+            console.print(f"[yellow]type {RESET_WORD} to start a new conversation[/yellow]")
+            return False
+        return True
+
+
+def chat_loop(session: Session, params: SamplingParams, read: Callable[[], str | None], out: TextIO,
+              console: "Console", system: str | None = None) -> None:
+    """Read a line, answer it, repeat; /reset clears the history, /exit or end of input stops."""
+    chat = Chat(session, params, system)
+    chat.reset()
+    console.print(f"chat: {EXIT_WORDS[0]} to leave, {RESET_WORD} to start over")
+    while (line := read()) is not None:
+        text = line.strip()
+        if text in EXIT_WORDS:
+            return
+        if text == RESET_WORD:
+            chat.reset()
+            console.print("conversation cleared")
+            continue
+        if text:
+            chat.turn(text, out, console)
+
+
+def read_stdin(prompt: str = "> ") -> Callable[[], str | None]:
+    """A line reader for chat: input() with a prompt, None at end of input."""
+    def read() -> str | None:
+        try:
+            return input(prompt)
+        except EOFError:
+            return None
+    return read
+
+
+def sampling(temperature: float, top_k: int, top_p: float, min_p: float, seed: int | None,
+             max_tokens: int | None) -> SamplingParams:
+    """SamplingParams from CLI options (InvalidRequest names a bad one)."""
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                          max_tokens=max_tokens)
+

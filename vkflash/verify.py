@@ -1,0 +1,203 @@
+"""`vkflash verify`: the GPU forward and the NumPy reference on the same tokens, op by op.
+
+Both sides run a prefill step of T−1 tokens and one decode step, with f32 K/V caches and the
+same dequantized weights. Every intermediate both name alike (`blk.N.l_out`, `result_output`, …)
+is compared as max|Δ| / RMS(ref) (logits: / std(ref)) against MODEL.md §7.10: 1e-4 for layer
+values, 1e-3 for logits, and the greedy token must agree. The first op over its tolerance, in
+execution order, is named: that is where a wrong kernel or a corrupt weight first shows.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from vkflash.errors import ConfigError
+
+if TYPE_CHECKING:
+    from vkflash.engine.gpu_forward import GpuForward
+
+LAYER_TOL = 1e-4
+"""max|Δ|/RMS(ref) of every compared layer value (§7.10: per-layer residuals)."""
+LOGITS_TOL = 1e-3
+"""max|Δ|/std(ref) of the logits (§7.10)."""
+LOGITS = "result_output"
+F64_LIMIT = 1 << 30
+"""Reference weights are float64 up to this many bytes (tiny models), float32 above."""
+_BLK = re.compile(r"^blk\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class OpError:
+    """One compared intermediate: which step, its name, its error in units of the reference's scale."""
+
+    phase: str  # "prefill" | "decode"
+    name: str
+    err: float
+    tol: float
+
+    @property
+    def layer(self) -> int | None:
+        """N of `blk.N.<op>`, None for global names."""
+        m = _BLK.match(self.name)
+        return int(m.group(1)) if m else None
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.err <= self.tol)  # NaN fails
+
+
+@dataclass
+class Report:
+    """Every comparison in execution order (prefill, then decode) and the greedy-token check."""
+
+    tokens: int
+    rows: list[OpError] = field(default_factory=list)
+    argmax: dict[str, tuple[int, int]] = field(default_factory=dict)  # phase → (gpu, reference)
+
+    @property
+    def first_bad(self) -> OpError | None:
+        """The first op over its tolerance."""
+        return next((r for r in self.rows if not r.ok), None)
+
+    @property
+    def passed(self) -> bool:
+        return self.first_bad is None and all(g == r for g, r in self.argmax.values()) and bool(self.rows)
+
+
+def relative_error(name: str, got: np.ndarray, ref: np.ndarray) -> float:
+    """max|got − ref| / RMS(ref), or / std(ref) for the logits (a zero scale counts as 1)."""
+    ref = np.asarray(ref, np.float64)
+    diff = float(np.max(np.abs(np.asarray(got, np.float64) - ref)))
+    scale = float(ref.std() if name == LOGITS else np.sqrt(np.mean(ref * ref)))
+    return diff / (scale or 1.0)
+
+
+def compare(phase: str, gpu: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> list[OpError]:
+    """OpErrors for the names both sides produced, in the reference's (execution) order. A GPU
+    buffer holds its op's output in its leading elements (rows at offset 0); a buffer smaller
+    than the reference value cannot hold it and is reported as a failure."""
+    rows = []
+    for name, want in ref.items():
+        if name not in gpu:
+            continue
+        flat = gpu[name]
+        tol = LOGITS_TOL if name == LOGITS else LAYER_TOL
+        if flat.size < want.size:
+            rows.append(OpError(phase, name, float("inf"), tol))
+            continue
+        rows.append(OpError(phase, name, relative_error(name, flat[:want.size].reshape(want.shape), want), tol))
+    return rows
+
+
+def reference_steps(weights: Any, steps: Sequence[np.ndarray]) -> list[dict[str, np.ndarray]]:
+    """The reference's floating-point intermediates of each step, by name, in emission order."""
+    from vkflash.model import reference
+
+    out: list[dict[str, np.ndarray]] = []
+
+    def dump(name: str, x: np.ndarray) -> None:
+        if np.issubdtype(np.asarray(x).dtype, np.floating):
+            out[-1][name] = np.array(x)
+
+    state = reference.new_state(weights, cache_dtype=np.float32, dump=dump)
+    for ids in steps:
+        out.append({})
+        reference.prefill(ids, state)
+    return out
+
+
+def open_forward(path: Path, n_tokens: int, ctx: int,
+                 progress: Callable[[int, int], None] | None = None) -> "GpuForward":
+    """A GPU forward sized for verify: f32 caches, one prefill step of n_tokens − 1 with all logits."""
+    from vkflash.engine.gpu_forward import GpuForward
+
+    n = max(1, n_tokens - 1)
+    return GpuForward(path, ctx=max(ctx, n_tokens), ub=n, kv="f32", logits_rows=n, progress=progress)
+
+
+def reference_dtype(path: Path) -> type:
+    """float64 when the dequantized weights fit F64_LIMIT bytes, else float32 (still exact weights)."""
+    from vkflash.formats.gguf_file import GGUFFile
+
+    n = sum(t.n_elements for t in GGUFFile(path).tensors.values())
+    return np.float64 if 8 * n <= F64_LIMIT else np.float32
+
+
+def verify(path: Path, tokens: Sequence[int], fwd: "GpuForward | None" = None, ctx: int = 512) -> Report:
+    """Run tokens[:-1] as one prefill step and tokens[-1] as a decode step on the GPU (`fwd`, or a
+    fresh one) and the reference; compare every shared intermediate."""
+    from vkflash.model.reference import GLOBAL_NAMES, LAYER_OPS
+    from vkflash.model.weights import load_model
+
+    toks = np.asarray(tokens, np.int64).reshape(-1)
+    if len(toks) < 2:
+        raise ConfigError("verify needs at least 2 tokens (a prefill step and a decode step)")
+    fwd = fwd or open_forward(path, len(toks), ctx)
+    fwd.reset()
+    steps = [toks[:-1], toks[-1:]]
+    weights = load_model(path, reference_dtype(path))
+    refs = reference_steps(weights, steps)
+    names = [*GLOBAL_NAMES, *(f"blk.{i}.{op}" for i in range(weights.hp.L) for op in LAYER_OPS)]
+    report = Report(len(toks))
+    for phase, ids, ref in zip(("prefill", "decode"), steps, refs):
+        got = fwd.dump_step(ids, names)
+        report.rows += compare(phase, got, ref)
+        if LOGITS in got and LOGITS in ref:
+            n, V = ref[LOGITS].shape
+            gpu_logits = got[LOGITS][:n * V].reshape(n, V)
+            report.argmax[phase] = (int(gpu_logits[-1].argmax()), int(ref[LOGITS][-1].argmax()))
+    return report
+
+
+def prompt_tokens(path: Path, prompt: str | None, n_random: int, rng: np.random.Generator) -> list[int]:
+    """The prompt's tokens (the model's tokenizer), or n_random random ids below V."""
+    from vkflash.formats.gguf_file import GGUFFile
+    from vkflash.model.hparams import hparams_from_gguf
+
+    if prompt is not None:
+        from vkflash.model.tokenizer import Tokenizer
+
+        return Tokenizer.from_gguf(path).encode(prompt)
+    V = hparams_from_gguf(GGUFFile(path)).V
+    return [int(t) for t in rng.integers(0, V, n_random)]
+
+
+def print_report(report: Report, console: Any, every_op: bool = False) -> None:
+    """A rich table: per step and layer the layer output's error and the worst op's (every compared
+    op with `every_op`), then the verdict naming the first op over tolerance."""
+    from rich.table import Table
+
+    t = Table(title=f"vkflash verify: GPU vs reference on {report.tokens} tokens — max|Δ|/RMS (logits: /std)")
+    for c in ("step", "layer", "output", "worst op", "error", "tolerance", ""):
+        t.add_column(c)
+
+    def verdict(rs: list[OpError]) -> str:
+        return "ok" if all(r.ok for r in rs) else "[red]FAIL[/red]"
+
+    groups: dict[tuple[str, str], list[OpError]] = {}
+    for r in report.rows:
+        key = (r.phase, r.name if every_op or r.layer is None else f"blk.{r.layer}")
+        groups.setdefault(key, []).append(r)
+    for (phase, key), rs in groups.items():
+        worst = max(rs, key=lambda r: (not r.ok, r.err / r.tol))
+        out = next((r for r in rs if r.name.endswith(".l_out")), None)
+        t.add_row(phase, "" if rs[0].layer is None else str(rs[0].layer),
+                  "" if out is None else f"{out.err:.2e}", worst.name, f"{worst.err:.2e}", f"{worst.tol:.0e}",
+                  verdict(rs))
+    console.print(t)
+    for phase, (g, r) in report.argmax.items():
+        console.print(f"{phase}: greedy token GPU {g}, reference {r}" + ("" if g == r else "  [red]DIFFER[/red]"))
+    bad = report.first_bad
+    if bad is not None:
+        console.print(f"[red]FAIL[/red]: first op over tolerance: {bad.phase} {bad.name} "
+                      f"(error {bad.err:.2e} > {bad.tol:.0e})")
+    elif not report.passed:
+        console.print("[red]FAIL[/red]: " + ("nothing compared" if not report.rows else "greedy tokens differ"))
+    else:
+        console.print(f"PASS: {len(report.rows)} intermediates within tolerance, greedy tokens agree")
