@@ -4,6 +4,7 @@ truncation, and the shape of the decode graph (one submission)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from qwen2_tiny import Geometry, write_qwen2
+from vkflash import settings
 from vkflash.engine.api import ArgmaxForward, Forward, InvalidRequest
 from vkflash.engine.gpu_forward import GpuForward, pieces
 from vkflash.engine.graphs.common import Head
@@ -24,6 +26,18 @@ pytestmark = pytest.mark.gpu
 # repeat between runs, so Mesa's shader cache keeps lavapipe fast. Weights and tokens are fresh.
 GEO = Geometry(d=96, H=3, H_kv=1, Dh=32, F=160, V=301, L=2)
 EXACT = 1e-3  # MODEL.md §7.10: max|Δ| ≤ 1e-3·std(logits) with f32 caches and identical weights
+
+
+# Cooperative-matrix GEMMs take f16 activations (rounding each to 2^-11 relative), which MODEL.md's
+# f32 tolerance does not allow for: the exactness tests run the plain f32 path, and
+# test_coopmat_prefill_close checks the coopmat path against its own, justified bound.
+COOPMAT = 2e-2
+
+
+@pytest.fixture(autouse=True)
+def _f32_matmuls(request, monkeypatch):
+    if "coopmat" not in request.node.name:
+        monkeypatch.setattr(settings, "_current", settings.load(env=dict(os.environ, VKFLASH_DISABLE_COOPMAT="1")))
 
 
 def _rel(got: np.ndarray, ref: np.ndarray) -> float:
@@ -42,6 +56,21 @@ def _reference(path: Path, toks: np.ndarray, cache: type = np.float32) -> np.nda
     """Reference logits (T, V) in float64, K/V rounded to `cache` at write."""
     w = load_model(path, np.float64)
     return reference.prefill(toks, reference.new_state(w, cache_dtype=cache))
+
+
+def test_coopmat_prefill_close(gpu, rng, tmp_path):
+    """Where the device has coopmat, prefill GEMMs round activations to f16 (relative 2^-11 each):
+    through two layers the logits stay within 2e-2·std and the argmax agrees at ≥ 95% of positions."""
+    from vkflash.gpu.ops.matmul import use_coopmat
+
+    if not use_coopmat(gpu.caps, Q.F32):
+        pytest.skip("no cooperative matrices on this device")
+    path = _model(tmp_path, rng, Q.F32)
+    toks = rng.integers(0, GEO.V, 100)
+    got = GpuForward(path, ctx=300, ub=64, kv="f32", gpu=gpu).prefill_logits(toks)
+    ref = _reference(path, toks)
+    assert _rel(got, ref) <= COOPMAT, f"max|Δ| = {_rel(got, ref):.2e}·std"
+    assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.95
 
 
 @pytest.mark.parametrize("qtype,embd,tied", [(Q.F32, None, False), (Q.Q8_0, None, True), (Q.Q4_0, Q.Q8_0, False),
