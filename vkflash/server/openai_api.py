@@ -1,4 +1,5 @@
-"""/v1/chat/completions and /v1/completions: request → prompt ids → slot → JSON or SSE.
+"""/v1/chat/completions and /v1/completions: request → prompt ids → slot → JSON or SSE, with
+reasoning_content, tool_calls (vkflash.server.tools) and logprobs (vkflash.server.logprobs).
 
 Each SSE event is its own chunk written to the socket as it is made (no coalescing: TTFT is the
 first token's time, LESSONS "Serving"). A client that goes away cancels its generation.
