@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from vkflash import settings
-from vkflash.errors import VkflashError
+from vkflash.errors import ConfigError, VkflashError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="vkflash: Vulkan inference for Qwen3.8-Flash-Next")
 bench_app = typer.Typer(no_args_is_help=True, help="Measure kernels (and later: models, the server).")
@@ -231,6 +231,31 @@ def bench_serve(model: Optional[str] = typer.Option(None, "--model", "-m", help=
         from vkflash.bench.serve import run
 
         run(model=model, quick=quick, as_json=as_json, console=console)
+    except VkflashError as e:
+        _fail(e)
+
+
+@bench_app.command("model")
+def bench_model(
+    model: Optional[str] = typer.Argument(None, help="GGUF file (default: the embedded default model)"),
+    depth: Optional[str] = typer.Option(None, "--depth", help="comma-separated depths, e.g. 0,8192,32768"),
+    ub: Optional[int] = typer.Option(None, "--ub", help="prefill ubatch (knob UB)"),
+    kv: Optional[str] = typer.Option(None, "--kv", help="KV cache type (knob KV)"),
+    as_json: bool = typer.Option(False, "--json"),
+    quick: bool = typer.Option(False, "--quick", help="small sizes, every row (CI, lavapipe)"),
+) -> None:
+    """pp512/pp2048/tg128, windows and rates at depths, dispatches and host µs per decode token, roofline."""
+    try:
+        from vkflash.bench.model import run as run_bench
+        from vkflash.run import resolve_model
+
+        try:
+            depths = None if depth is None else [int(d) for d in depth.split(",") if d.strip()]
+        except ValueError:
+            raise ConfigError(f"--depth {depth!r}: expected comma-separated token counts") from None
+        if depths is not None and any(d < 0 for d in depths):
+            raise ConfigError(f"--depth {depth!r}: depths must be ≥ 0")
+        run_bench(resolve_model(model), quick, depths, as_json, console, ub, kv)
     except VkflashError as e:
         _fail(e)
 

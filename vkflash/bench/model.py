@@ -1,0 +1,276 @@
+"""`vkflash bench model`: prefill and decode rates of a model on the GPU forward, at depths.
+
+Rows: pp512 and pp2048 from an empty context, tg128 after a one-token prompt, then at each depth
+of `--depth` the marginal window that filled the context up to it (tokens ÷ seconds between the
+two depths, not a single probe), pp512 and tg128 there. Per decode token: dispatches, submissions
+and barriers of the recorded decode graph; host µs per step = wall time − GPU time (GPU time from
+the graph's timestamps, recorded for that measurement only) and its share of the step. Each decode
+row carries its roofline fraction: bytes touched per token (weights read + K/V read + recurrent
+state read and written) × tok/s ÷ the copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from vkflash import settings
+from vkflash.bench.kernels import copy_bandwidth
+from vkflash.engine.gpu_forward import GpuForward, steps
+from vkflash.engine.graphs.common import Head
+from vkflash.gpu.graph import Graph
+from vkflash.gpu.ops.attention import Cache
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to measure: prefill sizes from empty, the depth-row prefill window, decode steps, depths."""
+
+    pp: tuple[int, ...] = (512, 2048)
+    window: int = 512
+    tg: int = 128
+    depths: tuple[int, ...] = (0, 8192, 32768)
+    host_steps: int = 64
+
+    @classmethod
+    def quick(cls, depths: Sequence[int] | None = None) -> "Plan":
+        """Small sizes with every row kind (CI on lavapipe)."""
+        return cls((16, 64), 16, 8, tuple(depths) if depths is not None else (0, 48), 8)
+
+    def context(self) -> int:
+        """Positions the sweep needs."""
+        return max(max(self.pp), 1 + self.tg, max(self.depths, default=0) + self.window + self.tg)
+
+
+@dataclass
+class Row:
+    """One timed measurement: tokens fed from position `depth` in `seconds`."""
+
+    name: str
+    depth: int
+    tokens: int
+    seconds: float
+    roofline: float | None = None  # decode rows: bytes/token × tok/s ÷ copy bandwidth
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+
+@dataclass
+class DecodeCost:
+    """The decode step's shape and where its time goes (µs per step, means over host_steps)."""
+
+    dispatches: int
+    submissions: int
+    barriers: int
+    step_us: float
+    gpu_us: float
+
+    @property
+    def host_us(self) -> float:
+        return self.step_us - self.gpu_us
+
+    @property
+    def host_share(self) -> float:
+        return self.host_us / self.step_us
+
+
+@dataclass
+class Result:
+    device: str
+    model: str
+    copy_gbps: float
+    weight_bytes: int  # weight bytes read per decode token
+    rows: list[Row] = field(default_factory=list)
+    decode: DecodeCost | None = None
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["rows"] = [dict(asdict(r), tok_per_s=r.rate) for r in self.rows]
+        if self.decode is not None:
+            d["decode"].update(host_us=self.decode.host_us, host_share=self.decode.host_share)
+        return d
+
+
+# --- bytes touched per decode token ---------------------------------------------------------
+def weight_bytes_per_token(fwd: GpuForward) -> int:
+    """Weight bytes one decode token reads: every matrix once, k of E experts' slices, one row of an
+    embedding table that is not also the LM head."""
+    hp, w = fwd.hp, fwd.model.weights
+    total = 0
+    for name, t in w.tensors.items():
+        if name == "token_embd.weight" and w.get("output.weight") is not None:
+            total += t.buf.nbytes // hp.V
+        elif "_exps" in name and hp.E:
+            total += t.buf.nbytes * hp.k // hp.E
+        else:
+            total += t.buf.nbytes
+    return total
+
+
+def state_bytes_per_token(fwd: GpuForward, depth: int) -> int:
+    """K/V bytes read at context `depth` (QSA layers read at most W = B + r − 1 cells) plus the GDN
+    recurrent and conv states, read and written (f32)."""
+    hp, kv = fwd.hp, fwd.model.kv
+    total = 0
+    for i, layer in kv.layers.items():
+        r = hp.r[i] if hp.r else 0
+        cells = depth + 1 if not r else min(depth + 1, hp.B + r - 1)
+        total += 2 * Cache.nbytes(cells, layer.k.n_heads, layer.k.dim, layer.k.type)
+    n_gdn = sum(hp.is_gdn[:hp.L])
+    conv_channels = 2 * hp.n_k * hp.S + hp.n_v * hp.S
+    total += 2 * 4 * n_gdn * (hp.n_v * hp.S * hp.S + max(0, hp.K_c - 1) * conv_channels)
+    return total
+
+
+# --- timing ---------------------------------------------------------------------------------
+def warm(fwd: GpuForward, n: int) -> None:
+    """Record (and so compile) every step graph feeding n tokens uses, so timing sees replays only."""
+    plan = list(steps(n, fwd.ub))
+    for j, (_, size) in enumerate(plan):
+        fwd.graph_stats(size, Head.LAST if j == len(plan) - 1 else Head.NONE)
+
+
+def timed_prefill(fwd: GpuForward, ids: np.ndarray) -> tuple[float, int]:
+    """Seconds to feed ids (up to the greedy next token on the host), and that token."""
+    warm(fwd, len(ids))
+    t0 = time.perf_counter()
+    nxt = fwd.prefill_argmax(ids)
+    return time.perf_counter() - t0, nxt
+
+
+def timed_decode(fwd: GpuForward, token: int, n: int) -> tuple[float, int]:
+    """Seconds for n greedy decode steps from token, and the last token."""
+    warm(fwd, 1)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        token = fwd.decode_argmax(token)
+    return time.perf_counter() - t0, token
+
+
+@contextmanager
+def timestamped() -> Iterator[None]:
+    """Graphs recorded inside get GPU timestamps (as with VKFLASH_PERF_LOGGER, without its log)."""
+    old = settings.current()
+    settings.install(settings.Settings({**old.values, "VKFLASH_PERF_LOGGER": True}, dict(old.sources)))
+    try:
+        yield
+    finally:
+        settings.install(old)
+
+
+def gpu_ns(g: Graph) -> float:
+    """GPU time of the graph's last replay: first to last timestamp of each submission."""
+    period = g.gpu.caps.timestamp_period_ns
+    total = 0.0
+    for sub in g.submissions:
+        ts = sub.seq.get_timestamps()
+        total += (ts[sub.n_recorded] - ts[0]) * period
+    return total
+
+
+def decode_cost(fwd: GpuForward, token: int, n: int) -> tuple[DecodeCost, int]:
+    """Decode-graph size and mean wall / GPU µs per step over n steps (timestamps recorded only
+    for this, then the graph is recorded plainly again)."""
+    stats = fwd.graph_stats(1, Head.LAST)
+    g = fwd.graph(1, Head.LAST)
+    with timestamped():
+        g.record()
+    wall, gpu = [], []
+    try:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            token = fwd.decode_argmax(token)
+            wall.append(time.perf_counter() - t0)
+            gpu.append(gpu_ns(g) / 1e9)
+    finally:
+        g.record()
+    return DecodeCost(stats.dispatches, stats.submissions, stats.barriers, 1e6 * float(np.mean(wall)),
+                      1e6 * float(np.mean(gpu))), token
+
+
+def bench(path: Path, plan: Plan, ub: int | None = None, kv: str | None = None) -> Result:
+    """Every row of the plan on one GPU forward of path (depths beyond the model's context skipped)."""
+    from vkflash.formats.gguf_file import GGUFFile
+    from vkflash.model.hparams import hparams_from_gguf
+
+    n_train = hparams_from_gguf(GGUFFile(path)).n_ctx_train
+    depths = tuple(sorted(d for d in set(plan.depths) if d + plan.window + plan.tg <= n_train))
+    plan = Plan(plan.pp, plan.window, plan.tg, depths, plan.host_steps)
+    fwd = GpuForward(path, ctx=min(plan.context(), n_train), ub=ub, kv=kv)
+    small = fwd.gpu.caps.device_type == "cpu" or max(plan.pp) < 512
+    copy = copy_bandwidth(fwd.gpu, (32 << 20) if small else (1 << 30), 5 if small else 50)
+    res = Result(fwd.gpu.caps.name, path.name, copy.rate, weight_bytes_per_token(fwd))
+    rng = np.random.default_rng()
+
+    def ids(n: int) -> np.ndarray:
+        return rng.integers(0, fwd.n_vocab, n)
+
+    def roofline(row: Row) -> Row:
+        per_token = res.weight_bytes + state_bytes_per_token(fwd, row.depth + row.tokens // 2)
+        row.roofline = per_token * row.rate / (copy.rate * 1e9)
+        return row
+
+    for n in plan.pp:
+        fwd.reset()
+        res.rows.append(Row(f"pp{n}", 0, n, timed_prefill(fwd, ids(n))[0]))
+    fwd.reset()
+    _, tok = timed_prefill(fwd, ids(1))
+    s, tok = timed_decode(fwd, tok, plan.tg)
+    res.rows.append(roofline(Row(f"tg{plan.tg}", 1, plan.tg, s)))
+    res.decode, _ = decode_cost(fwd, tok, plan.host_steps)
+    fwd.reset()
+    pos = 0
+    for d in depths:
+        if d > pos:
+            res.rows.append(Row(f"window {pos}→{d}", pos, d - pos, timed_prefill(fwd, ids(d - pos))[0]))
+        s, tok = timed_prefill(fwd, ids(plan.window))
+        res.rows.append(Row(f"pp{plan.window} @ d{d}", d, plan.window, s))
+        s, _ = timed_decode(fwd, tok, plan.tg)
+        res.rows.append(roofline(Row(f"tg{plan.tg} @ d{d + plan.window}", d + plan.window, plan.tg, s)))
+        pos = d + plan.window + plan.tg
+    return res
+
+
+def show(res: Result, console: Console) -> None:
+    """The rows as rich tables: rates with roofline fractions, then the decode step's cost."""
+    t = Table(title=f"vkflash bench model — {res.model} on {res.device} (copy {res.copy_gbps:.1f} GB/s)")
+    for c in ("test", "depth", "tokens", "seconds", "tok/s", "roofline"):
+        t.add_column(c)
+    for r in res.rows:
+        t.add_row(r.name, str(r.depth), str(r.tokens), f"{r.seconds:.3f}", f"{r.rate:.1f}",
+                  "" if r.roofline is None else f"{r.roofline:.1%}")
+    console.print(t)
+    d = res.decode
+    if d is None:
+        return
+    k = Table(title="per decode token", show_header=False)
+    for name, value in (
+        ("dispatches", str(d.dispatches)), ("submissions", str(d.submissions)), ("barriers", str(d.barriers)),
+        ("step µs (wall)", f"{d.step_us:.0f}"), ("GPU µs (timestamps)", f"{d.gpu_us:.0f}"),
+        ("host µs (wall − GPU)", f"{d.host_us:.0f}"), ("host share of the step", f"{d.host_share:.1%}"),
+        ("weight bytes read", f"{res.weight_bytes / 1e6:.2f} MB"),
+    ):
+        k.add_row(name, value)
+    console.print(k)
+
+
+def run(path: Path, quick: bool, depths: Sequence[int] | None, as_json: bool, console: Console,
+        ub: int | None = None, kv: str | None = None) -> Result:
+    """`vkflash bench model`: measure, then print a table or JSON."""
+    plan = Plan.quick(depths) if quick else (Plan(depths=tuple(depths)) if depths is not None else Plan())
+    res = bench(path, plan, ub, kv)
+    if as_json:
+        console.print_json(json.dumps(res.to_json()))
+    else:
+        show(res, console)
+    return res
