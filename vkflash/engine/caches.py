@@ -1,4 +1,5 @@
-"""Per-sequence caches on the GPU (MODEL.md §6): attention K/V per attention layer.
+"""Per-sequence caches on the GPU (MODEL.md §6): attention K/V per attention layer, and on QSA
+layers the raw indexer keys and the pooled-key summary rows.
 
 Each attention layer has a K and a V cache of [n_ctx, H_kv, Dh] in f16 (default), q8_0 (KV knob)
 or f32 (exact comparisons). Rows are written at their positions by kv_append; the valid length
@@ -11,7 +12,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
 from vkflash.errors import ConfigError
+from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops.attention import Cache, CacheType
+from vkflash.gpu.ops.views import Rows
 from vkflash.model.hparams import HParams
 
 if TYPE_CHECKING:
@@ -66,3 +69,33 @@ def allocate_kv(gpu: "Gpu", hp: HParams, n_ctx: int, type: CacheType, layers: It
         v = gpu.buffer(nbytes, f"blk.{i}.cache_v")
         out[i] = LayerKV(Cache(k, n_ctx, hp.H_kv, hp.Dh, type), Cache(v, n_ctx, hp.H_kv, hp.Dh, type))
     return KVCaches(n_ctx, type, out)
+
+
+@dataclass(frozen=True)
+class IndexerCache:
+    """One QSA layer's raw indexer keys ρ ([n_ctx, 1, D_I], the K type) and the f32 summary rows κ_b
+    of complete blocks ([⌊n_ctx/r⌋ + 1, D_I]; row b is written once block b completes, and rows past
+    the visible blocks are never read, so truncation needs no GPU work)."""
+
+    keys: Cache
+    summary: Buffer
+    r: int
+
+    @property
+    def n_blocks(self) -> int:
+        return self.keys.n_ctx // self.r + 1
+
+    def summary_rows(self) -> Rows:
+        return Rows(self.summary, self.n_blocks, self.keys.dim)
+
+
+def allocate_indexer(gpu: "Gpu", hp: HParams, n_ctx: int, type: CacheType) -> dict[int, IndexerCache]:
+    """Indexer caches of every QSA layer (r > 0) of the trunk."""
+    out: dict[int, IndexerCache] = {}
+    for i in range(hp.L):
+        r = hp.r[i] if hp.r else 0
+        if hp.is_gdn[i] or r == 0:
+            continue
+        keys = Cache(gpu.buffer(Cache.nbytes(n_ctx, 1, hp.D_I, type), f"blk.{i}.cache_idx"), n_ctx, 1, hp.D_I, type)
+        out[i] = IndexerCache(keys, gpu.buffer(4 * (n_ctx // r + 1) * hp.D_I, f"blk.{i}.qsa_summary"), r)
+    return out

@@ -85,17 +85,22 @@ class GpuForward:
         # a table the embed kernel cannot decode is gathered on the host; keep it on the GPU only as LM head
         skip = ["token_embd.weight"] if host_embed and "output.weight" in gf.tensors else []
         self._gather = host_row_gather(gf, "token_embd.weight") if host_embed else None
-        weights = upload_weights(self.gpu, gf, hp, skip, progress)
+        transforms = self.arch.weight_transforms(gf, hp) if hasattr(self.arch, "weight_transforms") else None
+        weights = upload_weights(self.gpu, gf, hp, skip, progress, transforms)
         n_split = decode_splits(self.n_ctx)
         rows = logits_rows or max(1, min(self.ub, LOGITS_BUDGET // (4 * hp.V)))
-        kv_caches = allocate_kv(self.gpu, hp, self.n_ctx, cache_type(s["KV"] if kv is None else kv),
-                                self.arch.attention_layers(hp))
+        kv_type = cache_type(s["KV"] if kv is None else kv)
+        kv_caches = allocate_kv(self.gpu, hp, self.n_ctx, kv_type, self.arch.attention_layers(hp))
+        extra = self.arch.extra_dim(hp) if hasattr(self.arch, "extra_dim") else 0
+        state = (self.arch.allocate_state(self.gpu, gf, hp, self.n_ctx, kv_type)
+                 if hasattr(self.arch, "allocate_state") else None)
         self.model = StepModel(self.gpu, hp, weights, kv_caches,
-                               StepParams.allocate(self.gpu, self.ub, hp.d if host_embed else 0),
-                               HeadBuffers.allocate(self.gpu, hp.V, rows), n_split)
+                               StepParams.allocate(self.gpu, self.ub, hp.d if host_embed else 0, extra),
+                               HeadBuffers.allocate(self.gpu, hp.V, rows), n_split, state)
         self.scratch = self.arch.Scratch.allocate(self.gpu, hp, self.ub, n_split)
         self._graphs: dict[tuple[int, Head], Graph] = {}
         self._n = 0
+        self._seq: list[int] = []  # the tokens fed (a recurrent model replays a prefix it cannot restore)
 
     # --- Forward protocol -----------------------------------------------------------------
     @property
@@ -104,12 +109,25 @@ class GpuForward:
         return self._n
 
     def reset(self) -> None:
-        """Start a new, empty sequence (cache rows past n_kv are never read)."""
+        """Start a new, empty sequence (cache rows past n_kv are never read; recurrent states zeroed)."""
         self._n = 0
+        self._seq = []
+        if self.model.state is not None:
+            self.model.state.reset()
 
     def truncate(self, n: int) -> None:
-        """Keep the first n tokens (attention-only models: just the length)."""
-        self._n = max(0, min(n, self._n))
+        """Keep the first n tokens: attention-only models just shorten the length; recurrent states
+        are restored from a checkpoint slot when the last step wrote one, else the prefix is re-run."""
+        n = max(0, min(n, self._n))
+        st = self.model.state
+        if st is not None and n < self._n and not st.truncate(self._n - n):
+            keep = self._seq[:n]
+            self.reset()
+            if keep:
+                self._feed(np.asarray(keep, np.int32))
+            return
+        self._n = n
+        del self._seq[n:]
 
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
         """Feed ids; the next-token logits (float32[V]) after the last one."""
@@ -188,5 +206,11 @@ class GpuForward:
         n = len(ids)
         emb = self._gather(ids) if self._gather is not None else None
         self.model.params.set(self._n, ids, emb)
+        st = self.model.state
+        if st is not None:
+            st.before_step(self.model.params, ids)
         (g or self.graph(n, head)).run()
+        if st is not None:
+            st.stepped(ids)
         self._n += n
+        self._seq.extend(int(t) for t in ids)

@@ -9,6 +9,8 @@ shaders (positions, lengths, token ids), so graphs are recorded once and never r
     words IDS..+ub     id_t   token ids (embedding gather)
     words EMB..+ub·d   f32 embedding rows gathered on the host (only for tables the embed kernel
                        cannot decode; the graph copies them into the residual)
+    words EXTRA..+ub·x f32 per-token rows an arch fills on the host before each step
+                       (qwen4exp: the PLE table rows e of P4, x = d)
 """
 
 from __future__ import annotations
@@ -26,18 +28,25 @@ if TYPE_CHECKING:
 P0, N_KV, POS = 0, 1, 2
 
 
+def _extra_offset(ub: int, emb_dim: int) -> int:
+    """The arch rows start after the embedding rows, rounded up to 4 words."""
+    return -(-(POS + 2 * ub + ub * emb_dim) // 4) * 4
+
+
 @dataclass
 class StepParams:
-    """The buffer and its layout for ubatches of up to `ub` tokens (`emb_dim` > 0: host embedding rows)."""
+    """The buffer and its layout for ubatches of up to `ub` tokens (`emb_dim` > 0: host embedding
+    rows; `extra_dim` > 0: arch rows)."""
 
     buf: Buffer
     ub: int
     emb_dim: int = 0
+    extra_dim: int = 0
 
     @classmethod
-    def allocate(cls, gpu: "Gpu", ub: int, emb_dim: int = 0) -> "StepParams":
-        words = POS + 2 * ub + ub * emb_dim
-        return cls(gpu.buffer(4 * words, "step_params", host=True), ub, emb_dim)
+    def allocate(cls, gpu: "Gpu", ub: int, emb_dim: int = 0, extra_dim: int = 0) -> "StepParams":
+        words = _extra_offset(ub, emb_dim) + ub * extra_dim
+        return cls(gpu.buffer(4 * words, "step_params", host=True), ub, emb_dim, extra_dim)
 
     @property
     def pos(self) -> int:
@@ -53,6 +62,17 @@ class StepParams:
     def emb(self) -> int:
         """Word offset of the host-gathered embedding rows."""
         return POS + 2 * self.ub
+
+    @property
+    def extra(self) -> int:
+        """Word offset of the arch's per-token rows (a multiple of 4: matmuls read them as vec4)."""
+        return _extra_offset(self.ub, self.emb_dim)
+
+    def set_extra(self, rows: np.ndarray) -> None:
+        """Write the arch rows of this step, (n, extra_dim) f32."""
+        if rows.ndim != 2 or rows.shape[1] != self.extra_dim or not 1 <= len(rows) <= self.ub:
+            raise ValueError(f"arch rows must be (1..{self.ub}, {self.extra_dim}), got {rows.shape}")
+        self.buf.write(np.asarray(rows, np.float32), 4 * self.extra)
 
     def set(self, p0: int, ids: np.ndarray, emb: np.ndarray | None = None) -> None:
         """Describe a step of len(ids) tokens at positions p0, p0+1, …"""

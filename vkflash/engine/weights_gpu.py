@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from vkflash.errors import ModelError
-from vkflash.formats.gguf_file import GGUFFile
+from vkflash.formats.gguf_file import GGUFFile, TensorInfo
 from vkflash.formats.quants import dequantize
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops import embed as embed_op
@@ -89,6 +89,33 @@ def host_row_gather(gf: GGUFFile, name: str) -> Callable[[np.ndarray], np.ndarra
     return gather
 
 
+@dataclass(frozen=True)
+class Stored:
+    """A tensor as it goes to the GPU: raw bytes (or f32 values), GGML type and dims ne."""
+
+    data: np.ndarray
+    qtype: Q
+    ne: tuple[int, ...]
+
+
+Transform = Callable[[TensorInfo], Stored]
+"""Re-lays a file tensor for an arch's graph at upload (row permutations of raw blocks, f32 casts)."""
+
+
+def permute_rows(info: TensorInfo, order: np.ndarray) -> Stored:
+    """The tensor with its rows (ne0 elements each, any block type) in `order`: raw bytes moved,
+    nothing dequantized."""
+    n_rows = math.prod(info.ne[1:])
+    rows = info.data.reshape(n_rows, -1)
+    return Stored(np.ascontiguousarray(rows[np.asarray(order)]), info.ggml_type, info.ne)
+
+
+def as_f32(info: TensorInfo) -> Stored:
+    """The tensor decoded to f32 (small tensors a kernel reads as plain floats)."""
+    vals = dequantize(info.data, info.ggml_type, info.n_elements)
+    return Stored(vals, Q.F32, info.ne)
+
+
 def _check_type(name: str, qtype: Q, ne: tuple[int, ...]) -> None:
     if len(ne) > 1 and qtype not in MATMUL_TYPES and not device_embeddable(qtype):
         raise ModelError(f"tensor {name} has type {qtype.name}, which the GPU kernels cannot decode "
@@ -96,20 +123,27 @@ def _check_type(name: str, qtype: Q, ne: tuple[int, ...]) -> None:
 
 
 def upload_weights(gpu: "Gpu", gf: GGUFFile, hp: HParams, skip: Iterable[str] = (),
-                   progress: Callable[[int, int], None] | None = None) -> GpuWeights:
-    """Validate the file against hp's tensor table and upload every tensor not in `skip`;
-    progress(done, total) after each tensor, in file bytes."""
+                   progress: Callable[[int, int], None] | None = None,
+                   transforms: Mapping[str, Transform] | None = None) -> GpuWeights:
+    """Validate the file against hp's tensor table and upload every tensor not in `skip` (re-laid
+    by `transforms[name]` where an arch gives one); progress(done, total) after each tensor, in
+    file bytes."""
     validate_tensors(hp, {n: t.ne for n, t in gf.tensors.items()})
     w = GpuWeights(hp, gf)
     skipped = frozenset(skip)
     todo = {n: info for n, info in gf.tensors.items() if n not in skipped}
     total, done = sum(info.data.nbytes for info in todo.values()), 0
     for name, info in todo.items():
-        _check_type(name, info.ggml_type, info.ne)
-        if len(info.ne) == 1:
+        if transforms and name in transforms:
+            st = transforms[name](info)
+            _check_type(name, st.qtype, st.ne)
+            w.tensors[name] = GpuTensor(name, gpu.upload(st.data, name), st.qtype, st.ne)
+        elif len(info.ne) == 1:
+            _check_type(name, info.ggml_type, info.ne)
             buf = gpu.upload(gf.tensor_f32(name), name)
             w.tensors[name] = GpuTensor(name, buf, Q.F32, info.ne)
         else:
+            _check_type(name, info.ggml_type, info.ne)
             buf = gpu.upload(info.data, name)
             w.tensors[name] = GpuTensor(name, buf, info.ggml_type, info.ne)
         done += info.data.nbytes

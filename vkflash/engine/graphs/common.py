@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vkflash.engine.caches import KVCaches
 from vkflash.engine.step_params import StepParams
@@ -53,8 +53,9 @@ class HeadBuffers:
 
 @dataclass
 class StepModel:
-    """Everything a step graph is built from: weights, caches, step params, head buffers, and
-    `n_split`, the KV splits of flash-decode."""
+    """Everything a step graph is built from: weights, caches, step params, head buffers,
+    `n_split` (the KV splits of flash-decode) and `state`, the arch's other per-sequence state
+    (recurrent states, QSA caches: see the arch's `allocate_state`), None for qwen2."""
 
     gpu: "Gpu"
     hp: HParams
@@ -63,6 +64,7 @@ class StepModel:
     params: StepParams
     head: HeadBuffers
     n_split: int
+    state: Any = None
 
     @property
     def host_embed(self) -> bool:

@@ -1,0 +1,107 @@
+"""The GPU forward of qwen3next vs the float64 NumPy reference on `make-model` tiny files (fresh
+seed each run): logits at every prompt position for both GDN layouts (attn_qkv+attn_gate, legacy
+ssm_in), prefill-then-decode = one prefill, greedy tokens, checkpoint-slot rollback, one-submission
+decode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vkflash.engine.gpu_forward import GpuForward
+from vkflash.engine.graphs.common import Head
+from vkflash.model import reference
+from vkflash.model.make_model import make_model
+from vkflash.model.weights import load_model
+
+pytestmark = pytest.mark.gpu
+EXACT = 1e-3  # MODEL.md §7.10: max|Δ| ≤ 1e-3·std(logits) with f32 caches and identical weights
+V = 512  # the tiny vocabulary
+
+
+def _rel(got: np.ndarray, ref: np.ndarray) -> float:
+    """max|Δ| in units of std(ref)."""
+    return float(np.abs(got - ref).max() / ref.std())
+
+
+def _model(tmp_path: Path, rng: np.random.Generator, variant: str | None = None) -> Path:
+    seed = int(rng.integers(1 << 31))
+    return make_model("qwen3next", "tiny", "F32", seed, tmp_path / f"q3n-{seed}.gguf", variant=variant)[0]
+
+
+def _reference(path: Path, toks: np.ndarray) -> np.ndarray:
+    """Reference logits (T, V) in float64 with f32 K/V caches."""
+    return reference.prefill(toks, reference.new_state(load_model(path, np.float64), cache_dtype=np.float32))
+
+
+@pytest.mark.parametrize("variant", [None, "ssm_in"], ids=["attn_qkv", "ssm_in"])
+def test_logits_at_every_position(gpu, rng, tmp_path, variant):
+    """Teacher-forced logits of a 64-token prompt in steps 24 + 24 + 16 (chunked GDN, GEMM paths)
+    match the reference; grouped v-head order, silu gate, ssm_ba (and ssm_in) rows re-ordered at upload."""
+    path = _model(tmp_path, rng, variant)
+    toks = rng.integers(0, V, 64)
+    fwd = GpuForward(path, ctx=128, ub=24, kv="f32", gpu=gpu, logits_rows=24)
+    fwd.model.head.logits.fill(np.nan)
+    got = fwd.prefill_logits(toks)
+    ref = _reference(path, toks)
+    assert np.isfinite(got).all()
+    assert _rel(got, ref) <= EXACT, f"max|Δ| = {_rel(got, ref):.2e}·std"
+
+
+def test_prefill_then_decode_and_greedy(gpu, rng, tmp_path):
+    """prefill(37) + 13 decodes (step GDN, flash-decode) = one 50-token prefill = the reference; then
+    16 greedy tokens from the device argmax equal the reference's greedy continuation."""
+    path = _model(tmp_path, rng)
+    toks = rng.integers(0, V, 50)
+    fwd = GpuForward(path, ctx=600, ub=32, kv="f32", gpu=gpu)
+    assert fwd.model.n_split > 1
+    whole = fwd.prefill_logits(toks)
+    fwd.reset()
+    steps = np.stack([fwd.prefill(toks[:37])] + [fwd.decode(int(t)) for t in toks[37:]])
+    ref = _reference(path, toks)
+    assert _rel(whole, ref) <= EXACT
+    assert _rel(steps, ref[36:]) <= EXACT
+    assert _rel(steps, whole[36:]) <= 2e-4
+
+    fwd.reset()
+    prompt = toks[:21]
+    got = [fwd.prefill_argmax(prompt)]
+    for _ in range(15):
+        got.append(fwd.decode_argmax(got[-1]))
+    st = reference.new_state(load_model(path, np.float64), cache_dtype=np.float32)
+    want = [int(np.argmax(reference.prefill(prompt, st)[-1]))]
+    for _ in range(15):
+        want.append(int(np.argmax(reference.prefill([want[-1]], st)[-1])))
+    assert got == want
+
+
+def test_rollback_by_slots_and_by_replay(gpu, rng, tmp_path):
+    """A 4-token verify-sized step writes checkpoint slots: truncating 1..3 of its tokens restores a
+    slot (no replay) and the next logits match the reference; truncating further back replays."""
+    path = _model(tmp_path, rng)
+    toks = rng.integers(0, V, 40)
+    ref = _reference(path, toks)
+    fwd = GpuForward(path, ctx=64, ub=16, kv="f32", gpu=gpu)
+    back = int(rng.integers(1, 4))
+    fwd.prefill(toks[:31])
+    fwd.prefill(toks[31:35])
+    assert fwd.model.state.valid_slots == 4
+    fwd.truncate(35 - back)
+    assert fwd.n_past == 35 - back and fwd.model.state.valid_slots == 0, "expected a slot restore"
+    got = fwd.prefill(toks[35 - back:36])
+    assert _rel(got, ref[35]) <= EXACT
+    fwd.truncate(20)  # no slot reaches this far: the prefix is re-run
+    assert fwd.n_past == 20
+    assert _rel(fwd.prefill(toks[20:40]), ref[39]) <= EXACT
+
+
+def test_decode_graph_is_one_submission(gpu, rng, tmp_path):
+    """Decode replays one recorded submission that ends in the LM head and argmax."""
+    path = _model(tmp_path, rng)
+    fwd = GpuForward(path, ctx=256, ub=16, kv="f16", gpu=gpu)
+    stats = fwd.graph_stats(1, Head.LAST)
+    assert stats.submissions == 1
+    names = {op.name for op in fwd.graph(1, Head.LAST).ops}
+    assert {"inp_embd", "blk.0.gdn_o", "blk.3.kqv_out", "blk.7.ffn_out", "result_output"} <= names

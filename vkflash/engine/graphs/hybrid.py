@@ -1,0 +1,336 @@
+"""Sublayers shared by the qwen3next and qwen4exp step graphs: GDN (MODEL.md §5.4 G1–G10), gated
+attention with RoPE (§5.5 A1–A8, optionally QSA-masked/gathered §5.6), and MoE with the σ-gated
+shared expert (§5.7 M1–M4); plus the upload-time re-layouts their weights need.
+
+Every sublayer covers the step's n tokens in whole-ubatch dispatches (no per-token loops) and
+writes its output through a matmul epilogue: `out` gets W_o(…) added (`res`) or stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from vkflash.engine.caches import IndexerCache
+from vkflash.engine.graphs.common import StepModel
+from vkflash.engine.state import GDNLayerState
+from vkflash.engine.weights_gpu import Stored, Transform, as_f32, permute_rows
+from vkflash.formats.gguf_file import GGUFFile, TensorInfo
+from vkflash.gpu.memory import Buffer
+from vkflash.gpu.ops import eltwise as E
+from vkflash.gpu.ops import gdn
+from vkflash.gpu.ops import hc as hc_ops
+from vkflash.gpu.ops.attention import CellList, CellMask, Heads, attention, kv_append, q_and_gate
+from vkflash.gpu.ops.embed import embed
+from vkflash.gpu.ops.matmul import Epilogue, QWeight, matmul
+from vkflash.gpu.ops.moe import moe_router
+from vkflash.gpu.ops.norm import rms_norm
+from vkflash.gpu.ops.qsa import qsa_pool, qsa_scores, qsa_select
+from vkflash.gpu.ops.rope import rope_neox
+from vkflash.gpu.ops.views import Rows
+from vkflash.model.hparams import HParams
+
+if TYPE_CHECKING:
+    from vkflash.gpu.context import Gpu
+    from vkflash.gpu.graph import Graph
+
+
+# ------------------------------------------------------------------ upload-time re-layouts
+
+
+def _ssm_in_order(hp: HParams) -> np.ndarray:
+    """Rows of the legacy `ssm_in` (per group g: q_g S, k_g S, v_g ρS, z_g ρS) as [all q | all k |
+    all v | all z], i.e. attn_qkv's rows followed by attn_gate's (N3)."""
+    n_k, S, rho = hp.n_k, hp.S, hp.rho
+    base = np.arange(n_k)[:, None] * (2 * S + 2 * rho * S)
+    parts = [(0, S), (S, S), (2 * S, rho * S), (2 * S + rho * S, rho * S)]
+    return np.concatenate([(base + off + np.arange(n)[None, :]).reshape(-1) for off, n in parts])
+
+
+def _ssm_ba_order(hp: HParams) -> np.ndarray:
+    """Rows of `ssm_ba` ([g, 0, i] = b, [g, 1, i] = a of v-head g·ρ+i) as [all b | all a]."""
+    g = np.arange(hp.n_k)[:, None] * 2 * hp.rho + np.arange(hp.rho)[None, :]
+    return np.concatenate([g.reshape(-1), (g + hp.rho).reshape(-1)])
+
+
+def _experts_side_by_side(info: TensorInfo) -> Stored:
+    """ffn_down_exps {F, d, E} as one {E·F, d} matrix whose row r is [W_d^0[r] | … | W_d^{E−1}[r]]
+    (raw block rows concatenated), so Σ_e W_d^e h_e is a single matmul over the stacked h."""
+    F, d, n_e = info.ne
+    rows = info.data.reshape(n_e, d, -1).transpose(1, 0, 2)
+    return Stored(np.ascontiguousarray(rows).reshape(-1), info.ggml_type, (n_e * F, d))
+
+
+def _gate_up_split(hp: HParams) -> Transform:
+    """ffn_gate_up_exps {d, 2F, E} re-ordered to [every expert's gate rows | every expert's up rows]."""
+    def tf(info: TensorInfo) -> Stored:
+        F, n_e = hp.F, info.ne[2]
+        e = np.arange(n_e)[:, None] * 2 * F + np.arange(F)[None, :]
+        return permute_rows(info, np.concatenate([e.reshape(-1), (e + F).reshape(-1)]))
+    return tf
+
+
+def _f32_unless(info: TensorInfo) -> Stored:
+    """Conv kernels are read as plain f32 by gdn_conv."""
+    return as_f32(info)
+
+
+def hybrid_transforms(gf: GGUFFile, hp: HParams) -> dict[str, Transform]:
+    """Re-layouts for the GDN and MoE tensors of either arch (see each helper)."""
+    out: dict[str, Transform] = {}
+    for name, info in gf.tensors.items():
+        leaf = name.split(".", 2)[-1]
+        if leaf == "ssm_in.weight":
+            out[name] = lambda i, o=_ssm_in_order(hp): permute_rows(i, o)
+        elif leaf == "ssm_ba.weight":
+            out[name] = lambda i, o=_ssm_ba_order(hp): permute_rows(i, o)
+        elif leaf == "ffn_down_exps.weight":
+            out[name] = _experts_side_by_side
+        elif leaf == "ffn_gate_up_exps.weight":
+            out[name] = _gate_up_split(hp)
+        elif leaf == "ssm_conv1d.weight" and info.ggml_type is not Q.F32:
+            out[name] = _f32_unless
+    return out
+
+
+# ------------------------------------------------------------------ scratch
+
+
+@dataclass
+class HybridScratch:
+    """Activations of up to `ub` tokens for the GDN, attention and MoE sublayers, plus the MoE
+    stand-in's constants (the identity I_E and k side-by-side identities)."""
+
+    ub: int
+    u: Buffer  # sublayer input, [ub, d]
+    proj: Buffer  # GDN [m (C) | z (n_v·S) | b (n_v) | a (n_v)] per token
+    conv: Buffer  # GDN conv output c, [ub, C]
+    gates: Buffer  # GDN [β | g], [ub, 2·n_v]
+    o: Buffer  # GDN o / attention output, [ub, max(n_v·S, H·Dh)]
+    qg: Buffer  # attention q+gate interleaved, [ub, 2·H·Dh]
+    k: Buffer  # [ub, H_kv·Dh]
+    v: Buffer  # [ub, H_kv·Dh]
+    partial: Buffer  # flash-decode partials
+    z: Buffer  # router logits, [ub, E]
+    ids: Buffer  # router top-k ids (int32), [ub, k]
+    w: Buffer  # router weights, [ub, k]
+    onehot: Buffer  # I_E rows of the ids, [ub·k, E]
+    wk: Buffer  # weighted one-hot rows, [ub·k, E]
+    wdense: Buffer  # dense routing weights, [ub, E]
+    gate: Buffer  # silu(W_g u) of every expert, [ub, E·F]
+    h: Buffer  # silu(W_g u) ⊙ W_u u, [ub, E·F]
+    hw: Buffer  # h ⊙ routing weight, [ub, E·F]
+    sh_gate: Buffer  # shared expert silu(W_g^s u), [ub, F_s]
+    sh_h: Buffer  # [ub, F_s]
+    sh_out: Buffer  # W_d^s(…), [ub, d]
+    sh_g: Buffer  # σ(w_sg·u), [ub, 1]
+    eye: Buffer  # I_E (E×E f32): the one-hot table
+    eye_k: Buffer  # [I_E … I_E] (E × k·E): sums the k weighted one-hot rows
+
+    @classmethod
+    def allocate(cls, gpu: "Gpu", hp: HParams, ub: int, n_split: int) -> "HybridScratch":
+        from vkflash.engine.graphs.common import SPLIT_MAX_TOKENS
+        from vkflash.gpu.ops.attention import partial_bytes
+
+        d, Z, n_e, k = hp.d, hp.n_v * hp.S, hp.E, hp.k
+
+        def buf(cols: int, name: str) -> Buffer:
+            return gpu.buffer(4 * ub * cols, name)
+
+        part = partial_bytes(min(ub, SPLIT_MAX_TOKENS), hp.H, hp.Dh, n_split) if n_split > 1 else 4
+        eye = np.eye(n_e, dtype=np.float32)
+        return cls(ub, buf(d, "u"), buf(hp.C + Z + 2 * hp.n_v, "gdn.proj"), buf(hp.C, "gdn.conv"),
+                   buf(2 * hp.n_v, "gdn.gates"), buf(max(Z, hp.H * hp.Dh), "o"), buf(2 * hp.H * hp.Dh, "attn.qg"),
+                   buf(hp.H_kv * hp.Dh, "attn.k"), buf(hp.H_kv * hp.Dh, "attn.v"), gpu.buffer(part, "attn.partial"),
+                   buf(n_e, "moe.z"), buf(k, "moe.ids"), buf(k, "moe.w"), buf(k * n_e, "moe.onehot"),
+                   buf(k * n_e, "moe.wk"), buf(n_e, "moe.wdense"), buf(n_e * hp.F, "moe.gate"),
+                   buf(n_e * hp.F, "moe.h"), buf(n_e * hp.F, "moe.hw"), buf(hp.F_s, "shexp.gate"),
+                   buf(hp.F_s, "shexp.h"), buf(d, "shexp.out"), buf(1, "shexp.g"),
+                   gpu.upload(eye, "moe.eye"), gpu.upload(np.tile(eye, (1, k)), "moe.eye_k"))
+
+
+# ------------------------------------------------------------------ GDN
+
+
+def gdn_sublayer(g: "Graph", m: StepModel, s: HybridScratch, i: int, n: int, u: Rows, out: Rows,
+                 residual: bool, st: GDNLayerState, n_slots: int, head_map: gdn.HeadMap, act: gdn.Gate) -> None:
+    """(G1)–(G10) on n tokens: out (+)= W_o gated_norm(delta(conv(W_qkv u)), W_z u); states in place,
+    `n_slots` checkpoint slots written (0: none)."""
+    hp, w = m.hp, m.weights
+    b = f"blk.{i}."
+    C, Z, n_v = hp.C, hp.n_v * hp.S, hp.n_v
+    W = C + Z + 2 * n_v
+    if b + "ssm_in.weight" in w.tensors:
+        matmul(g, w[b + "ssm_in.weight"].matrix(), u, Rows(s.proj, n, C + Z, 0, W), name=b + "gdn_qkvz")
+    else:
+        matmul(g, w[b + "attn_qkv.weight"].matrix(), u, Rows(s.proj, n, C, 0, W), name=b + "gdn_qkv")
+        matmul(g, w[b + "attn_gate.weight"].matrix(), u, Rows(s.proj, n, Z, C, W), name=b + "gdn_z")
+    if b + "ssm_ba.weight" in w.tensors:
+        matmul(g, w[b + "ssm_ba.weight"].matrix(), u, Rows(s.proj, n, 2 * n_v, C + Z, W), name=b + "gdn_ba")
+    else:
+        matmul(g, w[b + "ssm_beta.weight"].matrix(), u, Rows(s.proj, n, n_v, C + Z, W), name=b + "gdn_b")
+        matmul(g, w[b + "ssm_alpha.weight"].matrix(), u, Rows(s.proj, n, n_v, C + Z + n_v, W), name=b + "gdn_a")
+    conv_w = w[b + "ssm_conv1d.weight"]
+    c = Rows(s.conv, n, C)
+    gdn.conv(g, Rows(s.proj, n, C, 0, W), Rows(conv_w.buf, C, hp.K_c), st.conv.view(), c,
+             st.conv.slot_view(n_slots) if n_slots else None, name=b + "gdn_conv")
+    beta, gate = Rows(s.gates, n, n_v, 0, 2 * n_v), Rows(s.gates, n, n_v, n_v, 2 * n_v)
+    gdn.gates(g, Rows(s.proj, n, n_v, C + Z, W), Rows(s.proj, n, n_v, C + Z + n_v, W),
+              w[b + "ssm_dt.bias"].vector(), w[b + "ssm_a"].vector(), beta, gate, name=b + "gdn_gates")
+    o = Rows(s.o, n, Z)
+    gdn.delta(g, c, beta, gate, st.ssm.view(), o, gdn.GDNShape(hp.n_k, n_v, hp.S, head_map), hp.eps,
+              variant=gdn.Variant.STEP if n_slots else None, slots=st.ssm.slot_view(n_slots) if n_slots else None,
+              name=b + "gdn_o")
+    gdn.gated_norm(g, o, Rows(s.proj, n, Z, C, W), w[b + "ssm_norm.weight"].vector(), o, hp.S, hp.eps, act,
+                   name=b + "gdn_gated")
+    matmul(g, w[b + "ssm_out.weight"].matrix(), o, out, Epilogue(res=out) if residual else Epilogue(),
+           name=b + "attn_out")
+
+
+# ------------------------------------------------------------------ attention
+
+
+@dataclass(frozen=True)
+class QSABuffers:
+    """Per-sequence QSA scratch sized by the context: raw keys ρ, indexer queries, block scores,
+    prefill bit rows, and the decode cell list with its gather params."""
+
+    rho: Buffer  # [ub, D_I]
+    qI: Buffer  # [ub, n_I·D_I]
+    scores: Buffer  # [ub, n_blocks]
+    mask: Buffer  # [ub, ⌈n_ctx/32⌉] words
+    cells: Buffer  # [W] cell positions (decode)
+    gp: Buffer  # (position, count) of the decode query
+    n_blocks: int
+    mask_words: int
+    W: int
+
+    @classmethod
+    def allocate(cls, gpu: "Gpu", hp: HParams, ub: int, n_ctx: int, r_min: int) -> "QSABuffers":
+        n_blocks = n_ctx // r_min + 1
+        words = -(-n_ctx // 32)
+        W = hp.B + max(hp.r) - 1
+        return cls(gpu.buffer(4 * ub * hp.D_I, "qsa.rho"), gpu.buffer(4 * ub * hp.n_I * hp.D_I, "qsa.qI"),
+                   gpu.buffer(4 * ub * n_blocks, "qsa.scores"), gpu.buffer(4 * ub * words, "qsa.mask"),
+                   gpu.buffer(4 * W, "qsa.cells"), gpu.buffer(8, "qsa.gp"), n_blocks, words, W)
+
+
+def _qsa_select(g: "Graph", m: StepModel, i: int, n: int, u: Rows, idx: IndexerCache,
+                qb: QSABuffers) -> CellMask | CellList:
+    """(Q1)–(Q8): write ρ, pool the blocks this step completes, score the visible blocks and select;
+    a bit-row mask for n > 1, a gathered cell list (positions in qb.gp) for decode."""
+    hp, w, p = m.hp, m.weights, m.params
+    b = f"blk.{i}."
+    D, n_I, r = hp.D_I, hp.n_I, idx.r
+    rho = Rows(qb.rho, n, D)
+    matmul(g, w[b + "indexer.k_proj.weight"].matrix(), u, rho, name=b + "idx_k")
+    kv_append(g, p.buf, p.pos, Heads(rho, 1, D), idx.keys, name=b + "cache_idx")
+    summary = idx.summary_rows()
+    qsa_pool(g, p.buf, 0, idx.keys, w[b + "indexer.k_norm.weight"].buf, summary, r=r, T=n, n_rot=hp.n_rot,
+             theta=hp.theta, eps=hp.eps, name=b + "qsa_pool")
+    qI = Rows(qb.qI, n, n_I * D)
+    matmul(g, w[b + "indexer.q_proj.weight"].matrix(), u, qI, name=b + "idx_q")
+    heads = Rows(qb.qI, n * n_I, D)
+    rms_norm(g, heads, heads, hp.eps, w[b + "indexer.q_norm.weight"].buf, name=b + "idx_q_norm")
+    rope_neox(g, heads, heads, n_I, hp.n_rot, hp.theta, p.buf, p.pos, name=b + "idx_q_rope")
+    scores = Rows(qb.scores, n, qb.n_blocks)
+    qsa_scores(g, p.buf, 0, qI, summary, scores, n_I=n_I, r=r, name=b + "idx_scores")
+    if n == 1:
+        qsa_select(g, p.buf, 0, scores, Rows(qb.cells, 1, qb.W), r=r, B=hp.B, gather_params=qb.gp,
+                   name=b + "qsa_select")
+        return CellList(qb.cells, hp.W(i))
+    qsa_select(g, p.buf, 0, scores, Rows(qb.mask, n, qb.mask_words), r=r, B=hp.B, name=b + "qsa_mask")
+    return CellMask(qb.mask, qb.mask_words)
+
+
+def attention_sublayer(g: "Graph", m: StepModel, s: HybridScratch, i: int, n: int, u: Rows, out: Rows,
+                       residual: bool, qsa: tuple[IndexerCache, QSABuffers] | None = None) -> None:
+    """(A1)–(A8) on n tokens: out (+)= W_o(attn(RoPE(rms(q)), RoPE(rms(k)), v) ⊙ σ(gate)), masked or
+    gathered by the QSA selection (§5.6) when `qsa` is given."""
+    hp, w, p = m.hp, m.weights, m.params
+    H, H_kv, Dh = hp.H, hp.H_kv, hp.Dh
+    b = f"blk.{i}."
+    qg, k, v = Rows(s.qg, n, 2 * H * Dh), Rows(s.k, n, H_kv * Dh), Rows(s.v, n, H_kv * Dh)
+    fused = w.get(b + "attn_qkv.weight")
+    if fused is not None:  # qwen3next's optional fused form: [q+gate | k | v] rows
+        full = fused.matrix()
+        for y, row0, rows, nm in ((qg, 0, 2 * H * Dh, "attn_q"), (k, 2 * H * Dh, H_kv * Dh, "attn_k"),
+                                  (v, 2 * H * Dh + H_kv * Dh, H_kv * Dh, "Vcur")):
+            matmul(g, QWeight(full.buf, full.qtype, full.k, rows, row0), u, y, name=b + nm)
+    else:
+        matmul(g, w[b + "attn_q.weight"].matrix(), u, qg, name=b + "attn_q")
+        matmul(g, w[b + "attn_k.weight"].matrix(), u, k, name=b + "attn_k")
+        matmul(g, w[b + "attn_v.weight"].matrix(), u, v, name=b + "Vcur")
+    q_rows, k_rows = Rows(s.qg, n * H, Dh, 0, 2 * Dh), Rows(s.k, n * H_kv, Dh)
+    rms_norm(g, q_rows, q_rows, hp.eps, w[b + "attn_q_norm.weight"].buf, name=b + "Qnorm")
+    rms_norm(g, k_rows, k_rows, hp.eps, w[b + "attn_k_norm.weight"].buf, name=b + "Knorm")
+    rope_neox(g, q_rows, q_rows, H, hp.n_rot, hp.theta, p.buf, p.pos, name=b + "Qcur")
+    rope_neox(g, k_rows, k_rows, H_kv, hp.n_rot, hp.theta, p.buf, p.pos, name=b + "Kcur")
+    cache = m.kv[i]
+    kv_append(g, p.buf, p.pos, Heads(k, H_kv, Dh), cache.k, name=b + "cache_k")
+    kv_append(g, p.buf, p.pos, Heads(v, H_kv, Dh), cache.v, name=b + "cache_v")
+    sel = _qsa_select(g, m, i, n, u, *qsa) if qsa is not None else None
+    q, gate = q_and_gate(qg, H, Dh)
+    o = Rows(s.o, n, H * Dh)
+    n_split = m.splits(n)
+    params, poff = (qsa[1].gp, 0) if isinstance(sel, CellList) else (p.buf, 0)
+    attention(g, params, poff, q, cache.k, cache.v, Heads(o, H, Dh), gate=gate,
+              mask=sel if isinstance(sel, CellMask) else None, cells=sel if isinstance(sel, CellList) else None,
+              n_split=n_split, partial=s.partial if n_split > 1 else None, name=b + "kqv_out")
+    matmul(g, w[b + "attn_output.weight"].matrix(), o, out, Epilogue(res=out) if residual else Epilogue(),
+           name=b + "attn_out")
+
+
+# ------------------------------------------------------------------ MoE
+
+
+def dense_moe_standin(g: "Graph", m: StepModel, s: HybridScratch, i: int, n: int, u: Rows, out: Rows,
+                      residual: bool) -> None:
+    """(M1)–(M4) with EVERY expert computed densely and weighted per token (zero for unrouted
+    experts): exact, E/k times the work of a routed MoE. A stand-in until the expert matmuls of
+    gpu/ops/moe.py exist. out (+)= Σ_e w_{t,e}·W_d^e(silu(W_g^e u) ⊙ W_u^e u) + σ(w_sg·u)·shared(u)."""
+    hp, w = m.hp, m.weights
+    b = f"blk.{i}."
+    n_e, k, F, d = hp.E, hp.k, hp.F, hp.d
+    z = Rows(s.z, n, n_e)
+    matmul(g, w[b + "ffn_gate_inp.weight"].matrix(), u, z, name=b + "ffn_moe_logits")
+    moe_router(g, z, Rows(s.ids, n, k), Rows(s.w, n, k), k, name=b + "ffn_moe_topk")
+    # dense weights w_{t,e} = Σ_i w_{t,i}·[I_{t,i} = e]: one-hot rows of the ids, weighted, summed
+    onehot, wk = Rows(s.onehot, n * k, n_e), Rows(s.wk, n * k, n_e)
+    embed(g, s.eye, int(Q.F32), n_e, s.ids, n * k, onehot, name=b + "ffn_moe_onehot")
+    E.scale(g, onehot, 0.0, wk, name=b + "ffn_moe_zero")
+    hc_ops._dispatch(g, hc_ops.Mode.ROW_AXPY, Rows(s.w, n * k, 1), onehot, wk, n_e, 1, b + "ffn_moe_wk",
+                     4 * 3 * n * k * n_e)
+    wdense = Rows(s.wdense, n, n_e)
+    matmul(g, QWeight(s.eye_k, int(Q.F32), k * n_e, n_e), Rows(s.wk, n, k * n_e), wdense, name=b + "ffn_moe_weights")
+    # every expert at once: [gate | up] stacks are E·F rows of d
+    gate = w.get(b + "ffn_gate_up_exps.weight")
+    if gate is not None:
+        full = gate.matrix()
+        wg, wu = QWeight(full.buf, full.qtype, d, n_e * F), QWeight(full.buf, full.qtype, d, n_e * F, n_e * F)
+    else:
+        wg, wu = w[b + "ffn_gate_exps.weight"].matrix(), w[b + "ffn_up_exps.weight"].matrix()
+    G, Hh, Hw = Rows(s.gate, n, n_e * F), Rows(s.h, n, n_e * F), Rows(s.hw, n, n_e * F)
+    matmul(g, wg, u, G, Epilogue(act="silu"), name=b + "ffn_moe_gate")
+    matmul(g, wu, u, Hh, Epilogue(mul=G), name=b + "ffn_moe_up")
+    E.scale(g, Hh, 0.0, Hw, name=b + "ffn_moe_hzero")
+    hc_ops._dispatch(g, hc_ops.Mode.ROW_AXPY, Rows(s.wdense, n * n_e, 1), Rows(s.h, n * n_e, F),
+                     Rows(s.hw, n * n_e, F), F, 1, b + "ffn_moe_weighted", 4 * 3 * n * n_e * F)
+    matmul(g, w[b + "ffn_down_exps.weight"].matrix(), Hw, out, Epilogue(res=out) if residual else Epilogue(),
+           name=b + "ffn_moe_out")
+    shared_expert(g, m, s, i, n, u, out)
+
+
+def shared_expert(g: "Graph", m: StepModel, s: HybridScratch, i: int, n: int, u: Rows, out: Rows) -> None:
+    """(M4) second term: out += σ(w_sg·u)·W_d^s(silu(W_g^s u) ⊙ W_u^s u)."""
+    w, F_s, d = m.weights, m.hp.F_s, m.hp.d
+    b = f"blk.{i}."
+    gs, hs, ys, sg = Rows(s.sh_gate, n, F_s), Rows(s.sh_h, n, F_s), Rows(s.sh_out, n, d), Rows(s.sh_g, n, 1)
+    matmul(g, w[b + "ffn_gate_shexp.weight"].matrix(), u, gs, Epilogue(act="silu"), name=b + "ffn_shexp_gate")
+    matmul(g, w[b + "ffn_up_shexp.weight"].matrix(), u, hs, Epilogue(mul=gs), name=b + "ffn_shexp_up")
+    matmul(g, w[b + "ffn_down_shexp.weight"].matrix(), hs, ys, name=b + "ffn_shexp_down")
+    matmul(g, w[b + "ffn_gate_inp_shexp.weight"].matrix(), u, sg, Epilogue(act="sigmoid"), name=b + "ffn_shexp_g")
+    hc_ops._dispatch(g, hc_ops.Mode.ROW_AXPY, sg, ys, out, d, 1, b + "ffn_out", 4 * 3 * n * d)
