@@ -155,14 +155,14 @@ FIRST_OP = {"attn_norm.weight": "attn_norm", "attn_v.weight": "Vcur", "attn_q.we
 
 @pytest.mark.parametrize("tensor", sorted(FIRST_OP))
 def test_verify_names_a_corrupted_weight(gpu, f32_model, rng, tensor):
-    """A finite perturbation (1% relative noise) of one layer's weight buffer after upload fails
+    """A finite perturbation (5% relative noise) of one layer's weight buffer after upload fails
     verify at the first op that reads it, in that layer."""
     toks = rng.integers(0, GEO.V, N_TOKENS)
     layer = int(rng.integers(0, GEO.L))
     fwd = verify.open_forward(f32_model, len(toks), 512)
     buf = fwd.model.weights[f"blk.{layer}.{tensor}"].buf
     w = buf.read(np.float32)
-    buf.write((w * (1 + 0.01 * rng.standard_normal(w.size))).astype(np.float32))
+    buf.write((w * (1 + 0.05 * rng.standard_normal(w.size))).astype(np.float32))
     rep = verify.verify(f32_model, toks, fwd)
     assert not rep.passed
     bad = rep.first_bad
@@ -189,3 +189,16 @@ def test_cli_verify_fails_on_a_corrupted_weight(gpu, f32_model, monkeypatch, rng
 def test_verify_needs_two_tokens(gpu, f32_model):
     r = CliRunner().invoke(cli.app, ["verify", str(f32_model), "--tokens", "1"])
     assert r.exit_code == 1 and "at least 2 tokens" in r.stderr
+
+
+@pytest.mark.slow
+def test_verify_real_default_model(gpu):
+    """The default Qwen2.5-Coder-0.5B (quantized weights, f32 reference) passes verify on a text
+    prompt: every residual within 1e-4·RMS, logits within 1e-3·std. ~2 min on lavapipe (2 cores)."""
+    from vkflash.model.default_model import FILE_NAME, cache_dir
+
+    path = cache_dir() / FILE_NAME
+    if not path.is_file():
+        pytest.skip("default qwen2 model not in the cache (vkflash fetches it on first run)")
+    rep = verify.verify(path, verify.prompt_tokens(path, "def fibonacci(n):", 0, np.random.default_rng()), ctx=64)
+    assert rep.passed, rep.first_bad

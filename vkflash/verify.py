@@ -2,8 +2,9 @@
 
 Both sides run a prefill step of T−1 tokens and one decode step, with f32 K/V caches and the
 same dequantized weights. Every intermediate both name alike (`blk.N.l_out`, `result_output`, …)
-is compared as max|Δ| / RMS(ref) (logits: / std(ref)) against MODEL.md §7.10: 1e-4 for layer
-values, 1e-3 for logits, and the greedy token must agree. The first op over its tolerance, in
+is compared as max|Δ| / RMS(ref) (logits: / std(ref)) against MODEL.md §7.10: 1e-4 for the
+residual stream, 1e-3 for logits, and the greedy token must agree. Other intermediates get 1e-3:
+a peaked attention (layer 0 of real Qwen models) legitimately differs by ~2e-4 in f32. The first op over its tolerance, in
 execution order, is named: that is where a wrong kernel or a corrupt weight first shows.
 """
 
@@ -22,10 +23,13 @@ from vkflash.errors import ConfigError
 if TYPE_CHECKING:
     from vkflash.engine.gpu_forward import GpuForward
 
-LAYER_TOL = 1e-4
-"""max|Δ|/RMS(ref) of every compared layer value (§7.10: per-layer residuals)."""
+RESIDUAL_TOL = 1e-4
+"""max|Δ|/RMS(ref) of the residual stream after each sublayer (§7.10: per-layer residuals)."""
+OP_TOL = 1e-3
+"""max|Δ|/RMS(ref) of any other intermediate (norm outputs, projections, attention)."""
 LOGITS_TOL = 1e-3
 """max|Δ|/std(ref) of the logits (§7.10)."""
+RESIDUALS = frozenset({"inp_embd", "attn_residual", "l_out", "ple_out"})
 LOGITS = "result_output"
 F64_LIMIT = 1 << 30
 """Reference weights are float64 up to this many bytes (tiny models), float32 above."""
@@ -78,6 +82,13 @@ def relative_error(name: str, got: np.ndarray, ref: np.ndarray) -> float:
     return diff / (scale or 1.0)
 
 
+def tolerance(name: str) -> float:
+    """The bound on `name`'s relative error: logits, residual stream, or any other op."""
+    if name == LOGITS:
+        return LOGITS_TOL
+    return RESIDUAL_TOL if name.rsplit(".", 1)[-1] in RESIDUALS else OP_TOL
+
+
 def compare(phase: str, gpu: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> list[OpError]:
     """OpErrors for the names both sides produced, in the reference's (execution) order. A GPU
     buffer holds its op's output in its leading elements (rows at offset 0); a buffer smaller
@@ -87,7 +98,7 @@ def compare(phase: str, gpu: dict[str, np.ndarray], ref: dict[str, np.ndarray]) 
         if name not in gpu:
             continue
         flat = gpu[name]
-        tol = LOGITS_TOL if name == LOGITS else LAYER_TOL
+        tol = tolerance(name)
         if flat.size < want.size:
             rows.append(OpError(phase, name, float("inf"), tol))
             continue
