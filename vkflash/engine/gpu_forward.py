@@ -92,7 +92,7 @@ class GpuForward:
         kv_type = cache_type(s["KV"] if kv is None else kv)
         kv_caches = allocate_kv(self.gpu, hp, self.n_ctx, kv_type, self.arch.attention_layers(hp))
         extra = self.arch.extra_dim(hp) if hasattr(self.arch, "extra_dim") else 0
-        state = (self.arch.allocate_state(self.gpu, gf, hp, self.n_ctx, kv_type)
+        state = (self.arch.allocate_state(self.gpu, gf, hp, self.n_ctx, kv_type, self.ub)
                  if hasattr(self.arch, "allocate_state") else None)
         self.model = StepModel(self.gpu, hp, weights, kv_caches,
                                StepParams.allocate(self.gpu, self.ub, hp.d if host_embed else 0, extra),

@@ -49,7 +49,7 @@ def n_draft() -> int:
     return int(current()["DRAFT"]) or 6
 
 
-def allocate_state(gpu: "Gpu", gf: GGUFFile, hp: HParams, n_ctx: int, kv: CacheType) -> RecurrentState:
+def allocate_state(gpu: "Gpu", gf: GGUFFile, hp: HParams, n_ctx: int, kv: CacheType, ub: int) -> RecurrentState:
     """GDN conv and SSM states (+ checkpoint slots) of every GDN layer."""
     return RecurrentState.allocate(gpu, hp, n_draft())
 

@@ -1,0 +1,125 @@
+"""The GPU forward of qwen4exp vs the float64 NumPy reference on `make-model` tiny files (fresh seed
+each run): hyper-connections, PLE (host hashing + gathered table rows, dilated conv), GDN with the
+tiled head map and σ gate, QSA block selection (dense up to W = 35, sparse after: masked prefill,
+gathered decode), MoE and the head mixer. Logits at every position, prefill-then-decode, greedy
+tokens, rollback of GDN/PLE states and history by checkpoint slots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vkflash.engine.gpu_forward import GpuForward
+from vkflash.engine.graphs.common import Head
+from vkflash.model import reference
+from vkflash.model.make_model import make_model
+from vkflash.model.weights import load_model
+
+pytestmark = pytest.mark.gpu
+EXACT = 1e-3  # MODEL.md §7.10: max|Δ| ≤ 1e-3·std(logits) with f32 caches and identical weights
+V, EOS = 512, 2  # tiny vocabulary and its PLE n-gram reset token
+
+
+def _rel(got: np.ndarray, ref: np.ndarray) -> float:
+    """max|Δ| in units of std(ref)."""
+    return float(np.abs(got - ref).max() / ref.std())
+
+
+def _model(tmp_path: Path, rng: np.random.Generator, variant: str | None = None) -> Path:
+    seed = int(rng.integers(1 << 31))
+    return make_model("qwen4exp", "tiny", "F32", seed, tmp_path / f"q4e-{seed}.gguf", variant=variant)[0]
+
+
+def _prompt(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Random tokens with a few PLE EOS resets (at 0 or 1, and twice in a row) mixed in."""
+    toks = rng.integers(0, V, n)
+    toks[int(rng.integers(0, 2))] = EOS
+    at = int(rng.integers(3, n - 2))
+    toks[at:at + 2] = EOS
+    return toks
+
+
+def _reference(path: Path, toks: np.ndarray) -> np.ndarray:
+    """Reference logits (T, V) in float64 with f32 K/V and indexer caches, QSA block mode."""
+    return reference.prefill(toks, reference.new_state(load_model(path, np.float64), cache_dtype=np.float32))
+
+
+@pytest.mark.parametrize("variant", [None, "hc_norm_2d,ple_conv_f16,tied", "dense"],
+                         ids=["default", "2d-norms-f16-conv-tied", "dense"])
+def test_logits_at_every_position(gpu, rng, tmp_path, variant):
+    """Teacher-forced logits of a 64-token prompt in steps 24 + 24 + 16 match the reference; QSA
+    selects sparsely from position 35 (masked prefill), except in the all-dense variant."""
+    path = _model(tmp_path, rng, variant)
+    toks = _prompt(rng, 64)
+    fwd = GpuForward(path, ctx=128, ub=24, kv="f32", gpu=gpu, logits_rows=24)
+    fwd.model.head.logits.fill(np.nan)
+    got = fwd.prefill_logits(toks)
+    ref = _reference(path, toks)
+    assert np.isfinite(got).all()
+    assert _rel(got, ref) <= EXACT, f"max|Δ| = {_rel(got, ref):.2e}·std"
+
+
+def test_prefill_then_decode_and_greedy(gpu, rng, tmp_path):
+    """prefill(33) + 17 decodes crossing the dense → sparse boundary (t+1 = 35, 36: gathered decode)
+    = one 50-token prefill = the reference; then 16 greedy tokens equal the reference's."""
+    path = _model(tmp_path, rng)
+    toks = _prompt(rng, 50)
+    fwd = GpuForward(path, ctx=600, ub=32, kv="f32", gpu=gpu)
+    whole = fwd.prefill_logits(toks)
+    fwd.reset()
+    steps = np.stack([fwd.prefill(toks[:33])] + [fwd.decode(int(t)) for t in toks[33:]])
+    ref = _reference(path, toks)
+    assert _rel(whole, ref) <= EXACT
+    assert _rel(steps, ref[32:]) <= EXACT
+    assert _rel(steps, whole[32:]) <= 2e-4
+
+    fwd.reset()
+    prompt = toks[:40]
+    got = [fwd.prefill_argmax(prompt)]
+    for _ in range(15):
+        got.append(fwd.decode_argmax(got[-1]))
+    st = reference.new_state(load_model(path, np.float64), cache_dtype=np.float32)
+    want = [int(np.argmax(reference.prefill(prompt, st)[-1]))]
+    for _ in range(15):
+        want.append(int(np.argmax(reference.prefill([want[-1]], st)[-1])))
+    assert got == want
+
+
+def test_rollback_by_slots(gpu, rng, tmp_path):
+    """A 4-token verify-sized step writes slots of the GDN and PLE conv states; truncating 1..3 of
+    its tokens restores them (and the PLE history) so the next logits match the reference."""
+    path = _model(tmp_path, rng)
+    toks = _prompt(rng, 40)
+    ref = _reference(path, toks)
+    fwd = GpuForward(path, ctx=64, ub=16, kv="f32", gpu=gpu)
+    back = int(rng.integers(1, 4))
+    fwd.prefill(toks[:31])
+    fwd.prefill(toks[31:35])
+    assert fwd.model.state.rec.valid_slots == 4
+    fwd.truncate(35 - back)
+    assert fwd.n_past == 35 - back and fwd.model.state.rec.valid_slots == 0, "expected a slot restore"
+    assert _rel(fwd.prefill(toks[35 - back:37]), ref[36]) <= EXACT
+
+
+def test_decode_graph_is_one_submission(gpu, rng, tmp_path):
+    """Decode replays one recorded submission: PLE, gathered QSA attention, head mixer, argmax."""
+    path = _model(tmp_path, rng)
+    fwd = GpuForward(path, ctx=256, ub=16, kv="f16", gpu=gpu)
+    stats = fwd.graph_stats(1, Head.LAST)
+    assert stats.submissions == 1
+    names = {op.name for op in fwd.graph(1, Head.LAST).ops}
+    assert {"inp_embd", "blk.1.ple_gate", "blk.3.qsa_select", "blk.7.kqv_out", "result_output"} <= names
+
+
+@pytest.mark.slow
+def test_long_prompt_sparse_selection(gpu, rng, tmp_path):
+    """A 640-token prompt (150+ blocks, 8 kept: QSA sparse almost everywhere) in ubatches of 64,
+    then 8 gathered decodes, match the reference at every position. ~20 s on lavapipe (warm caches)."""
+    path = _model(tmp_path, rng)
+    toks = _prompt(rng, 648)
+    fwd = GpuForward(path, ctx=700, ub=64, kv="f32", gpu=gpu, logits_rows=64)
+    got = np.vstack([fwd.prefill_logits(toks[:640])] + [fwd.decode(int(t))[None] for t in toks[640:]])
+    ref = _reference(path, toks)
+    assert _rel(got, ref) <= EXACT, f"max|Δ| = {_rel(got, ref):.2e}·std"

@@ -1,0 +1,290 @@
+"""The qwen4exp step graph (MODEL.md §5.1–§5.7): for n tokens,
+
+    x = token_embd[ids];  R = [x; …; x]                                       (E1, H0)
+    for each layer i:  if i is the PLE layer:  R += V + y  (P4–P10; rows hashed on the host)
+                       (u, ι) = Mix(R; hc_attn);  R = Combine(R, GDN(u) | Attn(u), ι)
+                       (u, ι) = Mix(R; hc_ffn);   R = Combine(R, MoE(u), ι)
+    logits = W_out Mix(R; output_hc) for the rows the head asks for, and their argmax.   (O2, O3)
+
+GDN uses the tiled head map and the σ gate; attention layers with r > 0 select cells with QSA
+(block mode): summary rows of blocks a step completes are pooled once, prefill attends through
+per-query bit rows and decode through a gathered cell list (both dense while t+1 ≤ W). The PLE
+table rows (n_p per token, host-hashed with model/ple_hash.py) are gathered from the mmapped file
+into the step-params buffer; its dilated conv runs as a contiguous conv with zero taps between.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from vkflash.engine.caches import IndexerCache, allocate_indexer
+from vkflash.engine.graphs.common import Head, StepModel, embed_tokens
+from vkflash.engine.graphs.hybrid import (HybridScratch, QSABuffers, attention_sublayer, dense_moe_standin,
+                                          gdn_sublayer, hybrid_transforms)
+from vkflash.engine.state import RecurrentState
+from vkflash.engine.step_params import StepParams
+from vkflash.engine.weights_gpu import Stored, Transform, as_f32, host_row_gather
+from vkflash.errors import ConfigError
+from vkflash.formats.gguf_file import GGUFFile, TensorInfo
+from vkflash.formats.quant_blocks import row_bytes
+from vkflash.gpu.memory import Buffer
+from vkflash.gpu.ops import argmax as argmax_op
+from vkflash.gpu.ops import eltwise as E
+from vkflash.gpu.ops import gdn
+from vkflash.gpu.ops.attention import CacheType
+from vkflash.gpu.ops.hc import hc_combine, hc_mix, hc_pre
+from vkflash.gpu.ops.matmul import matmul
+from vkflash.gpu.ops.norm import grouped_rms_norm
+from vkflash.gpu.ops.ple import ple_gate
+from vkflash.gpu.ops.views import Rows
+from vkflash.model.hparams import HParams
+from vkflash.model.ple_hash import PleHashParams, ple_rows
+from vkflash.settings import current
+
+if TYPE_CHECKING:
+    from vkflash.gpu.context import Gpu
+    from vkflash.gpu.graph import Graph
+
+LR_ALIGN = 32  # matmul rows are whole 32-element groups: a smaller HC low rank is zero-padded
+
+
+def attention_layers(hp: HParams) -> list[int]:
+    """The trunk layers that are not GDN."""
+    return [i for i in range(hp.L) if not hp.is_gdn[i]]
+
+
+def lr_padded(hp: HParams) -> int:
+    """lr rounded up to LR_ALIGN (the padding is exact: zero rows of W_dn give silu(0) = 0)."""
+    return -(-hp.lr // LR_ALIGN) * LR_ALIGN
+
+
+def ple_taps(hp: HParams) -> int:
+    """K' = (K_p−1)·N + 1 taps of the dilated PLE conv written as a contiguous one."""
+    return (hp.K_p - 1) * hp.N + 1
+
+
+def _pad_down(hp: HParams) -> Transform:
+    """W_dn {hc·d, lr} with zero rows up to lr_padded (all-zero bytes decode to 0 in every type)."""
+    def tf(info: TensorInfo) -> Stored:
+        k, lr = info.ne
+        pad = np.zeros((lr_padded(hp) - lr) * row_bytes(info.ggml_type, k), np.uint8)
+        return Stored(np.concatenate([info.data.reshape(-1), pad]), info.ggml_type, (k, lr_padded(hp)))
+    return tf
+
+
+def _pad_up(hp: HParams) -> Transform:
+    """W_up {lr, hc·d} with every row zero-extended to lr_padded elements (float types: lr < 32
+    cannot be a block quant)."""
+    def tf(info: TensorInfo) -> Stored:
+        lr, n_out = info.ne
+        rows = info.data.reshape(n_out, -1)
+        pad = np.zeros((n_out, row_bytes(info.ggml_type, lr_padded(hp)) - rows.shape[1]), np.uint8)
+        return Stored(np.ascontiguousarray(np.hstack([rows, pad])), info.ggml_type, (lr_padded(hp), n_out))
+    return tf
+
+
+def _ple_conv_taps(hp: HParams) -> Transform:
+    """ple_conv1d {K_p, hc·d} (any float type) as f32 (hc·d, K') with w'[:, k·N] = w[:, k], 0 elsewhere."""
+    def tf(info: TensorInfo) -> Stored:
+        K_p, ch = info.ne
+        w = as_f32(info).data.reshape(ch, K_p)
+        out = np.zeros((ch, ple_taps(hp)), np.float32)
+        out[:, :: hp.N] = w
+        return Stored(out, Q.F32, (ple_taps(hp), ch))
+    return tf
+
+
+def weight_transforms(gf: GGUFFile, hp: HParams) -> dict[str, Transform]:
+    """GDN/MoE re-layouts, zero-padded HC low rank, 2-D gains as flat f32, expanded PLE conv taps."""
+    out = hybrid_transforms(gf, hp)
+    pad = lr_padded(hp) != hp.lr
+    for name, info in gf.tensors.items():
+        if pad and (name.endswith("_down.weight") and ("hc_" in name or "output_hc" in name)):
+            out[name] = _pad_down(hp)
+        elif pad and (name.endswith("_up.weight") and ("hc_" in name or "output_hc" in name)):
+            out[name] = _pad_up(hp)
+        elif name.endswith("ple_conv1d.weight"):
+            out[name] = _ple_conv_taps(hp)
+        elif name.endswith("norm.weight") and (len(info.ne) > 1 or info.ggml_type is not Q.F32):
+            out[name] = as_f32
+    return out
+
+
+def extra_dim(hp: HParams) -> int:
+    """The PLE rows e (n_p·D_p = d floats per token) travel in the step-params buffer."""
+    return hp.d if hp.has_ple else 0
+
+
+def _hash_params(hp: HParams) -> PleHashParams:
+    return PleHashParams(ngram_size=hp.N, heads_per_ngram=hp.h_g, eos=hp.ple_eos,
+                         multipliers=np.array(hp.ple_mult, np.uint64),
+                         head_offsets=np.array(hp.ple_offsets, np.uint64),
+                         head_vocab_sizes=np.array(hp.ple_sizes, np.uint64))
+
+
+@dataclass
+class Qwen4State:
+    """Per-sequence state beyond K/V: recurrent rows (engine/state.py), QSA indexer caches and
+    scratch, and the host side of PLE (hash constants, table row gather)."""
+
+    rec: RecurrentState
+    idx: dict[int, IndexerCache]
+    qsa: QSABuffers | None
+    ple_hash: PleHashParams | None
+    ple_gather: Callable[[np.ndarray], np.ndarray] | None
+
+    def reset(self) -> None:
+        self.rec.reset()
+
+    def before_step(self, params: StepParams, ids: np.ndarray) -> None:
+        """(P1)–(P4) on the host: hash the n-gram rows of the step's tokens and write the table rows e."""
+        if self.ple_hash is None or self.ple_gather is None:
+            return
+        rows = ple_rows(np.asarray(ids, np.int64), self.rec.ple_history, self.ple_hash)
+        params.set_extra(self.ple_gather(rows.reshape(-1)).reshape(len(ids), -1))
+
+    def stepped(self, ids: np.ndarray) -> None:
+        self.rec.stepped(ids)
+
+    def truncate(self, back: int) -> bool:
+        """Recurrent rows from a slot; K/V, indexer keys and summary rows need nothing (positions)."""
+        return self.rec.truncate(back)
+
+
+def allocate_state(gpu: "Gpu", gf: GGUFFile, hp: HParams, n_ctx: int, kv: CacheType, ub: int) -> Qwen4State:
+    """Recurrent rows with n_draft+1 slots, indexer caches of the QSA layers, PLE host side."""
+    if not current()["BLKTOPK"] and any(hp.r[: hp.L]):
+        raise ConfigError("BLKTOPK=0 (QSA `cell` mode) is not available in the GPU forward; use BLKTOPK=1")
+    rec = RecurrentState.allocate(gpu, hp, int(current()["DRAFT"]) or 6, ple_taps(hp) - 1 if hp.has_ple else 0)
+    idx = allocate_indexer(gpu, hp, n_ctx, kv)
+    qsa = QSABuffers.allocate(gpu, hp, ub, n_ctx, min(c.r for c in idx.values())) if idx else None
+    if hp.has_ple:
+        return Qwen4State(rec, idx, qsa, _hash_params(hp), host_row_gather(gf, "per_layer_token_embd.weight"))
+    return Qwen4State(rec, idx, qsa, None, None)
+
+
+@dataclass
+class Scratch:
+    """The wide residual R [ub, hc·d] and the HC, PLE and sublayer activations."""
+
+    ub: int
+    R: Buffer
+    x: Buffer  # embedding rows, [ub, d]
+    a: Buffer  # block output b of a Combine, [ub, d]
+    X: Buffer  # grouped-normed R, [ub, hc·d]
+    ell: Buffer  # ℓ, [ub, lr_padded]
+    gpre: Buffer  # W_up ℓ, [ub, hc·d]
+    iota: Buffer  # ι, [ub, hc]
+    kp: Buffer  # PLE K̃ (k_p normalised in place), [ub, hc·d]
+    vp: Buffer  # [ub, d]
+    qt: Buffer  # PLE Q̃, [ub, hc·d]
+    lam: Buffer  # λ, [ub, hc]
+    V: Buffer  # [ub, hc·d]
+    Vt: Buffer  # Ṽ, [ub, hc·d]
+    y: Buffer  # conv output, [ub, hc·d]
+    hy: HybridScratch
+
+    @classmethod
+    def allocate(cls, gpu: "Gpu", hp: HParams, ub: int, n_split: int) -> "Scratch":
+        wide, d = hp.hc * hp.d, hp.d
+
+        def buf(cols: int, name: str) -> Buffer:
+            return gpu.buffer(4 * ub * cols, name)
+
+        ple = 1 if hp.has_ple else 0
+        return cls(ub, buf(wide, "R"), buf(d, "x"), buf(d, "a"), buf(wide, "hc.X"), buf(lr_padded(hp), "hc.ell"),
+                   buf(wide, "hc.gpre"), buf(hp.hc, "hc.iota"), buf(wide * ple or 1, "ple.k"), buf(d * ple or 1, "ple.v"),
+                   buf(wide * ple or 1, "ple.q"), buf(hp.hc * ple or 1, "ple.gate"), buf(wide * ple or 1, "ple.V"),
+                   buf(wide * ple or 1, "ple.Vt"), buf(wide * ple or 1, "ple.y"),
+                   HybridScratch.allocate(gpu, hp, ub, n_split))
+
+
+def hc_mixer(g: "Graph", m: StepModel, s: Scratch, R: Rows, prefix: str, u: Rows, iota: Rows | None,
+             name: str) -> None:
+    """(H1)–(H5): u = Mix(R) and, for block mixers, ι = W_inj X."""
+    hp, w = m.hp, m.weights
+    n, hc, d = R.n_rows, hp.hc, hp.d
+    X = Rows(s.X, n, hc * d)
+    grouped_rms_norm(g, R, X, hc, hp.eps, w[prefix + "_norm.weight"].buf, name=f"{name}.norm")
+    ell = Rows(s.ell, n, lr_padded(hp))
+    matmul(g, w[prefix + "_down.weight"].matrix(), X, ell, name=f"{name}.down")
+    hc_pre(g, ell, ell, hc, name=f"{name}.pre")
+    gpre = Rows(s.gpre, n, hc * d)
+    matmul(g, w[prefix + "_up.weight"].matrix(), ell, gpre, name=f"{name}.up")
+    hc_mix(g, gpre, X, u, hc, name=name)
+    if iota is not None:
+        matmul(g, w[prefix + "_inject.weight"].matrix(), X, iota, name=f"{name}.inject")
+
+
+def ple_block(g: "Graph", m: StepModel, s: Scratch, i: int, n: int, R: Rows, st: RecurrentState, n_slots: int) -> None:
+    """(P5)–(P10): R += V + silu(dilated conv of Ṽ) with the gate λ from K̃·Q̃; conv state in place."""
+    hp, w, p = m.hp, m.weights, m.params
+    hc, d = hp.hc, hp.d
+    b = f"blk.{i}."
+    e = Rows(p.buf, n, d, p.extra)
+    kp, vp = Rows(s.kp, n, hc * d), Rows(s.vp, n, d)
+    matmul(g, w[b + "ple_key.weight"].matrix(), e, kp, name=b + "ple_key")  # (P5)
+    matmul(g, w[b + "ple_value.weight"].matrix(), e, vp, name=b + "ple_value")
+    grouped_rms_norm(g, kp, kp, hc, hp.eps, w[b + "ple_norm_key.weight"].buf, name=b + "ple_norm_key")  # (P6)
+    qt = Rows(s.qt, n, hc * d)
+    grouped_rms_norm(g, R, qt, hc, hp.eps, w[b + "ple_norm_query.weight"].buf, name=b + "ple_norm_query")
+    V = Rows(s.V, n, hc * d)
+    ple_gate(g, kp, qt, vp, Rows(s.lam, n, hc), V, hc, name=b + "ple_gate")  # (P7)–(P8)
+    Vt, y = Rows(s.Vt, n, hc * d), Rows(s.y, n, hc * d)
+    grouped_rms_norm(g, V, Vt, hc, hp.eps, w[b + "ple_norm_conv.weight"].buf, name=b + "ple_norm_conv")  # (P9)
+    conv = st.ple_conv
+    assert conv is not None
+    gdn.conv(g, Vt, Rows(w[b + "ple_conv1d.weight"].buf, hc * d, ple_taps(hp)), conv.view(), y,
+             conv.slot_view(n_slots) if n_slots else None, name=b + "ple_conv")
+    E.add(g, V, y, y, name=b + "ple_vy")  # (P10) V + y, then onto R
+    E.add(g, R, y, R, name=b + "ple_out")
+
+
+def head(g: "Graph", m: StepModel, s: Scratch, n: int, which: Head) -> None:
+    """(O2)–(O3): logits = W_out Mix(R; output_hc) for the rows `which` asks for, then their argmax."""
+    if which is Head.NONE:
+        return
+    hp, wide = m.hp, m.hp.hc * m.hp.d
+    R = Rows(s.R, n, wide) if which is Head.ALL else Rows(s.R, 1, wide, (n - 1) * wide)
+    rows = R.n_rows
+    if rows > m.head.rows:
+        raise ValueError(f"head: {rows} logit rows, the buffers hold {m.head.rows}")
+    y = Rows(s.x, rows, hp.d)
+    hc_mixer(g, m, s, R, "output_hc", y, None, "result_norm")
+    out = m.weights.get("output.weight") or m.weights["token_embd.weight"]
+    logits = Rows(m.head.logits, rows, hp.V)
+    matmul(g, out.matrix(), y, logits, name="result_output")
+    argmax_op.argmax(g, logits, m.head.scratch, m.head.ids, name="argmax")
+
+
+def build(g: "Graph", m: StepModel, s: Scratch, n: int, which: Head) -> None:
+    """The whole forward of an n-token step (tokens, positions and PLE rows from the params buffer)."""
+    if not 1 <= n <= s.ub:
+        raise ValueError(f"qwen4exp step of {n} tokens; the scratch holds 1..{s.ub}")
+    hp, st = m.hp, m.state
+    hc, d = hp.hc, hp.d
+    R, x, a, u = Rows(s.R, n, hc * d), Rows(s.x, n, d), Rows(s.a, n, d), Rows(s.hy.u, n, d)
+    iota = Rows(s.iota, n, hc)
+    n_slots = st.rec.slots_for(n)
+    embed_tokens(g, m, x)  # (E1)
+    for c in range(hc):  # (H0) hc identical copies
+        E.scale(g, x, 1.0, Rows(s.R, n, d, c * d, hc * d), name=f"hc_copy.{c}")
+    for i in range(hp.L):
+        b = f"blk.{i}."
+        if i == hp.ple_layer:  # (L1)
+            ple_block(g, m, s, i, n, R, st.rec, n_slots)
+        hc_mixer(g, m, s, R, b + "hc_attn", u, iota, b + "hc_attn_mix")  # (L2)
+        if hp.is_gdn[i]:  # (L3)
+            gdn_sublayer(g, m, s.hy, i, n, u, a, False, st.rec.gdn[i], n_slots, gdn.HeadMap.TILED, gdn.Gate.SIGMOID)
+        else:
+            qsa = (st.idx[i], st.qsa) if i in st.idx else None
+            attention_sublayer(g, m, s.hy, i, n, u, a, False, qsa)
+        hc_combine(g, R, a, iota, name=b + "attn_residual")  # (L4)
+        hc_mixer(g, m, s, R, b + "hc_ffn", u, iota, b + "hc_ffn_mix")  # (L5)
+        dense_moe_standin(g, m, s.hy, i, n, u, a, False)  # (L6)
+        hc_combine(g, R, a, iota, name=b + "l_out")  # (L7)
+    head(g, m, s, n, which)
