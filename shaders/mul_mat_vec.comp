@@ -8,12 +8,13 @@
 // Columns are handled one after the other (a rolled loop: unrolled, lavapipe's LLVM takes seconds
 // per pipeline, and the accumulators stay registers indexed by the unrolled row loop only). For
 // each column every invocation walks 32-element slices u = tid, tid + WG, ... of the rows
-// (common/quant.glsl dot_slice: for K-quants one 16-byte chunk of quants, so a subgroup reads
-// contiguous bytes), loads the column's matching 32 x elements (and their run sums, for
-// the K-quants' per-run scale and min) once and dots them with the slice of every row (x is read from L2 once per NDEC rows: with one row per x load, x
-// traffic rather than the weights bounded the GEMV). With several columns the workgroup's rows
-// are decoded again per column, from L1. Partial sums are reduced with subgroupAdd, then one
-// shared slot per subgroup (SG_MIN = the device's smallest subgroup size bounds the slot count;
+// (common/quant.glsl slice_fetch/slice_dot: for K-quants one 16-byte chunk of quants, so a
+// subgroup reads contiguous bytes), loads the column's matching 32 x elements (and their run
+// sums, for the per-run scales and mins) once, issues the loads of all NDEC rows' slices, then
+// dots each with x (x is read from L2 once per NDEC rows: with one row per x load, x traffic
+// rather than the weights bounded the GEMV). With several columns the workgroup's rows are
+// fetched again per column, from L1. Partial sums are reduced with subgroupAdd, then one shared
+// slot per subgroup (SG_MIN = the device's smallest subgroup size bounds the slot count;
 // gl_SubgroupSize is never assumed).
 // MoE: an expert stack {K, out, E} is addressed by w_row0 = e*out (push constant); a routed
 // variant can derive it from an expert-ids buffer with the same decoders and loop.
@@ -52,8 +53,9 @@ void main() {
             }
             const vec4 one = vec4(1.0);
             const vec2 xs = vec2(dot(xg[0] + xg[1] + xg[2] + xg[3], one), dot(xg[4] + xg[5] + xg[6] + xg[7], one));
-            for (uint i = 0u; i < NDEC; ++i)
-                acc[i] += dot_slice((p.w_row0 + min(r0 + i, p.n_out - 1u)) * gpr + u, xg, xs);
+            Slice w[NDEC];  // all rows' loads first, so they are in flight together
+            for (uint i = 0u; i < NDEC; ++i) w[i] = slice_fetch((p.w_row0 + min(r0 + i, p.n_out - 1u)) * gpr + u);
+            for (uint i = 0u; i < NDEC; ++i) acc[i] += slice_dot(w[i], xg, xs);
         }
         for (uint i = 0u; i < NDEC; ++i) {
             float s = subgroupAdd(acc[i]);

@@ -17,11 +17,14 @@
 //    {K, out, E} is row e*out + r. Float types (F32/F16/BF16) need K % 32 == 0 here. Loads are
 //    32-bit where the block is 4-byte aligned (Q4_K, Q5_K, IQ4_XS, floats as uvec4), 16-bit where
 //    it is only 2-byte aligned (Q8_0, Q4_0, Q5_0, Q6_K).
-//      float dot_slice(uint S, vec4 xg[8], vec2 xs)   uvec2 slice_runs(uint u)
+//      Slice slice_fetch(uint S)   float slice_dot(Slice w, vec4 xg[8], vec2 xs)   uvec2 slice_runs(uint u)
+//      float dot_slice(uint S, vec4 xg[8], vec2 xs) = slice_dot(slice_fetch(S), xg, xs)
 //    are the GEMV's variant: slice S also holds 32 elements of the buffer's S/SPB-th block of
 //    32·SPB elements, but as two runs of 16 at in-row element offsets slice_runs(u) (u = the
-//    slice's index within its row); dot_slice returns Σ W·x over the slice given x's values
-//    there (xg[0..3] = run 0, xg[4..7] = run 1) and the runs' sums xs. For K-quants (SPB = 8) a slice is one
+//    slice's index within its row). slice_fetch only loads (the raw words a slice needs), so a
+//    caller can issue the loads of several rows before using any; slice_dot returns Σ W·x over
+//    the slice given x's values there (xg[0..3] = run 0, xg[4..7] = run 1) and the runs' sums xs
+//    (scales and mins are applied once per run, not per element). For K-quants (SPB = 8) a slice is one
 //    16-byte chunk of the block's quants, so consecutive invocations read consecutive 16 bytes
 //    (coalesced uvec4 / u16 loads); for the other types (SPB = 1) a slice is the group itself.
 
@@ -225,30 +228,6 @@ uvec2 slice_runs(uint u) {
     uint c = u & 7u, o = 256u * (u >> 3) + 64u * (c >> 1) + 16u * (c & 1u);
     return uvec2(o, o + 32u);
 }
-// Σ W·x over slice S given its x values xg and their run sums xs: the scales and mins are applied
-// once per run (d0·Σq·x − m0·Σx), not per element.
-float dot_slice(uint S, vec4 xg[8], vec2 xs) {
-    uint ib = S >> 3, c = S & 7u, g0 = 2u * (c >> 1);
-    uvec4 h = qw4[ib * KQ_VEC4];
-    vec2 dm = unpackHalf2x16(h.x);
-    vec2 sm0 = k_scale_min(h.yzw, g0), sm1 = k_scale_min(h.yzw, g0 + 1u);
-    uvec4 q = qw4[ib * KQ_VEC4 + KQ_QS + c];
-#if QTYPE == GGML_TYPE_Q5_K
-    uvec4 qh = qw4[ib * KQ_VEC4 + 1u + (c & 1u)];
-#endif
-    float s0 = 0.0, s1 = 0.0;
-    for (uint k = 0u; k < 4u; ++k) {
-        vec4 lo = nib4(q[k], 0u), hi = nib4(q[k], 4u);
-#if QTYPE == GGML_TYPE_Q5_K
-        uint a = qh[k] >> g0, b = qh[k] >> (g0 + 1u);
-        lo += 16.0 * vec4(a & 1u, (a >> 8) & 1u, (a >> 16) & 1u, (a >> 24) & 1u);
-        hi += 16.0 * vec4(b & 1u, (b >> 8) & 1u, (b >> 16) & 1u, (b >> 24) & 1u);
-#endif
-        s0 += dot(lo, xg[k]);
-        s1 += dot(hi, xg[k + 4u]);
-    }
-    return dm.x * (sm0.x * s0 + sm1.x * s1) - dm.y * (sm0.y * xs.x + sm1.y * xs.y);
-}
 
 #elif QTYPE == GGML_TYPE_Q6_K
 // block: u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d  (210 bytes)
@@ -277,27 +256,6 @@ uvec2 slice_runs(uint u) {
     uint c = u & 7u, cc = c & 3u;
     uint o = 256u * (u >> 3) + 128u * (c >> 2) + 32u * (cc >> 1) + 16u * (cc & 1u);
     return uvec2(o, o + 64u);
-}
-// Σ W·x over slice S given its x values xg and their run sums xs: d·sc·(Σq·x − 32·Σx) per run.
-float dot_slice(uint S, vec4 xg[8], vec2 xs) {
-    uint ib = S >> 3, c = S & 7u, n = c >> 2, cc = c & 3u, jlo = cc >> 1;
-    uint slo = 8u * n + 2u * jlo + (cc & 1u), shi = slo + 4u;
-    uint wlo = uint(qw[ib].scales[slo >> 1]), whi = uint(qw[ib].scales[shi >> 1]);
-    float sc0 = float((slo & 1u) == 0u ? sbyte_lo(wlo) : sbyte_hi(wlo));
-    float sc1 = float((shi & 1u) == 0u ? sbyte_lo(whi) : sbyte_hi(whi));
-    uint lb = 32u * n + 8u * cc, hb = 16u * n + 8u * (cc & 1u), slo2 = 2u * jlo, shi2 = slo2 + 4u;
-    float s0 = 0.0, s1 = 0.0;
-    for (uint k = 0u; k < 4u; ++k) {
-        uint l = uint(qw[ib].ql[lb + 2u * k]) | (uint(qw[ib].ql[lb + 2u * k + 1u]) << 16);
-        uint h = uint(qw[ib].qh[hb + 2u * k]) | (uint(qw[ib].qh[hb + 2u * k + 1u]) << 16);
-        vec4 qlo = nib4(l, 0u) + 16.0 * vec4((h >> slo2) & 3u, (h >> (slo2 + 8u)) & 3u,
-                                             (h >> (slo2 + 16u)) & 3u, (h >> (slo2 + 24u)) & 3u);
-        vec4 qhi = nib4(l, 4u) + 16.0 * vec4((h >> shi2) & 3u, (h >> (shi2 + 8u)) & 3u,
-                                             (h >> (shi2 + 16u)) & 3u, (h >> (shi2 + 24u)) & 3u);
-        s0 += dot(qlo, xg[k]);
-        s1 += dot(qhi, xg[k + 4u]);
-    }
-    return float(qw[ib].d) * (sc0 * (s0 - 32.0 * xs.x) + sc1 * (s1 - 32.0 * xs.y));
 }
 
 #elif QTYPE == GGML_TYPE_IQ4_XS
@@ -331,12 +289,163 @@ void dequant_group(uint G, out vec4 v[8]) {
 // Every other type: a slice is a 32-element group (runs at 32u and 32u + 16).
 #define SPB 1u
 uvec2 slice_runs(uint u) { return uvec2(32u * u, 32u * u + 16u); }
-float dot_slice(uint S, vec4 xg[8], vec2 xs) {
-    vec4 w[8];
-    dequant_group(S, w);
+#endif
+
+// ---- GEMV slices: raw words (slice_fetch), then Σ W·x (slice_dot) ----------------------------
+vec4 bits4(uint w, uint s, uint mask) {  // fields of `mask` at bit offsets s, s+8, s+16, s+24
+    return vec4((w >> s) & mask, (w >> (s + 8u)) & mask, (w >> (s + 16u)) & mask, (w >> (s + 24u)) & mask);
+}
+#if QTYPE == GGML_TYPE_F32
+struct Slice { vec4 w[8]; };
+Slice slice_fetch(uint S) { Slice r; for (uint i = 0u; i < 8u; ++i) r.w[i] = qw[S * 8u + i]; return r; }
+float slice_dot(Slice r, vec4 xg[8], vec2 xs) {
     float s = 0.0;
-    for (uint q = 0u; q < 8u; ++q) s += dot(w[q], xg[q]);
+    for (uint i = 0u; i < 8u; ++i) s += dot(r.w[i], xg[i]);
     return s;
 }
+
+#elif QTYPE == GGML_TYPE_F16 || QTYPE == GGML_TYPE_BF16
+struct Slice { uvec4 h[4]; };
+Slice slice_fetch(uint S) { Slice r; for (uint i = 0u; i < 4u; ++i) r.h[i] = qw[S * 4u + i]; return r; }
+vec2 half2(uint w) {
+#if QTYPE == GGML_TYPE_F16
+    return unpackHalf2x16(w);
+#else
+    return vec2(uintBitsToFloat(w << 16), uintBitsToFloat(w & 0xFFFF0000u));
 #endif
+}
+float slice_dot(Slice r, vec4 xg[8], vec2 xs) {
+    float s = 0.0;
+    for (uint i = 0u; i < 4u; ++i) {
+        s += dot(vec4(half2(r.h[i].x), half2(r.h[i].y)), xg[2u * i]);
+        s += dot(vec4(half2(r.h[i].z), half2(r.h[i].w)), xg[2u * i + 1u]);
+    }
+    return s;
+}
+
+#elif QTYPE == GGML_TYPE_Q8_0
+struct Slice { float d; uint q[8]; };
+Slice slice_fetch(uint S) {
+    Slice r;
+    r.d = float(qw[S].d);
+    for (uint i = 0u; i < 8u; ++i) r.q[i] = uint(qw[S].qs[2u * i]) | (uint(qw[S].qs[2u * i + 1u]) << 16);
+    return r;
+}
+float slice_dot(Slice r, vec4 xg[8], vec2 xs) {
+    float s = 0.0;
+    for (uint i = 0u; i < 8u; ++i)
+        s += dot(vec4(int(r.q[i] << 24) >> 24, int(r.q[i] << 16) >> 24, int(r.q[i] << 8) >> 24, int(r.q[i]) >> 24), xg[i]);
+    return r.d * s;
+}
+
+#elif QTYPE == GGML_TYPE_Q4_0 || QTYPE == GGML_TYPE_Q5_0
+struct Slice { float d; uint qh; uint q[4]; };
+Slice slice_fetch(uint S) {
+    Slice r;
+    r.d = float(qw[S].d);
+#if QTYPE == GGML_TYPE_Q5_0
+    r.qh = uint(qw[S].qh[0]) | (uint(qw[S].qh[1]) << 16);
+#else
+    r.qh = 0u;
+#endif
+    for (uint i = 0u; i < 4u; ++i) r.q[i] = uint(qw[S].qs[2u * i]) | (uint(qw[S].qs[2u * i + 1u]) << 16);
+    return r;
+}
+float slice_dot(Slice r, vec4 xg[8], vec2 xs) {
+    float s = 0.0;
+    for (uint i = 0u; i < 4u; ++i) {
+        uint hl = r.qh >> (4u * i), hh = r.qh >> (4u * i + 16u);
+        vec4 lo = bits4(r.q[i], 0u, 15u), hi = bits4(r.q[i], 4u, 15u);
+#if QTYPE == GGML_TYPE_Q5_0
+        lo += 16.0 * vec4(hl & 1u, (hl >> 1) & 1u, (hl >> 2) & 1u, (hl >> 3) & 1u);
+        hi += 16.0 * vec4(hh & 1u, (hh >> 1) & 1u, (hh >> 2) & 1u, (hh >> 3) & 1u);
+#endif
+        s += dot(lo, xg[i]) + dot(hi, xg[i + 4u]);
+    }
+#if QTYPE == GGML_TYPE_Q5_0
+    return r.d * (s - 16.0 * (xs.x + xs.y));
+#else
+    return r.d * (s - 8.0 * (xs.x + xs.y));
+#endif
+}
+
+#elif QTYPE == GGML_TYPE_Q4_K || QTYPE == GGML_TYPE_Q5_K
+// header [dm, scales], quants chunk c, (Q5_K) the qh half of the chunk's 16 positions
+struct Slice { uvec4 hdr; uvec4 q; uvec4 qh; uint c; };
+Slice slice_fetch(uint S) {
+    Slice r;
+    uint ib = S >> 3;
+    r.c = S & 7u;
+    r.hdr = qw4[ib * KQ_VEC4];
+    r.q = qw4[ib * KQ_VEC4 + KQ_QS + r.c];
+#if QTYPE == GGML_TYPE_Q5_K
+    r.qh = qw4[ib * KQ_VEC4 + 1u + (r.c & 1u)];
+#else
+    r.qh = uvec4(0u);
+#endif
+    return r;
+}
+float slice_dot(Slice r, vec4 xg[8], vec2 xs) {
+    uint g0 = 2u * (r.c >> 1);
+    vec2 dm = unpackHalf2x16(r.hdr.x);
+    vec2 sm0 = k_scale_min(r.hdr.yzw, g0), sm1 = k_scale_min(r.hdr.yzw, g0 + 1u);
+    float s0 = 0.0, s1 = 0.0;
+    for (uint k = 0u; k < 4u; ++k) {
+        vec4 lo = bits4(r.q[k], 0u, 15u), hi = bits4(r.q[k], 4u, 15u);
+#if QTYPE == GGML_TYPE_Q5_K
+        lo += 16.0 * bits4(r.qh[k], g0, 1u);
+        hi += 16.0 * bits4(r.qh[k], g0 + 1u, 1u);
+#endif
+        s0 += dot(lo, xg[k]);
+        s1 += dot(hi, xg[k + 4u]);
+    }
+    return dm.x * (sm0.x * s0 + sm1.x * s1) - dm.y * (sm0.y * xs.x + sm1.y * xs.y);
+}
+
+#elif QTYPE == GGML_TYPE_Q6_K
+// 16 bytes of ql, the 16 matching bytes of qh, the two runs' scales (signed), d, and the chunk
+struct Slice { uint l[4]; uint h[4]; vec2 sc; float d; uint c; };
+Slice slice_fetch(uint S) {
+    Slice r;
+    uint ib = S >> 3, c = S & 7u, n = c >> 2, cc = c & 3u;
+    r.c = c;
+    uint slo = 8u * n + 2u * (cc >> 1) + (cc & 1u), shi = slo + 4u;
+    uint wlo = uint(qw[ib].scales[slo >> 1]), whi = uint(qw[ib].scales[shi >> 1]);
+    r.sc = vec2((slo & 1u) == 0u ? sbyte_lo(wlo) : sbyte_hi(wlo), (shi & 1u) == 0u ? sbyte_lo(whi) : sbyte_hi(whi));
+    r.d = float(qw[ib].d);
+    uint lb = 32u * n + 8u * cc, hb = 16u * n + 8u * (cc & 1u);
+    for (uint k = 0u; k < 4u; ++k) {
+        r.l[k] = uint(qw[ib].ql[lb + 2u * k]) | (uint(qw[ib].ql[lb + 2u * k + 1u]) << 16);
+        r.h[k] = uint(qw[ib].qh[hb + 2u * k]) | (uint(qw[ib].qh[hb + 2u * k + 1u]) << 16);
+    }
+    return r;
+}
+float slice_dot(Slice r, vec4 xg[8], vec2 xs) {
+    uint slo2 = 2u * ((r.c & 3u) >> 1), shi2 = slo2 + 4u;
+    float s0 = 0.0, s1 = 0.0;
+    for (uint k = 0u; k < 4u; ++k) {
+        s0 += dot(bits4(r.l[k], 0u, 15u) + 16.0 * bits4(r.h[k], slo2, 3u), xg[k]);
+        s1 += dot(bits4(r.l[k], 4u, 15u) + 16.0 * bits4(r.h[k], shi2, 3u), xg[k + 4u]);
+    }
+    return r.d * (r.sc.x * (s0 - 32.0 * xs.x) + r.sc.y * (s1 - 32.0 * xs.y));
+}
+
+#elif QTYPE == GGML_TYPE_IQ4_XS
+struct Slice { float dl; uint q[4]; };
+Slice slice_fetch(uint S) {
+    Slice r;
+    uint ib = S >> 3, g = S & 7u;
+    uint ls = ((qw[ib].scales_l >> (4u * g)) & 0xFu) | (((uint(qw[ib].scales_h) >> (2u * g)) & 3u) << 4);
+    r.dl = float(qw[ib].d) * (float(ls) - 32.0);
+    for (uint i = 0u; i < 4u; ++i) r.q[i] = qw[ib].qs[4u * g + i];
+    return r;
+}
+float slice_dot(Slice r, vec4 xg[8], vec2 xs) {
+    float s = 0.0;
+    for (uint i = 0u; i < 4u; ++i) s += dot(iq4_lookup(r.q[i], 0u), xg[i]) + dot(iq4_lookup(r.q[i], 4u), xg[i + 4u]);
+    return r.dl * s;
+}
+#endif
+// Σ W·x over slice S in one call (fetch and dot together).
+float dot_slice(uint S, vec4 xg[8], vec2 xs) { return slice_dot(slice_fetch(S), xg, xs); }
 #endif  // QTYPE

@@ -33,8 +33,11 @@ TYPES: tuple[Q, ...] = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.
 """Weight types every matmul kernel decodes (one #define variant each)."""
 
 GEMV_WG = 64  # invocations of a GEMV workgroup
-GEMV_ROWS_FLOAT = 4  # weight rows per GEMV workgroup (NDEC) for F32/F16/BF16 (long rows)
-GEMV_ROWS_QUANT = 8  # ... for block-quantized rows (a few bytes per element: more rows per workgroup)
+GEMV_ROWS: dict[Q, int] = {Q.F32: 2, Q.F16: 4, Q.BF16: 4}
+"""Weight rows per GEMV workgroup (NDEC; their slices' loads are in flight together): fewer for
+wide raw slices (F32: 32 registers a row); GEMV_ROWS_QUANT for every block-quantized type."""
+GEMV_ROWS_QUANT = 8
+GEMV_ROWS_CPU = 2  # CPU drivers (lavapipe): LLVM compile time grows with NDEC, speed is moot
 GEMV_MAX_COLS = 8  # token columns of one GEMV (handled one after the other in the shader)
 TINY_OUT = 8  # outputs at most this many rows go through the transposed GEMV
 TINY_TOKENS = 8  # tokens per workgroup of the transposed GEMV
@@ -164,7 +167,7 @@ def _dispatch(g: "Graph", w: QWeight, x: Rows, y: Rows, ep: Epilogue, coopmat: b
     desc = f"{t} {w.k}x{w.n_out} n={n_tok}"
     if n_tok <= GEMV_MAX_COLS or w.n_out <= TINY_OUT:
         tr = n_tok > GEMV_MAX_COLS
-        rows = GEMV_ROWS_FLOAT if Q(w.qtype) in (Q.F32, Q.F16, Q.BF16) else GEMV_ROWS_QUANT
+        rows = GEMV_ROWS_CPU if caps.device_type == "cpu" else GEMV_ROWS.get(Q(w.qtype), GEMV_ROWS_QUANT)
         ndec, nplain = (w.n_out, TINY_TOKENS) if tr else (rows, n_tok)
         groups = _grid(caps, -(-(n_tok if tr else w.n_out) // (nplain if tr else ndec)))
         spec = [ep.flags, ndec, nplain, int(tr), max(1, caps.subgroup_min)]
