@@ -1,14 +1,29 @@
-"""MoE router on the GPU (MODEL.md §5.7 M1–M3): softmax over all E experts, top-k, renormalised weights.
+"""MoE on the GPU (MODEL.md §5.7 M1–M4): router, routing prepass, routed expert matmuls, combine.
 
-One workgroup per token (shaders/moe_router.comp). The logits z = W_r u come from the matmul op;
-this op turns them into expert ids (int32, T × k, descending probability, ties to the lower index)
-and weights w_i = p_{I_i} / max(Σ p_I, 2⁻¹⁴) (f32, T × k) for the expert matmuls.
+Router: one workgroup per token (shaders/moe_router.comp) turns the logits z = W_r u into expert
+ids (int32, T × k, descending probability, ties to the lower index) and weights
+w_i = p_{I_i} / max(Σ p_I, 2⁻¹⁴) (f32, T × k).
+Routed experts: for prefill a one-workgroup prepass (moe_prepass.comp) sorts the T·k (token, slot)
+rows by expert into a plan (counts, offsets, rows, live (expert, row-tile) pairs) on the GPU; the
+tiled expert GEMM (mul_mat_id.comp) then launches a fixed grid of live_cap() slots whose dead
+workgroups exit at once (VKFLASH_MMID_COMPACT=0: every expert × max tiles instead). Decode
+(T ≤ 8) skips the plan: the expert GEMV (mul_mat_id_vec.comp) reads the ids itself. Each
+(token, slot) result w_j·down(h) gets its own row t·k + j; moe_combine sums the k slots in slot
+order (deterministic, no atomics) and adds the σ-gated shared expert.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from enum import IntEnum
 from typing import TYPE_CHECKING
 
+from gguf import GGMLQuantizationType as Q
+
+from vkflash import settings
+from vkflash.formats.quant_blocks import row_bytes
+from vkflash.gpu.memory import Buffer
+from vkflash.gpu.ops.matmul import TYPES, QWeight
 from vkflash.gpu.ops.views import F32, Rows, grid
 from vkflash.gpu.registry import Kernel, kernel
 
@@ -16,7 +31,7 @@ if TYPE_CHECKING:
     from vkflash.gpu.graph import Graph
 
 KERNELS = [Kernel("moe_router", "moe_router.comp", 3)]
-MAX_GROUPS = 65535  # one workgroup per token; more tokens loop
+MAX_GROUPS = 65535  # router: one workgroup per token, more tokens loop; combine: grid-stride
 
 
 def moe_router(g: "Graph", z: Rows, ids: Rows, w: Rows, k: int, name: str = "moe_router") -> None:
@@ -40,3 +55,300 @@ def moe_router(g: "Graph", z: Rows, ids: Rows, w: Rows, k: int, name: str = "moe
                push=[E, k, T, z.off, z.stride, ids.off, ids.stride, w.off, w.stride],
                spec=[E], writes=[1, 2], name=name, desc=f"T={T} E={E} k={k}",
                nbytes=F32 * T * (E + 2 * k))
+
+
+# ---- routed experts (M4) ----------------------------------------------------------------------
+
+TILES = (16, 32, 48, 64)  # row-tile widths of the prefill expert GEMM (mul_mat_id.comp BN)
+GEMM_BM = 64  # weight rows per expert-GEMM workgroup
+GEMV_WG = 64  # invocations of an expert-GEMV workgroup
+GEMV_ROWS = 8  # weight rows per expert-GEMV workgroup
+DECODE_MAX_T = 8  # at most this many tokens take the GEMV path (no prepass)
+MAX_PACKED = 1 << 16  # live pairs pack e | tile << 16
+
+
+class Mode(IntEnum):
+    """Stores of the expert matmuls (mul_mat_id*.comp MODE)."""
+
+    GATE = 0  # h = silu(W_g x)
+    UP = 1  # h = h ⊙ W_u x   (after GATE into the same h)
+    GATE_UP = 2  # h = silu(W_g x) ⊙ W_u x   (gate and up rows in one buffer)
+    DOWN = 3  # y[t·k + j] = w[t, j]·W_d h
+
+
+def _expert_kernels() -> list[Kernel]:
+    out = []
+    for t in TYPES:
+        d = (("QTYPE", int(t)),)
+        out.append(Kernel(f"mul_mat_id_{t.name.lower()}", "mul_mat_id.comp", 5, d, local_size=256))
+        out.append(Kernel(f"mul_mat_id_vec_{t.name.lower()}", "mul_mat_id_vec.comp", 5, d, local_size=GEMV_WG))
+    return out
+
+
+KERNELS += [Kernel("moe_prepass", "moe_prepass.comp", 2, local_size=256),
+            Kernel("moe_combine", "moe_combine.comp", 4)] + _expert_kernels()
+
+
+@dataclass(frozen=True)
+class ExpertStack:
+    """Experts {k, n_out, E} stored raw: row r of expert e is row row0 + e·expert_rows + r of `buf`.
+
+    expert_rows defaults to n_out (a plain stack); the fused {d, 2F, E} gate_up form is two stacks
+    of expert_rows 2F at row0 0 and F (see `split_gate_up`).
+    """
+
+    buf: Buffer
+    qtype: int
+    k: int
+    n_out: int
+    n_exp: int
+    row0: int = 0
+    expert_rows: int = -1
+
+    def __post_init__(self) -> None:
+        if self.expert_rows == -1:
+            object.__setattr__(self, "expert_rows", self.n_out)
+        if self.n_exp < 1 or self.expert_rows < self.n_out:
+            raise ValueError(f"experts: {self.n_exp} experts of {self.n_out} rows every {self.expert_rows} rows")
+        # QWeight checks the type, the row length and that the last expert's rows fit the buffer
+        QWeight(self.buf, self.qtype, self.k, self.row0 + (self.n_exp - 1) * self.expert_rows + self.n_out)
+
+    @property
+    def type_name(self) -> str:
+        return Q(self.qtype).name.lower()
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's rows."""
+        return self.n_out * row_bytes(Q(self.qtype), self.k)
+
+
+def split_gate_up(buf: Buffer, qtype: int, d: int, F: int, E: int) -> tuple[ExpertStack, ExpertStack]:
+    """Gate and up stacks of a fused ffn_gate_up_exps {d, 2F, E} (gate rows [0, F), up rows [F, 2F))."""
+    return ExpertStack(buf, qtype, d, F, E, 0, 2 * F), ExpertStack(buf, qtype, d, F, E, F, 2 * F)
+
+
+def tile_width(T: int, k: int, E: int) -> int:
+    """Row-tile width for T tokens: the smallest of TILES holding the expected rows per expert T·k/E."""
+    m = T * k / E
+    return next((bn for bn in TILES if m <= bn), TILES[-1])
+
+
+def live_cap(T: int, k: int, E: int, bn: int) -> int:
+    """Grid bound on live (expert, row-tile) pairs: Σ_e ⌈c_e/BN⌉ < T·k/BN + E_live, E_live ≤ min(E, T·k),
+    and no expert has more than T rows (⌈T/BN⌉ tiles)."""
+    return min(-(-T * k // bn) + min(E, T * k), E * -(-T // bn))
+
+
+@dataclass(frozen=True)
+class MoEPlan:
+    """The routing plan moe_prepass writes for T tokens, k slots, E experts and tile width bn
+    (layout: shaders/moe_prepass.comp)."""
+
+    buf: Buffer
+    T: int
+    k: int
+    E: int
+    bn: int
+
+    def __post_init__(self) -> None:
+        if self.bn not in TILES:
+            raise ValueError(f"moe plan: tile width {self.bn} not one of {TILES}")
+        if not 1 <= self.k <= self.E or self.T < 1:
+            raise ValueError(f"moe plan: T = {self.T}, k = {self.k}, E = {self.E}")
+        if self.E > MAX_PACKED or -(-self.T // self.bn) > MAX_PACKED:
+            raise ValueError(f"moe plan: {self.E} experts or {self.T} tokens exceed the packed tile list")
+        if self.words * 4 > self.buf.nbytes:
+            raise ValueError(f"moe plan: needs {self.words * 4} B, buffer {self.buf.name!r} has {self.buf.nbytes} B")
+
+    @property
+    def live_cap(self) -> int:
+        return live_cap(self.T, self.k, self.E, self.bn)
+
+    @property
+    def words(self) -> int:
+        return plan_words(self.T, self.k, self.E, self.bn)
+
+    @property
+    def max_tiles(self) -> int:
+        """Row tiles of the fullest possible expert (every token): the plain grid's tiles per expert."""
+        return -(-self.T // self.bn)
+
+
+def plan_words(T: int, k: int, E: int, bn: int) -> int:
+    """uint32 words of a plan: header, counts, offsets, live list, rows."""
+    return 1 + 2 * E + live_cap(T, k, E, bn) + T * k
+
+
+def _check_ids(name: str, ids: Rows, wts: Rows | None, T: int, k: int) -> None:
+    if (ids.n_rows, ids.n_cols) != (T, k) or (wts is not None and (wts.n_rows, wts.n_cols) != (T, k)):
+        raise ValueError(f"{name}: ids / weights must be {T}x{k}")
+
+
+def moe_prepass(g: "Graph", ids: Rows, plan: MoEPlan, name: str = "moe_prepass") -> None:
+    """plan = per-expert row lists and live (expert, tile) pairs of the router's ids (T × k, int32)."""
+    _check_ids(name, ids, None, plan.T, plan.k)
+    if plan.buf is ids.buf:
+        raise ValueError(f"{name}: the plan must not share the ids buffer")
+    caps = g.gpu.caps
+    wg = kernel("moe_prepass").workgroup(caps)
+    shared = 4 * (6 * plan.E) + 16 * wg
+    if shared > caps.shared_memory:
+        raise ValueError(f"{name}: {plan.E} experts need {shared} B of shared memory, the device has {caps.shared_memory}")
+    g.dispatch("moe_prepass", [ids.buf, plan.buf], [1],
+               push=[plan.E, plan.k, plan.T, ids.off, ids.stride, plan.bn, plan.live_cap], spec=[plan.E],
+               name=name, desc=f"T={plan.T} k={plan.k} E={plan.E} bn={plan.bn}", nbytes=4 * (plan.T * plan.k + plan.words))
+
+
+def compact_grid() -> bool:
+    """Whether the expert GEMM launches only the plan's live pairs (VKFLASH_MMID_COMPACT)."""
+    return bool(settings.current()["VKFLASH_MMID_COMPACT"])
+
+
+def _check_stacks(name: str, w: ExpertStack, w2: ExpertStack | None, E: int) -> None:
+    if w.n_exp != E:
+        raise ValueError(f"{name}: weight has {w.n_exp} experts, the routing {E}")
+    if w2 is not None and (w2.buf is not w.buf or w2.qtype != w.qtype or (w2.k, w2.n_out, w2.n_exp, w2.expert_rows)
+                           != (w.k, w.n_out, w.n_exp, w.expert_rows)):
+        raise ValueError(f"{name}: a fused gate/up pass needs both stacks in one buffer with the same layout")
+
+
+def _io_check(name: str, w: ExpertStack, x: Rows, y: Rows, x_rows: int, y_rows: int) -> None:
+    if (x.n_rows, x.n_cols) != (x_rows, w.k):
+        raise ValueError(f"{name}: x is {x.n_rows}x{x.n_cols}, expected {x_rows}x{w.k}")
+    if (y.n_rows, y.n_cols) != (y_rows, w.n_out):
+        raise ValueError(f"{name}: y is {y.n_rows}x{y.n_cols}, expected {y_rows}x{w.n_out}")
+    if x.off % 4 or x.stride % 4:
+        raise ValueError(f"{name}: x offset {x.off} and stride {x.stride} must be multiples of 4 (vec4 loads)")
+    if x.overlaps(y):
+        raise ValueError(f"{name}: y overlaps x")
+
+
+def _folded(caps, n: int) -> tuple[int, int]:
+    """(gy, gz) with gy·gz ≥ n within the device's grid limits (shaders use slot = z·gy + y)."""
+    gy = min(n, caps.max_workgroup_count[1])
+    return gy, -(-n // gy)
+
+
+def expert_gemm(g: "Graph", plan: MoEPlan, mode: Mode, w: ExpertStack, x: Rows, y: Rows, wts: Rows | None = None,
+                w2: ExpertStack | None = None, compact: bool | None = None, name: str = "mul_mat_id") -> None:
+    """One prefill expert pass over the plan's rows (mode: see Mode; rows of h follow the plan order).
+
+    x is u (T × K) for the gate/up modes, h (T·k × K, plan order) for DOWN; y is h (T·k × n_out) or,
+    for DOWN, the slot outputs (T·k × n_out, row t·k + j). wts (T × k) only for DOWN; w2 only for GATE_UP.
+    """
+    T, k = plan.T, plan.k
+    _check_stacks(name, w, w2, plan.E)
+    if (mode == Mode.GATE_UP) != (w2 is not None) or (mode == Mode.DOWN) != (wts is not None):
+        raise ValueError(f"{name}: {mode.name} takes {'w2' if mode == Mode.GATE_UP else 'wts' if mode == Mode.DOWN else 'neither w2 nor wts'}")
+    _io_check(name, w, x, y, T * k if mode == Mode.DOWN else T, T * k)
+    if wts is not None:
+        _check_ids(name, wts, wts, T, k)
+    cm = compact_grid() if compact is None else compact
+    slots = plan.live_cap if cm else plan.E * plan.max_tiles
+    caps = g.gpu.caps
+    gy, gz = _folded(caps, slots)
+    nb = 2 if w2 is not None else 1
+    g.dispatch(f"mul_mat_id_{w.type_name}", [w.buf, x.buf, plan.buf, (wts or x).buf, y.buf],
+               [-(-w.n_out // GEMM_BM), gy, gz],
+               push=[w.k, w.n_out, plan.E, k, plan.live_cap, plan.max_tiles, w.row0, (w2 or w).row0, w.expert_rows,
+                     x.off, x.stride, y.off, y.stride, wts.off if wts else 0, wts.stride if wts else 0],
+               spec=[int(mode), plan.bn, int(cm)], name=name,
+               desc=f"{w.type_name} {w.k}x{w.n_out} T={T} k={k} E={plan.E} bn={plan.bn}{'' if cm else ' plain'}",
+               nbytes=nb * min(plan.E, T * k) * w.expert_bytes + 4 * (x.size + y.size),
+               flops=2 * nb * w.k * w.n_out * T * k)
+
+
+def expert_gemv(g: "Graph", ids: Rows, mode: Mode, w: ExpertStack, x: Rows, y: Rows, wts: Rows | None = None,
+                w2: ExpertStack | None = None, name: str = "mul_mat_id_vec") -> None:
+    """One decode expert pass over the selected experts only (rows of h and y are pairs t·k + j)."""
+    T, k = ids.n_rows, ids.n_cols
+    _check_stacks(name, w, w2, w.n_exp)
+    if (mode == Mode.GATE_UP) != (w2 is not None) or (mode == Mode.DOWN) != (wts is not None):
+        raise ValueError(f"{name}: {mode.name} takes {'w2' if mode == Mode.GATE_UP else 'wts' if mode == Mode.DOWN else 'neither w2 nor wts'}")
+    _io_check(name, w, x, y, T * k if mode == Mode.DOWN else T, T * k)
+    if wts is not None:
+        _check_ids(name, ids, wts, T, k)
+    caps = g.gpu.caps
+    if T * k > caps.max_workgroup_count[1]:
+        raise ValueError(f"{name}: {T}x{k} pairs exceed the grid")
+    nb = 2 if w2 is not None else 1
+    g.dispatch(f"mul_mat_id_vec_{w.type_name}", [w.buf, x.buf, ids.buf, (wts or x).buf, y.buf],
+               [-(-w.n_out // GEMV_ROWS), T * k],
+               push=[w.k, w.n_out, w.n_exp, k, w.row0, (w2 or w).row0, w.expert_rows, x.off, x.stride, y.off, y.stride,
+                     ids.off, ids.stride, wts.off if wts else 0, wts.stride if wts else 0],
+               spec=[int(mode), GEMV_ROWS, max(1, caps.subgroup_min)], name=name,
+               desc=f"{w.type_name} {w.k}x{w.n_out} T={T} k={k}",
+               nbytes=nb * T * k * w.expert_bytes + 4 * (x.size + y.size), flops=2 * nb * w.k * w.n_out * T * k)
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    """The routed expert stacks of one layer: gate and up {d, F, E}, down {F, d, E}."""
+
+    gate: ExpertStack
+    up: ExpertStack
+    down: ExpertStack
+
+    def __post_init__(self) -> None:
+        g, u, d = self.gate, self.up, self.down
+        if (g.k, g.n_out, g.n_exp) != (u.k, u.n_out, u.n_exp) or (d.k, d.n_out, d.n_exp) != (g.n_out, g.k, g.n_exp):
+            raise ValueError(f"experts: gate {g.k}x{g.n_out}, up {u.k}x{u.n_out}, down {d.k}x{d.n_out} "
+                             "do not form d→F→d over one expert count")
+
+    @property
+    def fused(self) -> bool:
+        """Gate and up in one buffer and layout: computed in one pass (Mode.GATE_UP)."""
+        g, u = self.gate, self.up
+        return g.buf is u.buf and g.qtype == u.qtype and g.expert_rows == u.expert_rows
+
+
+def moe_routed(g: "Graph", x: Rows, ids: Rows, wts: Rows, w: RoutedExperts, h: Rows, ys: Rows,
+               plan: MoEPlan | None = None, compact: bool | None = None, name: str = "moe") -> None:
+    """ys[t·k + j] = w[t, j]·W_d^{(e)}(silu(W_g^{(e)} x_t) ⊙ W_u^{(e)} x_t), e = ids[t, j] (M4, routed part).
+
+    With a plan (prefill) the prepass and the tiled expert GEMM run; without one (T ≤ 8, decode)
+    the expert GEMV reads the ids directly. h (T·k × F) is scratch.
+    """
+    T, k = ids.n_rows, ids.n_cols
+    if plan is None:
+        if T > DECODE_MAX_T:
+            raise ValueError(f"{name}: {T} tokens need a plan (the GEMV path takes at most {DECODE_MAX_T})")
+        if w.fused:
+            expert_gemv(g, ids, Mode.GATE_UP, w.gate, x, h, w2=w.up, name=f"{name}.gate_up")
+        else:
+            expert_gemv(g, ids, Mode.GATE, w.gate, x, h, name=f"{name}.gate")
+            expert_gemv(g, ids, Mode.UP, w.up, x, h, name=f"{name}.up")
+        expert_gemv(g, ids, Mode.DOWN, w.down, h, ys, wts=wts, name=f"{name}.down")
+        return
+    if (plan.T, plan.k) != (T, k):
+        raise ValueError(f"{name}: plan is for {plan.T}x{plan.k}, ids are {T}x{k}")
+    moe_prepass(g, ids, plan, name=f"{name}.prepass")
+    if w.fused:
+        expert_gemm(g, plan, Mode.GATE_UP, w.gate, x, h, w2=w.up, compact=compact, name=f"{name}.gate_up")
+    else:
+        expert_gemm(g, plan, Mode.GATE, w.gate, x, h, compact=compact, name=f"{name}.gate")
+        expert_gemm(g, plan, Mode.UP, w.up, x, h, compact=compact, name=f"{name}.up")
+    expert_gemm(g, plan, Mode.DOWN, w.down, h, ys, wts=wts, compact=compact, name=f"{name}.down")
+
+
+def moe_combine(g: "Graph", ys: Rows, f: Rows, k: int, shared: Rows | None = None, gate: Rows | None = None,
+                name: str = "moe_combine") -> None:
+    """f[t] = Σ_j ys[t·k + j] (slot order) + σ(gate[t])·shared[t] (shared part optional, both or neither)."""
+    T, d = f.n_rows, f.n_cols
+    if (ys.n_rows, ys.n_cols) != (T * k, d):
+        raise ValueError(f"{name}: ys is {ys.n_rows}x{ys.n_cols}, expected {T * k}x{d}")
+    if (shared is None) != (gate is None):
+        raise ValueError(f"{name}: the shared output and its gate come together")
+    if shared is not None and gate is not None:
+        if (shared.n_rows, shared.n_cols) != (T, d) or (gate.n_rows, gate.n_cols) != (T, 1):
+            raise ValueError(f"{name}: shared must be {T}x{d} and gate {T}x1")
+    for v in (ys, shared, gate):
+        if v is not None and v.overlaps(f):
+            raise ValueError(f"{name}: f overlaps an input")
+    s, gl = shared or ys, gate or ys
+    wg = kernel("moe_combine").workgroup(g.gpu.caps)
+    g.dispatch("moe_combine", [ys.buf, s.buf, gl.buf, f.buf], [grid(T * d, wg, MAX_GROUPS)],
+               push=[T, d, k, ys.off, ys.stride, s.off, s.stride, gl.off, gl.stride, f.off, f.stride],
+               spec=[int(shared is not None)], name=name, desc=f"T={T} d={d} k={k}",
+               nbytes=4 * (T * d * (k + 2 if shared is not None else k + 1)))

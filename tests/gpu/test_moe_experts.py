@@ -1,0 +1,119 @@
+"""Routed experts (MODEL.md §5.7 M4) vs float64 NumPy: the prepass plan, the prefill expert GEMM
+(compact and plain grids, fused and separate gate/up), the decode expert GEMV, ragged T, experts
+without rows, every weight type as gate/up and as down."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from moe_util import experts, poisoned, read_rows, routed_reference, routing, row_len, rows_view, tol
+from vkflash.gpu.ops.moe import (DECODE_MAX_T, TILES, MoEPlan, live_cap, moe_prepass, moe_routed, plan_words,
+                                 tile_width)
+
+pytestmark = pytest.mark.gpu
+
+POISON = 0xDEADBEEF
+
+
+def _plan(gpu, T: int, k: int, E: int, bn: int) -> MoEPlan:
+    b = gpu.buffer(4 * (plan_words(T, k, E, bn) + 5), "plan")
+    b.fill(POISON, np.uint32)
+    return MoEPlan(b, T, k, E, bn)
+
+
+@pytest.mark.parametrize("E,k", [(16, 4), (13, 4), (512, 10)])
+def test_prepass(gpu, rng, E, k):
+    """Counts, offsets, rows grouped by expert in token order, live pairs; T crosses the 128-token chunks."""
+    for T in (1, int(rng.integers(2, 40)), int(rng.integers(129, 300))):
+        ids, _ = routing(T, k, E, rng)
+        bn = int(rng.choice(TILES))
+        plan = _plan(gpu, T, k, E, bn)
+        g = gpu.graph("prepass")
+        moe_prepass(g, rows_view(gpu, ids, rng, "ids", pad4=False), plan)
+        g.run()
+        got = plan.buf.read(np.uint32)
+        counts = np.bincount(ids.ravel(), minlength=E)
+        tiles = -(-counts // bn)
+        L0, P0 = 1 + 2 * E, 1 + 2 * E + plan.live_cap
+        assert got[0] == tiles.sum() <= plan.live_cap
+        np.testing.assert_array_equal(got[1:1 + E], counts)
+        np.testing.assert_array_equal(got[1 + E:L0], np.concatenate([[0], np.cumsum(counts)[:-1]]))
+        want_live = [e | (t << 16) for e in range(E) for t in range(tiles[e])]
+        np.testing.assert_array_equal(got[L0:L0 + len(want_live)], want_live)
+        assert (got[L0 + len(want_live):P0] == POISON).all(), "writes past the live list"
+        flat = ids.ravel()
+        want_rows = np.concatenate([np.nonzero(flat == e)[0] for e in range(E)])  # pair index t·k + j, token order
+        np.testing.assert_array_equal(got[P0:P0 + T * k], want_rows)
+        assert (got[P0 + T * k:] == POISON).all()
+
+
+def test_bounds():
+    """The grid bound holds for the worst spreads; tile width follows the expected rows per expert."""
+    assert tile_width(2048, 10, 512) == 48 and tile_width(1, 10, 512) == 16 and tile_width(4096, 10, 64) == 64
+    for T, k, E, bn in ((2048, 10, 512, 48), (9, 4, 13, 16), (130, 4, 16, 64)):
+        # every expert live with one row over a full tile: Σ⌈c_e/BN⌉ is largest when rows spread
+        c = np.full(E, T * k // E)
+        c[: T * k - c.sum()] += 1
+        assert (-(-c // bn)).sum() <= live_cap(T, k, E, bn)
+
+
+def _run(gpu, rng, ex, rw, x, ids, wts, d, F, plan=None, compact=None):
+    T, k = ids.shape
+    xv = rows_view(gpu, x, rng, "x")
+    iv, wv = rows_view(gpu, ids, rng, "ids", pad4=False), rows_view(gpu, wts, rng, "wts", pad4=False)
+    h, ys = poisoned(gpu, T * k, F, rng, "h", pad4=True), poisoned(gpu, T * k, d, rng, "ys")
+    g = gpu.graph("routed")
+    moe_routed(g, xv, iv, wv, rw, h, ys, plan=plan, compact=compact)
+    g.run()
+    return read_rows(ys)
+
+
+@pytest.mark.parametrize("q_gu,q_down", [(Q.Q4_K, Q.Q5_0), (Q.Q5_K, Q.Q8_0), (Q.Q6_K, Q.Q6_K), (Q.Q8_0, Q.Q4_0),
+                                         (Q.Q4_0, Q.F16), (Q.Q5_0, Q.F32), (Q.F16, Q.Q4_K), (Q.F32, Q.Q5_K)],
+                         ids=lambda q: q.name)
+def test_routed(gpu, rng, q_gu, q_down):
+    """Prefill GEMM and decode GEMV vs float64, compact == plain and fused == separate bit for bit."""
+    E = int(rng.choice([16, 13]))
+    k = 4
+    d, F = row_len(q_gu, rng, 160), row_len(q_down, rng, 160)
+    ex = experts(gpu, q_gu, q_down, E, d, F, rng)
+    for T in (1, 3, 8, 9, 37, 130):
+        x = rng.standard_normal((T, d), dtype=np.float32)
+        ids, wts = routing(T, k, E, rng)
+        want, bound = routed_reference(x, ids, wts, ex)
+        limit = tol(bound, max(d, F))
+        outs = {}
+        bn = tile_width(T, k, E)
+        for compact in (True, False):
+            for fused in (True, False):
+                rw = ex.fused if fused else ex.split
+                outs[compact, fused] = _run(gpu, rng, ex, rw, x, ids, wts, d, F, _plan(gpu, T, k, E, bn), compact)
+        if T <= DECODE_MAX_T:
+            outs["gemv", True] = _run(gpu, rng, ex, ex.fused, x, ids, wts, d, F)
+            outs["gemv", False] = _run(gpu, rng, ex, ex.split, x, ids, wts, d, F)
+            assert np.array_equal(outs["gemv", True], outs["gemv", False]), f"T={T}: GEMV fused != separate"
+        for key, got in outs.items():
+            err = np.abs(got - want)
+            worst = np.unravel_index(np.argmax(err / limit), err.shape)
+            assert np.isfinite(got).all(), f"T={T} {key}: unwritten outputs"
+            assert (err <= limit).all(), (f"T={T} bn={bn} {key}: worst (pair, c)={worst} got {got[worst]} "
+                                          f"want {want[worst]} tol {limit[worst]}")
+        base = outs[True, True]
+        for key in ((True, False), (False, True), (False, False)):
+            assert np.array_equal(outs[key], base), f"T={T}: (compact, fused)={key} differs from the compact fused path"
+
+
+def test_tile_widths(gpu, rng):
+    """Every tile width on the same routing gives identical bits (a row's sums do not depend on its tile)."""
+    E, k, T = 13, 4, int(rng.integers(60, 140))
+    d, F = 64, 96
+    ex = experts(gpu, Q.Q8_0, Q.Q8_0, E, d, F, rng)
+    x = rng.standard_normal((T, d), dtype=np.float32)
+    ids, wts = routing(T, k, E, rng)
+    outs = [_run(gpu, rng, ex, ex.split, x, ids, wts, d, F, _plan(gpu, T, k, E, bn)) for bn in TILES]
+    want, bound = routed_reference(x, ids, wts, ex)
+    assert (np.abs(outs[0] - want) <= tol(bound, max(d, F))).all()
+    for o in outs[1:]:
+        assert np.array_equal(o, outs[0])
