@@ -22,11 +22,11 @@ from vkflash.formats.gguf_file import GGUFFile, TensorInfo
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops import eltwise as E
 from vkflash.gpu.ops import gdn
-from vkflash.gpu.ops import hc as hc_ops
 from vkflash.gpu.ops.attention import CellList, CellMask, Heads, attention, kv_append, q_and_gate
-from vkflash.gpu.ops.embed import embed
 from vkflash.gpu.ops.matmul import Epilogue, QWeight, matmul
-from vkflash.gpu.ops.moe import moe_router
+from vkflash.gpu.ops.moe import (TILES, ExpertStack, MoEPlan, RoutedExperts, moe_combine, moe_routed, moe_router,
+                                 plan_words, split_gate_up, tile_width)
+from vkflash.gpu.ops.moe import DECODE_MAX_T as MOE_GEMV_MAX_T
 from vkflash.gpu.ops.norm import rms_norm
 from vkflash.gpu.ops.qsa import qsa_pool, qsa_scores, qsa_select
 from vkflash.gpu.ops.rope import rope_neox
@@ -56,30 +56,13 @@ def _ssm_ba_order(hp: HParams) -> np.ndarray:
     return np.concatenate([g.reshape(-1), (g + hp.rho).reshape(-1)])
 
 
-def _experts_side_by_side(info: TensorInfo) -> Stored:
-    """ffn_down_exps {F, d, E} as one {E·F, d} matrix whose row r is [W_d^0[r] | … | W_d^{E−1}[r]]
-    (raw block rows concatenated), so Σ_e W_d^e h_e is a single matmul over the stacked h."""
-    F, d, n_e = info.ne
-    rows = info.data.reshape(n_e, d, -1).transpose(1, 0, 2)
-    return Stored(np.ascontiguousarray(rows).reshape(-1), info.ggml_type, (n_e * F, d))
-
-
-def _gate_up_split(hp: HParams) -> Transform:
-    """ffn_gate_up_exps {d, 2F, E} re-ordered to [every expert's gate rows | every expert's up rows]."""
-    def tf(info: TensorInfo) -> Stored:
-        F, n_e = hp.F, info.ne[2]
-        e = np.arange(n_e)[:, None] * 2 * F + np.arange(F)[None, :]
-        return permute_rows(info, np.concatenate([e.reshape(-1), (e + F).reshape(-1)]))
-    return tf
-
-
 def _f32_unless(info: TensorInfo) -> Stored:
     """Conv kernels are read as plain f32 by gdn_conv."""
     return as_f32(info)
 
 
 def hybrid_transforms(gf: GGUFFile, hp: HParams) -> dict[str, Transform]:
-    """Re-layouts for the GDN and MoE tensors of either arch (see each helper)."""
+    """Re-layouts for the GDN tensors of either arch (see each helper)."""
     out: dict[str, Transform] = {}
     for name, info in gf.tensors.items():
         leaf = name.split(".", 2)[-1]
@@ -87,10 +70,6 @@ def hybrid_transforms(gf: GGUFFile, hp: HParams) -> dict[str, Transform]:
             out[name] = lambda i, o=_ssm_in_order(hp): permute_rows(i, o)
         elif leaf == "ssm_ba.weight":
             out[name] = lambda i, o=_ssm_ba_order(hp): permute_rows(i, o)
-        elif leaf == "ffn_down_exps.weight":
-            out[name] = _experts_side_by_side
-        elif leaf == "ffn_gate_up_exps.weight":
-            out[name] = _gate_up_split(hp)
         elif leaf == "ssm_conv1d.weight" and info.ggml_type is not Q.F32:
             out[name] = _f32_unless
     return out
@@ -101,8 +80,7 @@ def hybrid_transforms(gf: GGUFFile, hp: HParams) -> dict[str, Transform]:
 
 @dataclass
 class HybridScratch:
-    """Activations of up to `ub` tokens for the GDN, attention and MoE sublayers, plus the MoE
-    stand-in's constants (the identity I_E and k side-by-side identities)."""
+    """Activations of up to `ub` tokens for the GDN, attention and MoE sublayers."""
 
     ub: int
     u: Buffer  # sublayer input, [ub, d]
@@ -117,18 +95,14 @@ class HybridScratch:
     z: Buffer  # router logits, [ub, E]
     ids: Buffer  # router top-k ids (int32), [ub, k]
     w: Buffer  # router weights, [ub, k]
-    onehot: Buffer  # I_E rows of the ids, [ub·k, E]
-    wk: Buffer  # weighted one-hot rows, [ub·k, E]
-    wdense: Buffer  # dense routing weights, [ub, E]
-    gate: Buffer  # silu(W_g u) of every expert, [ub, E·F]
-    h: Buffer  # silu(W_g u) ⊙ W_u u, [ub, E·F]
-    hw: Buffer  # h ⊙ routing weight, [ub, E·F]
+    plan: Buffer  # routing plan of a prefill step (moe_prepass)
+    h: Buffer  # routed expert hidden silu(W_g u) ⊙ W_u u, [ub·k, F]
+    ys: Buffer  # weighted expert outputs, one row per (token, slot), [ub·k, d]
+    f: Buffer  # MoE output before a residual add, [ub, d]
     sh_gate: Buffer  # shared expert silu(W_g^s u), [ub, F_s]
     sh_h: Buffer  # [ub, F_s]
     sh_out: Buffer  # W_d^s(…), [ub, d]
-    sh_g: Buffer  # σ(w_sg·u), [ub, 1]
-    eye: Buffer  # I_E (E×E f32): the one-hot table
-    eye_k: Buffer  # [I_E … I_E] (E × k·E): sums the k weighted one-hot rows
+    sh_g: Buffer  # w_sg·u (σ applied by moe_combine), [ub, 1]
 
     @classmethod
     def allocate(cls, gpu: "Gpu", hp: HParams, ub: int, n_split: int) -> "HybridScratch":
@@ -141,15 +115,13 @@ class HybridScratch:
             return gpu.buffer(4 * ub * cols, name)
 
         part = partial_bytes(min(ub, SPLIT_MAX_TOKENS), hp.H, hp.Dh, n_split) if n_split > 1 else 4
-        eye = np.eye(n_e, dtype=np.float32)
+        plan = max(plan_words(ub, k, n_e, bn) for bn in TILES)
         return cls(ub, buf(d, "u"), buf(hp.C + Z + 2 * hp.n_v, "gdn.proj"), buf(hp.C, "gdn.conv"),
                    buf(2 * hp.n_v, "gdn.gates"), buf(max(Z, hp.H * hp.Dh), "o"), buf(2 * hp.H * hp.Dh, "attn.qg"),
                    buf(hp.H_kv * hp.Dh, "attn.k"), buf(hp.H_kv * hp.Dh, "attn.v"), gpu.buffer(part, "attn.partial"),
-                   buf(n_e, "moe.z"), buf(k, "moe.ids"), buf(k, "moe.w"), buf(k * n_e, "moe.onehot"),
-                   buf(k * n_e, "moe.wk"), buf(n_e, "moe.wdense"), buf(n_e * hp.F, "moe.gate"),
-                   buf(n_e * hp.F, "moe.h"), buf(n_e * hp.F, "moe.hw"), buf(hp.F_s, "shexp.gate"),
-                   buf(hp.F_s, "shexp.h"), buf(d, "shexp.out"), buf(1, "shexp.g"),
-                   gpu.upload(eye, "moe.eye"), gpu.upload(np.tile(eye, (1, k)), "moe.eye_k"))
+                   buf(n_e, "moe.z"), buf(k, "moe.ids"), buf(k, "moe.w"), gpu.buffer(4 * plan, "moe.plan"),
+                   buf(k * hp.F, "moe.h"), buf(k * d, "moe.ys"), buf(d, "moe.f"), buf(hp.F_s, "shexp.gate"),
+                   buf(hp.F_s, "shexp.h"), buf(d, "shexp.out"), buf(1, "shexp.g"))
 
 
 # ------------------------------------------------------------------ GDN
@@ -287,50 +259,39 @@ def attention_sublayer(g: "Graph", m: StepModel, s: HybridScratch, i: int, n: in
 # ------------------------------------------------------------------ MoE
 
 
-def dense_moe_standin(g: "Graph", m: StepModel, s: HybridScratch, i: int, n: int, u: Rows, out: Rows,
-                      residual: bool) -> None:
-    """(M1)–(M4) with EVERY expert computed densely and weighted per token (zero for unrouted
-    experts): exact, E/k times the work of a routed MoE. A stand-in until the expert matmuls of
-    gpu/ops/moe.py exist. out (+)= Σ_e w_{t,e}·W_d^e(silu(W_g^e u) ⊙ W_u^e u) + σ(w_sg·u)·shared(u)."""
+def _experts(m: StepModel, b: str) -> RoutedExperts:
+    """Layer b's routed expert stacks as stored: gate/up {d, F, E} (or the fused {d, 2F, E}), down {F, d, E}."""
+    w, hp = m.weights, m.hp
+    fused = w.get(b + "ffn_gate_up_exps.weight")
+    if fused is not None:
+        gate, up = split_gate_up(fused.buf, int(fused.qtype), hp.d, hp.F, hp.E)
+    else:
+        gt, ut = w[b + "ffn_gate_exps.weight"], w[b + "ffn_up_exps.weight"]
+        gate = ExpertStack(gt.buf, int(gt.qtype), hp.d, hp.F, hp.E)
+        up = ExpertStack(ut.buf, int(ut.qtype), hp.d, hp.F, hp.E)
+    dt = w[b + "ffn_down_exps.weight"]
+    return RoutedExperts(gate, up, ExpertStack(dt.buf, int(dt.qtype), hp.F, hp.d, hp.E))
+
+
+def moe_sublayer(g: "Graph", m: StepModel, s: HybridScratch, i: int, n: int, u: Rows, out: Rows,
+                 residual: bool) -> None:
+    """(M1)–(M4): out (+)= Σ_j w_j·W_d^{(I_j)}(silu(W_g^{(I_j)}u) ⊙ W_u^{(I_j)}u) + σ(w_sg·u)·shared(u).
+    Prefill routes through a GPU prepass plan and the tiled expert GEMM, decode through the expert GEMV."""
     hp, w = m.hp, m.weights
     b = f"blk.{i}."
-    n_e, k, F, d = hp.E, hp.k, hp.F, hp.d
-    z = Rows(s.z, n, n_e)
-    matmul(g, w[b + "ffn_gate_inp.weight"].matrix(), u, z, name=b + "ffn_moe_logits")
-    moe_router(g, z, Rows(s.ids, n, k), Rows(s.w, n, k), k, name=b + "ffn_moe_topk")
-    # dense weights w_{t,e} = Σ_i w_{t,i}·[I_{t,i} = e]: one-hot rows of the ids, weighted, summed
-    onehot, wk = Rows(s.onehot, n * k, n_e), Rows(s.wk, n * k, n_e)
-    embed(g, s.eye, int(Q.F32), n_e, s.ids, n * k, onehot, name=b + "ffn_moe_onehot")
-    E.scale(g, onehot, 0.0, wk, name=b + "ffn_moe_zero")
-    hc_ops._dispatch(g, hc_ops.Mode.ROW_AXPY, Rows(s.w, n * k, 1), onehot, wk, n_e, 1, b + "ffn_moe_wk",
-                     4 * 3 * n * k * n_e)
-    wdense = Rows(s.wdense, n, n_e)
-    matmul(g, QWeight(s.eye_k, int(Q.F32), k * n_e, n_e), Rows(s.wk, n, k * n_e), wdense, name=b + "ffn_moe_weights")
-    # every expert at once: [gate | up] stacks are E·F rows of d
-    gate = w.get(b + "ffn_gate_up_exps.weight")
-    if gate is not None:
-        full = gate.matrix()
-        wg, wu = QWeight(full.buf, full.qtype, d, n_e * F), QWeight(full.buf, full.qtype, d, n_e * F, n_e * F)
-    else:
-        wg, wu = w[b + "ffn_gate_exps.weight"].matrix(), w[b + "ffn_up_exps.weight"].matrix()
-    G, Hh, Hw = Rows(s.gate, n, n_e * F), Rows(s.h, n, n_e * F), Rows(s.hw, n, n_e * F)
-    matmul(g, wg, u, G, Epilogue(act="silu"), name=b + "ffn_moe_gate")
-    matmul(g, wu, u, Hh, Epilogue(mul=G), name=b + "ffn_moe_up")
-    E.scale(g, Hh, 0.0, Hw, name=b + "ffn_moe_hzero")
-    hc_ops._dispatch(g, hc_ops.Mode.ROW_AXPY, Rows(s.wdense, n * n_e, 1), Rows(s.h, n * n_e, F),
-                     Rows(s.hw, n * n_e, F), F, 1, b + "ffn_moe_weighted", 4 * 3 * n * n_e * F)
-    matmul(g, w[b + "ffn_down_exps.weight"].matrix(), Hw, out, Epilogue(res=out) if residual else Epilogue(),
-           name=b + "ffn_moe_out")
-    shared_expert(g, m, s, i, n, u, out)
-
-
-def shared_expert(g: "Graph", m: StepModel, s: HybridScratch, i: int, n: int, u: Rows, out: Rows) -> None:
-    """(M4) second term: out += σ(w_sg·u)·W_d^s(silu(W_g^s u) ⊙ W_u^s u)."""
-    w, F_s, d = m.weights, m.hp.F_s, m.hp.d
-    b = f"blk.{i}."
-    gs, hs, ys, sg = Rows(s.sh_gate, n, F_s), Rows(s.sh_h, n, F_s), Rows(s.sh_out, n, d), Rows(s.sh_g, n, 1)
+    n_e, k, F, F_s, d = hp.E, hp.k, hp.F, hp.F_s, hp.d
+    z, ids, wts = Rows(s.z, n, n_e), Rows(s.ids, n, k), Rows(s.w, n, k)
+    matmul(g, w[b + "ffn_gate_inp.weight"].matrix(), u, z, name=b + "ffn_moe_logits")  # (M1)
+    moe_router(g, z, ids, wts, k, name=b + "ffn_moe_topk")  # (M1)–(M3)
+    plan = None if n <= MOE_GEMV_MAX_T else MoEPlan(s.plan, n, k, n_e, tile_width(n, k, n_e))
+    ys = Rows(s.ys, n * k, d)
+    moe_routed(g, u, ids, wts, _experts(m, b), Rows(s.h, n * k, F), ys, plan, name=b + "ffn_moe")
+    gs, hs, sh, sg = Rows(s.sh_gate, n, F_s), Rows(s.sh_h, n, F_s), Rows(s.sh_out, n, d), Rows(s.sh_g, n, 1)
     matmul(g, w[b + "ffn_gate_shexp.weight"].matrix(), u, gs, Epilogue(act="silu"), name=b + "ffn_shexp_gate")
     matmul(g, w[b + "ffn_up_shexp.weight"].matrix(), u, hs, Epilogue(mul=gs), name=b + "ffn_shexp_up")
-    matmul(g, w[b + "ffn_down_shexp.weight"].matrix(), hs, ys, name=b + "ffn_shexp_down")
-    matmul(g, w[b + "ffn_gate_inp_shexp.weight"].matrix(), u, sg, Epilogue(act="sigmoid"), name=b + "ffn_shexp_g")
-    hc_ops._dispatch(g, hc_ops.Mode.ROW_AXPY, sg, ys, out, d, 1, b + "ffn_out", 4 * 3 * n * d)
+    matmul(g, w[b + "ffn_down_shexp.weight"].matrix(), hs, sh, name=b + "ffn_shexp_out")
+    matmul(g, w[b + "ffn_gate_inp_shexp.weight"].matrix(), u, sg, name=b + "ffn_shexp_g")
+    f = Rows(s.f, n, d) if residual else out
+    moe_combine(g, ys, f, k, shared=sh, gate=sg, name=b + "ffn_out")  # (M4)
+    if residual:
+        E.add(g, out, f, out, name=b + "l_out")

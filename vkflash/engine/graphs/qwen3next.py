@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vkflash.engine.graphs.common import Head, StepModel, embed_tokens, lm_head
-from vkflash.engine.graphs.hybrid import (HybridScratch, attention_sublayer, dense_moe_standin, gdn_sublayer,
+from vkflash.engine.graphs.hybrid import (HybridScratch, attention_sublayer, moe_sublayer, gdn_sublayer,
                                           hybrid_transforms)
 from vkflash.engine.state import RecurrentState
 from vkflash.engine.weights_gpu import Transform
@@ -84,5 +84,5 @@ def build(g: "Graph", m: StepModel, s: Scratch, n: int, head: Head) -> None:
         else:
             attention_sublayer(g, m, s.hy, i, n, u, x, True)  # (N4)
         rms_norm(g, x, u, hp.eps, w[b + "post_attention_norm.weight"].buf, name=b + "ffn_norm")
-        dense_moe_standin(g, m, s.hy, i, n, u, x, True)
+        moe_sublayer(g, m, s.hy, i, n, u, x, True)
     lm_head(g, m, x, u, head)  # (N2)

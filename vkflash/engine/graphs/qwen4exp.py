@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as Q
 
 from vkflash.engine.caches import IndexerCache, allocate_indexer
 from vkflash.engine.graphs.common import Head, StepModel, embed_tokens
-from vkflash.engine.graphs.hybrid import (HybridScratch, QSABuffers, attention_sublayer, dense_moe_standin,
+from vkflash.engine.graphs.hybrid import (HybridScratch, QSABuffers, attention_sublayer, moe_sublayer,
                                           gdn_sublayer, hybrid_transforms)
 from vkflash.engine.state import RecurrentState
 from vkflash.engine.step_params import StepParams
@@ -285,6 +285,6 @@ def build(g: "Graph", m: StepModel, s: Scratch, n: int, which: Head) -> None:
             attention_sublayer(g, m, s.hy, i, n, u, a, False, qsa)
         hc_combine(g, R, a, iota, name=b + "attn_residual")  # (L4)
         hc_mixer(g, m, s, R, b + "hc_ffn", u, iota, b + "hc_ffn_mix")  # (L5)
-        dense_moe_standin(g, m, s.hy, i, n, u, a, False)  # (L6)
+        moe_sublayer(g, m, s.hy, i, n, u, a, False)  # (L6)
         hc_combine(g, R, a, iota, name=b + "l_out")  # (L7)
     head(g, m, s, n, which)
