@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as Q
 from vkflash import settings
 from vkflash.formats.quant_blocks import row_bytes
 from vkflash.gpu.memory import Buffer
-from vkflash.gpu.ops.matmul import TYPES, QWeight
+from vkflash.gpu.ops.matmul import TYPES, Epilogue, QWeight, matmul
 from vkflash.gpu.ops.views import F32, Rows, grid
 from vkflash.gpu.registry import Kernel, kernel
 
@@ -352,3 +352,85 @@ def moe_combine(g: "Graph", ys: Rows, f: Rows, k: int, shared: Rows | None = Non
                push=[T, d, k, ys.off, ys.stride, s.off, s.stride, gl.off, gl.stride, f.off, f.stride],
                spec=[int(shared is not None)], name=name, desc=f"T={T} d={d} k={k}",
                nbytes=4 * (T * d * (k + 2 if shared is not None else k + 1)))
+
+
+# ---- the whole MoE FFN (M1–M4) ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MoEWeights:
+    """One layer's MoE weights on the GPU: router W_r (E × d), routed experts, shared gate w_sg
+    (one row of d), shared FFN gate/up (F_s × d) and down (d × F_s)."""
+
+    router: QWeight
+    experts: RoutedExperts
+    sh_gate_inp: QWeight
+    sh_gate: QWeight
+    sh_up: QWeight
+    sh_down: QWeight
+
+    def __post_init__(self) -> None:
+        ex, d = self.experts, self.experts.gate.k
+        shapes = {"router": (self.router, d, ex.gate.n_exp), "shared gate": (self.sh_gate_inp, d, 1),
+                  "shared ffn gate": (self.sh_gate, d, self.sh_gate.n_out), "shared ffn up": (self.sh_up, d, self.sh_gate.n_out),
+                  "shared ffn down": (self.sh_down, self.sh_gate.n_out, d)}
+        for label, (w, k, n) in shapes.items():
+            if (w.k, w.n_out) != (k, n):
+                raise ValueError(f"moe: {label} is {w.k}x{w.n_out} ({{in, out}}), expected {k}x{n}")
+
+    @property
+    def dims(self) -> tuple[int, int, int, int]:
+        """(d, E, F, F_s)."""
+        ex = self.experts
+        return ex.gate.k, ex.gate.n_exp, ex.gate.n_out, self.sh_gate.n_out
+
+
+@dataclass(frozen=True)
+class MoEScratch:
+    """Intermediates of moe_ffn for up to T_max tokens (allocate once, reuse across layers)."""
+
+    T_max: int
+    k: int
+    z: Buffer  # router logits, T × E
+    ids: Buffer  # T × k int32
+    wts: Buffer  # T × k
+    plan: Buffer
+    h: Buffer  # routed silu(gate) ⊙ up, T·k × F
+    ys: Buffer  # routed weighted outputs, T·k × d
+    hs: Buffer  # shared silu(gate) ⊙ up, T × F_s
+    s: Buffer  # shared output, T × d
+    gl: Buffer  # shared gate logits, T × 1
+
+    @classmethod
+    def create(cls, gpu, T_max: int, k: int, d: int, E: int, F: int, F_s: int) -> "MoEScratch":
+        plan = max(plan_words(T_max, k, E, bn) for bn in TILES)  # live_cap grows with T, falls with bn
+        sizes = {"z": T_max * E, "ids": T_max * k, "wts": T_max * k, "plan": plan, "h": T_max * k * F,
+                 "ys": T_max * k * d, "hs": T_max * F_s, "s": T_max * d, "gl": T_max}
+        return cls(T_max, k, **{n: gpu.buffer(4 * m, f"moe.{n}") for n, m in sizes.items()})
+
+
+def moe_ffn(g: "Graph", u: Rows, w: MoEWeights, k: int, f: Rows, scratch: MoEScratch,
+            compact: bool | None = None, name: str = "moe") -> None:
+    """f = Σ_i w_i·W_d^{(I_i)}(silu(W_g^{(I_i)}u) ⊙ W_u^{(I_i)}u) + σ(w_sg·u)·W_d^s(silu(W_g^s u) ⊙ W_u^s u) (M1–M4).
+
+    Router logits through the matmul ops, then moe_router; T ≤ DECODE_MAX_T tokens take the expert
+    GEMV, more the prepass + expert GEMM; the shared FFN runs through the dense matmul ops (silu
+    and ⊙ fused in their stores); moe_combine adds it all per token.
+    """
+    d, E, F, F_s = w.dims
+    T = u.n_rows
+    if (f.n_rows, f.n_cols) != (T, d) or u.n_cols != d:
+        raise ValueError(f"{name}: u is {u.n_rows}x{u.n_cols} and f {f.n_rows}x{f.n_cols}, expected {T}x{d}")
+    if T > scratch.T_max or k != scratch.k:
+        raise ValueError(f"{name}: scratch is for {scratch.T_max} tokens of k = {scratch.k}, got {T} and k = {k}")
+    z, ids, wts = Rows(scratch.z, T, E), Rows(scratch.ids, T, k), Rows(scratch.wts, T, k)
+    matmul(g, w.router, u, z, name=f"{name}.router_logits")  # (M1)
+    moe_router(g, z, ids, wts, k, name=f"{name}.router")  # (M1)–(M3)
+    plan = None if T <= DECODE_MAX_T else MoEPlan(scratch.plan, T, k, E, tile_width(T, k, E))
+    ys = Rows(scratch.ys, T * k, d)
+    moe_routed(g, u, ids, wts, w.experts, Rows(scratch.h, T * k, F), ys, plan, compact, name=name)
+    hs, s, gl = Rows(scratch.hs, T, F_s), Rows(scratch.s, T, d), Rows(scratch.gl, T, 1)
+    matmul(g, w.sh_gate, u, hs, Epilogue(act="silu"), name=f"{name}.shexp_gate")
+    matmul(g, w.sh_up, u, hs, Epilogue(mul=hs), name=f"{name}.shexp_up")
+    matmul(g, w.sh_down, hs, s, name=f"{name}.shexp_down")
+    matmul(g, w.sh_gate_inp, u, gl, name=f"{name}.shexp_gate_inp")
+    moe_combine(g, ys, f, k, s, gl, name=f"{name}.combine")  # (M4)
