@@ -1,0 +1,113 @@
+"""MoE benchmarks for `vkflash bench kernels`: routed-expert GEMM TFLOP/s (prefill) and routed
+decode GEMV weight GB/s, at Flash-Next shapes (d 2560 ↔ F 640, E 512, top-10; gate/up Q4_K, down Q5_0).
+
+One routed-expert stack set is ~1.5 GB (far beyond any last-level cache), and every call in a
+recorded graph gets its own routing (ids rotate among several buffers), so no call re-reads the
+experts the previous one left in cache. Rows are dict(name, shape, seconds, <unit>) like
+vkflash/bench/matmul.py, with seconds per call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from vkflash.bench.kernels import timed
+from vkflash.formats.quants import random_blocks
+from vkflash.gpu.context import Gpu
+from vkflash.gpu.graph import Graph
+from vkflash.gpu.ops.moe import (DECODE_MAX_T, ExpertStack, MoEPlan, RoutedExperts, moe_routed, plan_words,
+                                 tile_width)
+from vkflash.gpu.ops.views import Rows
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Routed-expert geometry of one benchmark."""
+
+    d: int
+    F: int
+    E: int
+    k: int
+    q_gu: Q = Q.Q4_K
+    q_down: Q = Q.Q5_0
+
+    def __str__(self) -> str:
+        return f"{self.d}<->{self.F} E={self.E} k={self.k} {self.q_gu.name}/{self.q_down.name}"
+
+
+FLASH_NEXT = Shape(2560, 640, 512, 10)
+QUICK = Shape(256, 256, 16, 4)  # lavapipe: K-quant rows need d % 256 == 0
+ROTATE = 4  # routings rotated among the calls of one graph
+
+
+def _experts(gpu: Gpu, s: Shape, rng: np.random.Generator) -> RoutedExperts:
+    """Random valid gate/up {d, F, E} and down {F, d, E} stacks (content does not change the speed)."""
+    def stack(q: Q, k: int, n_out: int, name: str) -> ExpertStack:
+        return ExpertStack(gpu.upload(random_blocks(q, s.E * n_out * k, rng), name), int(q), k, n_out, s.E)
+    return RoutedExperts(stack(s.q_gu, s.d, s.F, "bench.gate"), stack(s.q_gu, s.d, s.F, "bench.up"),
+                         stack(s.q_down, s.F, s.d, "bench.down"))
+
+
+def _routings(gpu: Gpu, T: int, s: Shape, rng: np.random.Generator) -> list[tuple[Rows, Rows]]:
+    """ROTATE (ids, weights) pairs: k distinct uniform experts per token (≈ T·k/E rows per expert)."""
+    out = []
+    for i in range(ROTATE):
+        ids = np.argsort(rng.random((T, s.E)), axis=1)[:, :s.k].astype(np.int32)
+        w = np.full((T, s.k), 1.0 / s.k, np.float32)
+        out.append((Rows(gpu.upload(ids, f"bench.ids{i}"), T, s.k), Rows(gpu.upload(w, f"bench.w{i}"), T, s.k)))
+    return out
+
+
+def _routed_graph(gpu: Gpu, name: str, s: Shape, T: int, calls: int, compact: bool | None,
+                  rng: np.random.Generator) -> tuple[Graph, RoutedExperts]:
+    """A graph of `calls` routed-expert passes over one stack set, each with the next rotated routing."""
+    ex = _experts(gpu, s, rng)
+    x = Rows(gpu.upload(rng.standard_normal((T, s.d), dtype=np.float32), "bench.x"), T, s.d)
+    h = Rows(gpu.buffer(4 * T * s.k * s.F, "bench.h"), T * s.k, s.F)
+    ys = Rows(gpu.buffer(4 * T * s.k * s.d, "bench.ys"), T * s.k, s.d)
+    plan = None
+    if T > DECODE_MAX_T:
+        bn = tile_width(T, s.k, s.E)
+        plan = MoEPlan(gpu.buffer(4 * plan_words(T, s.k, s.E, bn), "bench.plan"), T, s.k, s.E, bn)
+    g = gpu.graph(name)
+    routings = _routings(gpu, T, s, rng)
+    for i in range(calls):
+        ids, w = routings[i % ROTATE]
+        moe_routed(g, x, ids, w, ex, h, ys, plan=plan, compact=compact, name=f"moe{i}")
+    return g, ex
+
+
+def expert_gemm_tflops(gpu: Gpu, T: int | None = None, shape: Shape | None = None, quick: bool = False) -> list[dict]:
+    """TFLOP/s of the routed experts for prefill (prepass + gate + up + down GEMMs), compact and plain grids.
+
+    Default: T = 2048 tokens at Flash-Next shapes (≈ 40 rows per expert, 48-wide tiles).
+    """
+    s = shape or (QUICK if quick else FLASH_NEXT)
+    T = T or (64 if quick else 2048)
+    rng = np.random.default_rng()
+    calls = 2 if quick else 8
+    rows = []
+    for compact in (True, False):
+        g, _ = _routed_graph(gpu, "bench.moe_gemm", s, T, calls, compact, rng)
+        sec = timed(g, 1 if quick else 5) / calls
+        flops = 2.0 * T * s.k * 3 * s.d * s.F
+        rows.append({"name": f"moe gemm {'compact' if compact else 'plain'}",
+                     "shape": f"{s} T={T} bn={tile_width(T, s.k, s.E)}", "seconds": sec, "TFLOP/s": flops / sec / 1e12})
+    return rows
+
+
+def expert_gemv_bandwidth(gpu: Gpu, T: int = 1, shape: Shape | None = None, quick: bool = False) -> list[dict]:
+    """Weight GB/s of the routed decode GEMV (gate + up + down of the distinct selected experts)."""
+    s = shape or (QUICK if quick else FLASH_NEXT)
+    if T > DECODE_MAX_T:
+        raise ValueError(f"the decode GEMV takes at most {DECODE_MAX_T} tokens")
+    rng = np.random.default_rng()
+    calls = ROTATE if quick else 48
+    g, ex = _routed_graph(gpu, "bench.moe_gemv", s, T, calls, None, rng)
+    # every (token, slot) pair streams its expert's gate, up and down rows
+    nbytes = T * s.k * (2 * ex.gate.expert_bytes + ex.down.expert_bytes)
+    sec = timed(g, 2 if quick else 20) / calls
+    return [{"name": "moe gemv", "shape": f"{s} T={T}", "seconds": sec, "GB/s": nbytes / sec / 1e9}]
