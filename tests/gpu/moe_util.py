@@ -75,7 +75,8 @@ def routed_reference(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, ex: Expert
             g, u = ex.gate[e] @ x64[t], ex.up[e] @ x64[t]
             s = g / (1 + np.exp(-g))
             h = s * u
-            bh = SILU_SLOPE * (np.abs(ex.gate[e]) @ np.abs(x64[t])) * np.abs(u) + np.abs(s) * (np.abs(ex.up[e]) @ np.abs(x64[t])) + np.abs(h)
+            ax = np.abs(x64[t])
+            bh = SILU_SLOPE * (np.abs(ex.gate[e]) @ ax) * np.abs(u) + np.abs(s) * (np.abs(ex.up[e]) @ ax) + np.abs(h)
             ys[t * k + j] = wts[t, j] * (ex.down[e] @ h)
             bound[t * k + j] = wts[t, j] * (np.abs(ex.down[e]) @ bh)
     return ys, bound
@@ -110,4 +111,5 @@ def poisoned(gpu, n: int, m: int, rng: np.random.Generator, name: str, pad4: boo
 def read_rows(v: Rows) -> np.ndarray:
     """The view's elements as (n_rows, n_cols) float64."""
     a = v.buf.read(np.float32)
-    return np.stack([a[v.off + i * v.stride:v.off + i * v.stride + v.n_cols] for i in range(v.n_rows)]).astype(np.float64)
+    rows = [a[v.off + i * v.stride:v.off + i * v.stride + v.n_cols] for i in range(v.n_rows)]
+    return np.stack(rows).astype(np.float64)

@@ -9,8 +9,9 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from moe_util import experts, poisoned, read_rows, routed_reference, routing, row_len, rows_view, tol
-from vkflash.gpu.ops.moe import (DECODE_MAX_T, TILES, MoEPlan, live_cap, moe_prepass, moe_routed, plan_words,
-                                 tile_width)
+from vkflash.gpu.ops.moe import (DECODE_MAX_T, TILES, ExpertStack, Mode, MoEPlan, RoutedExperts, expert_gemm,
+                                 live_cap, moe_combine, moe_prepass, moe_routed, plan_words, tile_width)
+from vkflash.gpu.ops.views import Rows
 
 pytestmark = pytest.mark.gpu
 
@@ -117,3 +118,35 @@ def test_tile_widths(gpu, rng):
     assert (np.abs(outs[0] - want) <= tol(bound, max(d, F))).all()
     for o in outs[1:]:
         assert np.array_equal(o, outs[0])
+
+
+def test_validation(gpu, rng):
+    """Inconsistent stacks, plans, shapes and views are refused before anything is dispatched."""
+    E, k, d, F = 13, 4, 64, 32
+    ex = experts(gpu, Q.Q8_0, Q.Q8_0, E, d, F, rng)
+    with pytest.raises(ValueError, match="experts of 32 rows every 16 rows"):
+        ExpertStack(ex.split.gate.buf, int(Q.Q8_0), d, F, E, 0, 16)
+    with pytest.raises(ValueError, match="need"):
+        ExpertStack(ex.split.gate.buf, int(Q.Q8_0), d, F, E + 1)
+    with pytest.raises(ValueError, match="do not form"):
+        RoutedExperts(ex.split.gate, ex.split.up, ex.split.gate)
+    with pytest.raises(ValueError, match="tile width 40"):
+        MoEPlan(gpu.buffer(4096, "p"), 9, k, E, 40)
+    with pytest.raises(ValueError, match="needs"):
+        MoEPlan(gpu.buffer(64, "p"), 9, k, E, 16)
+    g = gpu.graph("bad")
+    T = 9
+    x = Rows(gpu.buffer(4 * T * d), T, d)
+    ids, wts = Rows(gpu.buffer(4 * T * k), T, k), Rows(gpu.buffer(4 * T * k), T, k)
+    h, ys = Rows(gpu.buffer(4 * T * k * F), T * k, F), Rows(gpu.buffer(4 * T * k * d), T * k, d)
+    with pytest.raises(ValueError, match="need a plan"):
+        moe_routed(g, x, ids, wts, ex.split, h, ys)
+    with pytest.raises(ValueError, match="plan is for 10x4"):
+        moe_routed(g, x, ids, wts, ex.split, h, ys, plan=_plan(gpu, 10, k, E, 16))
+    with pytest.raises(ValueError, match="one buffer"):
+        expert_gemm(g, _plan(gpu, T, k, E, 16), Mode.GATE_UP, ex.split.gate, x, h, w2=ex.split.up)
+    with pytest.raises(ValueError, match="x is 9x32"):
+        expert_gemm(g, _plan(gpu, T, k, E, 16), Mode.DOWN, ex.split.down, Rows(h.buf, T, F), ys, wts=wts)
+    with pytest.raises(ValueError, match="come together"):
+        moe_combine(g, ys, Rows(gpu.buffer(4 * T * d), T, d), k, shared=Rows(gpu.buffer(4 * T * d), T, d))
+    assert not g.ops

@@ -81,10 +81,12 @@ def _bound(u: np.ndarray, ref: MoEW, ex, ids: np.ndarray, wts: np.ndarray) -> np
     g, up = x @ ref.sh_gate.T, x @ ref.sh_up.T
     sl = g / (1 + np.exp(-g))
     hs = sl * up
-    bh = SILU_SLOPE * (np.abs(x) @ np.abs(ref.sh_gate.T)) * np.abs(up) + np.abs(sl) * (np.abs(x) @ np.abs(ref.sh_up.T)) + np.abs(hs)
+    ax = np.abs(x)
+    bh = SILU_SLOPE * (ax @ np.abs(ref.sh_gate.T)) * np.abs(up) + np.abs(sl) * (ax @ np.abs(ref.sh_up.T)) + np.abs(hs)
     s = hs @ ref.sh_down.T
     gate = 1 / (1 + np.exp(-(x @ ref.sh_gate_inp)))[:, None]
-    shared = gate * (bh @ np.abs(ref.sh_down.T)) + 0.25 * (np.abs(x) @ np.abs(ref.sh_gate_inp))[:, None] * np.abs(s) + gate * np.abs(s)
+    dgate = 0.25 * (ax @ np.abs(ref.sh_gate_inp))[:, None]  # σ' ≤ 1/4 times the logit's magnitude
+    shared = gate * (bh @ np.abs(ref.sh_down.T)) + dgate * np.abs(s) + gate * np.abs(s)
     return routed + shared
 
 
@@ -106,19 +108,21 @@ def test_moe_ffn_vs_reference(gpu, rng, E):
         u = rng.standard_normal((T, d), dtype=np.float32)
         gw, ref, ex = _layer(gpu, rng, u, E, d, F, F_s, fused=bool(rng.integers(0, 2)))
         dumped: dict[str, np.ndarray] = {}
-        want = moe(u.astype(np.float64), ref, k, RefOptions(dump=lambda n, x: dumped.__setitem__(n.split(".")[-1], x)), 0)
+        opts = RefOptions(dump=lambda n, x: dumped.__setitem__(n.split(".")[-1], x))
+        want = moe(u.astype(np.float64), ref, k, opts, 0)
         got, _ = _run(gpu, rng, gw, u, k, scratch)
         ids, wts = dumped["ffn_moe_topk"], dumped["ffn_moe_weights"]
         np.testing.assert_array_equal(scratch.ids.read(np.int32, T * k).reshape(T, k), ids)
         limit = tol(_bound(u, ref, ex, ids, wts), max(d, F, F_s))
         err = np.abs(got - want)
         worst = np.unravel_index(np.argmax(err / limit), err.shape)
-        assert (err <= limit).all(), f"E={E} T={T}: worst {worst} got {got[worst]} want {want[worst]} tol {limit[worst]}"
+        assert (err <= limit).all(), (f"E={E} T={T}: worst {worst} got {got[worst]} want {want[worst]} "
+                                      f"tol {limit[worst]}")
 
 
 def test_compact_knob(gpu, rng, monkeypatch):
     """VKFLASH_MMID_COMPACT=0 launches the plain grid over every expert × max tiles; same bits."""
-    E, k, d, F, F_s, T = 13, 4, 256, 64, 256, int(rng.integers(9, 80))
+    E, k, d, F, F_s, T = 13, 4, 256, 64, 256, int(rng.integers(20, 80))  # T > BN: the plain grid is larger
     u = rng.standard_normal((T, d), dtype=np.float32)
     gw, _, _ = _layer(gpu, rng, u, E, d, F, F_s, fused=False)
     scratch = MoEScratch.create(gpu, T, k, d, E, F, F_s)

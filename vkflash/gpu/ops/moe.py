@@ -194,10 +194,12 @@ def moe_prepass(g: "Graph", ids: Rows, plan: MoEPlan, name: str = "moe_prepass")
     wg = kernel("moe_prepass").workgroup(caps)
     shared = 4 * (6 * plan.E) + 16 * wg
     if shared > caps.shared_memory:
-        raise ValueError(f"{name}: {plan.E} experts need {shared} B of shared memory, the device has {caps.shared_memory}")
+        raise ValueError(f"{name}: {plan.E} experts need {shared} B of shared memory, "
+                         f"the device has {caps.shared_memory}")
     g.dispatch("moe_prepass", [ids.buf, plan.buf], [1],
                push=[plan.E, plan.k, plan.T, ids.off, ids.stride, plan.bn, plan.live_cap], spec=[plan.E],
-               name=name, desc=f"T={plan.T} k={plan.k} E={plan.E} bn={plan.bn}", nbytes=4 * (plan.T * plan.k + plan.words))
+               name=name, desc=f"T={plan.T} k={plan.k} E={plan.E} bn={plan.bn}",
+               nbytes=4 * (plan.T * plan.k + plan.words))
 
 
 def compact_grid() -> bool:
@@ -211,6 +213,17 @@ def _check_stacks(name: str, w: ExpertStack, w2: ExpertStack | None, E: int) -> 
     if w2 is not None and (w2.buf is not w.buf or w2.qtype != w.qtype or (w2.k, w2.n_out, w2.n_exp, w2.expert_rows)
                            != (w.k, w.n_out, w.n_exp, w.expert_rows)):
         raise ValueError(f"{name}: a fused gate/up pass needs both stacks in one buffer with the same layout")
+
+
+def _check_pass(name: str, mode: Mode, w: ExpertStack, w2: ExpertStack | None, wts: Rows | None, x: Rows, y: Rows,
+                T: int, k: int, E: int) -> None:
+    """Operands of one expert pass: w2 exactly for GATE_UP, wts exactly for DOWN, x and y shapes per mode."""
+    _check_stacks(name, w, w2, E)
+    if (mode == Mode.GATE_UP) != (w2 is not None) or (mode == Mode.DOWN) != (wts is not None):
+        raise ValueError(f"{name}: w2 goes with GATE_UP only and wts with DOWN only (got {mode.name})")
+    _io_check(name, w, x, y, T * k if mode == Mode.DOWN else T, T * k)
+    if wts is not None:
+        _check_ids(name, wts, wts, T, k)
 
 
 def _io_check(name: str, w: ExpertStack, x: Rows, y: Rows, x_rows: int, y_rows: int) -> None:
@@ -238,12 +251,9 @@ def expert_gemm(g: "Graph", plan: MoEPlan, mode: Mode, w: ExpertStack, x: Rows, 
     for DOWN, the slot outputs (T·k × n_out, row t·k + j). wts (T × k) only for DOWN; w2 only for GATE_UP.
     """
     T, k = plan.T, plan.k
-    _check_stacks(name, w, w2, plan.E)
-    if (mode == Mode.GATE_UP) != (w2 is not None) or (mode == Mode.DOWN) != (wts is not None):
-        raise ValueError(f"{name}: {mode.name} takes {'w2' if mode == Mode.GATE_UP else 'wts' if mode == Mode.DOWN else 'neither w2 nor wts'}")
-    _io_check(name, w, x, y, T * k if mode == Mode.DOWN else T, T * k)
-    if wts is not None:
-        _check_ids(name, wts, wts, T, k)
+    _check_pass(name, mode, w, w2, wts, x, y, T, k, plan.E)
+    if plan.buf in (x.buf, y.buf):
+        raise ValueError(f"{name}: the plan shares a buffer with x or y")
     cm = compact_grid() if compact is None else compact
     slots = plan.live_cap if cm else plan.E * plan.max_tiles
     caps = g.gpu.caps
@@ -263,12 +273,7 @@ def expert_gemv(g: "Graph", ids: Rows, mode: Mode, w: ExpertStack, x: Rows, y: R
                 w2: ExpertStack | None = None, name: str = "mul_mat_id_vec") -> None:
     """One decode expert pass over the selected experts only (rows of h and y are pairs t·k + j)."""
     T, k = ids.n_rows, ids.n_cols
-    _check_stacks(name, w, w2, w.n_exp)
-    if (mode == Mode.GATE_UP) != (w2 is not None) or (mode == Mode.DOWN) != (wts is not None):
-        raise ValueError(f"{name}: {mode.name} takes {'w2' if mode == Mode.GATE_UP else 'wts' if mode == Mode.DOWN else 'neither w2 nor wts'}")
-    _io_check(name, w, x, y, T * k if mode == Mode.DOWN else T, T * k)
-    if wts is not None:
-        _check_ids(name, ids, wts, T, k)
+    _check_pass(name, mode, w, w2, wts, x, y, T, k, w.n_exp)
     caps = g.gpu.caps
     if T * k > caps.max_workgroup_count[1]:
         raise ValueError(f"{name}: {T}x{k} pairs exceed the grid")
@@ -369,10 +374,10 @@ class MoEWeights:
     sh_down: QWeight
 
     def __post_init__(self) -> None:
-        ex, d = self.experts, self.experts.gate.k
+        ex, d, F_s = self.experts, self.experts.gate.k, self.sh_gate.n_out
         shapes = {"router": (self.router, d, ex.gate.n_exp), "shared gate": (self.sh_gate_inp, d, 1),
-                  "shared ffn gate": (self.sh_gate, d, self.sh_gate.n_out), "shared ffn up": (self.sh_up, d, self.sh_gate.n_out),
-                  "shared ffn down": (self.sh_down, self.sh_gate.n_out, d)}
+                  "shared ffn gate": (self.sh_gate, d, F_s), "shared ffn up": (self.sh_up, d, F_s),
+                  "shared ffn down": (self.sh_down, F_s, d)}
         for label, (w, k, n) in shapes.items():
             if (w.k, w.n_out) != (k, n):
                 raise ValueError(f"moe: {label} is {w.k}x{w.n_out} ({{in, out}}), expected {k}x{n}")
@@ -410,7 +415,7 @@ class MoEScratch:
 
 def moe_ffn(g: "Graph", u: Rows, w: MoEWeights, k: int, f: Rows, scratch: MoEScratch,
             compact: bool | None = None, name: str = "moe") -> None:
-    """f = Σ_i w_i·W_d^{(I_i)}(silu(W_g^{(I_i)}u) ⊙ W_u^{(I_i)}u) + σ(w_sg·u)·W_d^s(silu(W_g^s u) ⊙ W_u^s u) (M1–M4).
+    """f = Σ_i w_i·W_d^{(I_i)}(silu(W_g^{(I_i)}u) ⊙ W_u^{(I_i)}u) + σ(w_sg·u)·W_d^s(silu(W_g^s u) ⊙ W_u^s u).
 
     Router logits through the matmul ops, then moe_router; T ≤ DECODE_MAX_T tokens take the expert
     GEMV, more the prepass + expert GEMM; the shared FFN runs through the dense matmul ops (silu
