@@ -82,11 +82,14 @@ def wait_health(base: str, want: int, proc: subprocess.Popen | None = None, time
 
 
 def start_server(tmp: Path, env: dict[str, str], args: list[str] = (), want_health: int = 200) -> Server:
-    """Start a server process with these knobs and wait until /health says `want_health`."""
+    """Start a server process with these knobs and wait until /health says `want_health`.
+
+    The backend is the NumPy reference unless `env` names another: these tests check the server
+    exactly against the reference (tests/engine checks the GPU forward against it)."""
     port = free_port()
     log = tmp / f"server-{port}.log"
     full_env = {k: v for k, v in os.environ.items() if k not in ("MODEL", "CTX", "API_KEY", "TEMP", "PORT", "HOST")}
-    full_env.update(env, PORT=str(port), HOST="127.0.0.1", PYTHONUNBUFFERED="1")
+    full_env.update({"VKFLASH_BACKEND": "reference", **env}, PORT=str(port), HOST="127.0.0.1", PYTHONUNBUFFERED="1")
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "vkflash.server", *args], cwd=ROOT, env=full_env,
                                 stdout=f, stderr=subprocess.STDOUT)
