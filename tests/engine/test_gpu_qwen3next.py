@@ -63,7 +63,7 @@ def test_prefill_then_decode_and_greedy(gpu, rng, tmp_path):
     ref = _reference(path, toks)
     assert _rel(whole, ref) <= EXACT
     assert _rel(steps, ref[36:]) <= EXACT
-    assert _rel(steps, whole[36:]) <= 2e-4
+    assert _rel(steps, whole[36:]) <= EXACT  # both paths agree as closely as each with the reference
 
     fwd.reset()
     prompt = toks[:21]

@@ -73,7 +73,7 @@ def test_prefill_then_decode_and_greedy(gpu, rng, tmp_path):
     ref = _reference(path, toks)
     assert _rel(whole, ref) <= EXACT
     assert _rel(steps, ref[32:]) <= EXACT
-    assert _rel(steps, whole[32:]) <= 2e-4
+    assert _rel(steps, whole[32:]) <= EXACT  # both paths agree as closely as each with the reference
 
     fwd.reset()
     prompt = toks[:40]

@@ -3,7 +3,7 @@ attention with RoPE (§5.5 A1–A8, optionally QSA-masked/gathered §5.6), and M
 shared expert (§5.7 M1–M4); plus the upload-time re-layouts their weights need.
 
 Every sublayer covers the step's n tokens in whole-ubatch dispatches (no per-token loops) and
-writes its output through a matmul epilogue: `out` gets W_o(…) added (`res`) or stored.
+either adds its output to `out` (residual) or stores it there (qwen4exp's block output b).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from gguf import GGMLQuantizationType as Q
 from vkflash.engine.caches import IndexerCache
 from vkflash.engine.graphs.common import StepModel
 from vkflash.engine.state import GDNLayerState
-from vkflash.engine.weights_gpu import Stored, Transform, as_f32, permute_rows
-from vkflash.formats.gguf_file import GGUFFile, TensorInfo
+from vkflash.engine.weights_gpu import Transform, as_f32, permute_rows
+from vkflash.formats.gguf_file import GGUFFile
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops import eltwise as E
 from vkflash.gpu.ops import gdn
@@ -56,11 +56,6 @@ def _ssm_ba_order(hp: HParams) -> np.ndarray:
     return np.concatenate([g.reshape(-1), (g + hp.rho).reshape(-1)])
 
 
-def _f32_unless(info: TensorInfo) -> Stored:
-    """Conv kernels are read as plain f32 by gdn_conv."""
-    return as_f32(info)
-
-
 def hybrid_transforms(gf: GGUFFile, hp: HParams) -> dict[str, Transform]:
     """Re-layouts for the GDN tensors of either arch (see each helper)."""
     out: dict[str, Transform] = {}
@@ -71,7 +66,7 @@ def hybrid_transforms(gf: GGUFFile, hp: HParams) -> dict[str, Transform]:
         elif leaf == "ssm_ba.weight":
             out[name] = lambda i, o=_ssm_ba_order(hp): permute_rows(i, o)
         elif leaf == "ssm_conv1d.weight" and info.ggml_type is not Q.F32:
-            out[name] = _f32_unless
+            out[name] = as_f32  # gdn_conv reads its kernel as plain f32
     return out
 
 

@@ -6,8 +6,9 @@
                        h += MoE(rms(h) ⊙ post_attention_norm)
     logits = W_out(rms(h) ⊙ output_norm) for the rows the head asks for, and their argmax.
 
-Both residual adds are matmul epilogues (the mixer's output projection, the MoE down projection)
-plus the shared expert's gated row add. Recurrent states live in `model.state` (engine/state.py).
+The mixer's residual add is its output projection's epilogue; the MoE output (routed slots +
+σ-gated shared expert, summed by moe_combine) is added after. Recurrent states live in
+`model.state` (engine/state.py).
 """
 
 from __future__ import annotations
