@@ -61,6 +61,7 @@ def moe_router(g: "Graph", z: Rows, ids: Rows, w: Rows, k: int, name: str = "moe
 
 TILES = (16, 32, 48, 64)  # row-tile widths of the prefill expert GEMM (mul_mat_id.comp BN)
 GEMM_BM = 64  # weight rows per expert-GEMM workgroup
+GEMM_WG = 256  # invocations of an expert-GEMM workgroup (16 × 16)
 GEMV_WG = 64  # invocations of an expert-GEMV workgroup
 GEMV_ROWS = 8  # weight rows per expert-GEMV workgroup
 DECODE_MAX_T = 8  # at most this many tokens take the GEMV path (no prepass)
@@ -80,7 +81,7 @@ def _expert_kernels() -> list[Kernel]:
     out = []
     for t in TYPES:
         d = (("QTYPE", int(t)),)
-        out.append(Kernel(f"mul_mat_id_{t.name.lower()}", "mul_mat_id.comp", 5, d, local_size=256))
+        out.append(Kernel(f"mul_mat_id_{t.name.lower()}", "mul_mat_id.comp", 5, d, local_size=GEMM_WG))
         out.append(Kernel(f"mul_mat_id_vec_{t.name.lower()}", "mul_mat_id_vec.comp", 5, d, local_size=GEMV_WG))
     return out
 
@@ -254,9 +255,11 @@ def expert_gemm(g: "Graph", plan: MoEPlan, mode: Mode, w: ExpertStack, x: Rows, 
     _check_pass(name, mode, w, w2, wts, x, y, T, k, plan.E)
     if plan.buf in (x.buf, y.buf):
         raise ValueError(f"{name}: the plan shares a buffer with x or y")
+    caps = g.gpu.caps
+    if kernel(f"mul_mat_id_{w.type_name}").workgroup(caps) != GEMM_WG:
+        raise ValueError(f"{name}: the expert GEMM needs {GEMM_WG} invocations per workgroup (16×16)")
     cm = compact_grid() if compact is None else compact
     slots = plan.live_cap if cm else plan.E * plan.max_tiles
-    caps = g.gpu.caps
     gy, gz = _folded(caps, slots)
     nb = 2 if w2 is not None else 1
     g.dispatch(f"mul_mat_id_{w.type_name}", [w.buf, x.buf, plan.buf, (wts or x).buf, y.buf],
