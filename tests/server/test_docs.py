@@ -1,5 +1,6 @@
-"""docs/SERVING.md's examples work as written: every curl command and every Python block, taken
-from the fenced code blocks, run against a live server on a tiny model (only the port differs)."""
+"""The README's and docs/SERVING.md's examples work as written: every curl command and every
+Python block, taken from the fenced code blocks, run against a live server on a tiny model (only
+the port differs)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ import pytest
 
 from harness import ROOT, start_server, stop_server
 
-DOC = ROOT / "docs" / "SERVING.md"
+DOCS = (ROOT / "docs" / "SERVING.md", ROOT / "README.md")
 DOC_BASE = "http://127.0.0.1:8080"
 
 
 def _blocks(lang: str) -> list[str]:
-    return re.findall(rf"^```{lang}\n(.*?)^```", DOC.read_text(), flags=re.S | re.M)
+    return [b for doc in DOCS for b in re.findall(rf"^```{lang}\n(.*?)^```", doc.read_text(), flags=re.S | re.M)]
 
 
 CURLS = [b for b in _blocks("sh") if b.startswith("curl ")]
@@ -32,7 +33,7 @@ def server(tiny_model, tmp_path_factory):
 
 
 def test_the_doc_has_examples():
-    assert len(CURLS) >= 2 and len(PYTHON) >= 2
+    assert len(CURLS) >= 3 and len(PYTHON) >= 3  # the README has one of each
     assert all(DOC_BASE in b for b in CURLS + PYTHON)
 
 
