@@ -150,7 +150,19 @@ def matmul_rows(gpu: Gpu, quick: bool) -> list[Row]:
     return rows
 
 
-KERNEL_BENCHES: list[Callable[[Gpu, bool], list[Row]]] = [elementwise_rows, matmul_rows]
+def moe_rows(gpu: Gpu, quick: bool) -> list[Row]:
+    """Routed-expert GEMM TFLOP/s (compact vs plain grid) and routed decode GEMV weight GB/s."""
+    from vkflash.bench import moe
+
+    small = quick or gpu.caps.device_type == "cpu"
+    rows = [Row(r["name"], r["shape"], r["seconds"] * 1e6, r["TFLOP/s"], "TFLOP/s")
+            for r in moe.expert_gemm_tflops(gpu, quick=small)]
+    rows += [Row(r["name"], r["shape"], r["seconds"] * 1e6, r["GB/s"], "GB/s")
+             for r in moe.expert_gemv_bandwidth(gpu, quick=small)]
+    return rows
+
+
+KERNEL_BENCHES: list[Callable[[Gpu, bool], list[Row]]] = [elementwise_rows, matmul_rows, moe_rows]
 
 
 def run(quick: bool, as_json: bool, console: Console) -> None:
