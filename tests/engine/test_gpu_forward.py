@@ -35,9 +35,9 @@ COOPMAT = 2e-2
 
 
 @pytest.fixture(autouse=True)
-def _f32_matmuls(request, monkeypatch):
-    if "coopmat" not in request.node.name:
-        monkeypatch.setattr(settings, "_current", settings.load(env=dict(os.environ, VKFLASH_DISABLE_COOPMAT="1")))
+def _matmul_path(request, monkeypatch):
+    off = "0" if "coopmat" in request.node.name else "1"
+    monkeypatch.setattr(settings, "_current", settings.load(env=dict(os.environ, VKFLASH_DISABLE_COOPMAT=off)))
 
 
 def _rel(got: np.ndarray, ref: np.ndarray) -> float:

@@ -3,12 +3,21 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
 from matmul_util import make_problem, outside_untouched, read_view, reference, tolerance
+from vkflash import settings
 from vkflash.gpu.ops.matmul import GEMV_MAX_COLS, TYPES, matmul, use_coopmat
+
+
+@pytest.fixture
+def coopmat_on(monkeypatch):
+    """Cooperative-matrix GEMMs are off by default (VKFLASH_DISABLE_COOPMAT=1); these tests turn them on."""
+    monkeypatch.setattr(settings, "_current", settings.load(env=dict(os.environ, VKFLASH_DISABLE_COOPMAT="0")))
 
 pytestmark = pytest.mark.gpu
 
@@ -68,7 +77,7 @@ def test_expert_rows(gpu, rng, q):
 
 
 @pytest.mark.parametrize("q", TYPES, ids=lambda q: q.name)
-def test_gemm_coopmat(gpu, rng, q):
+def test_gemm_coopmat(coopmat_on, gpu, rng, q):
     """The cooperative-matrix GEMM (f16 inputs, f32 accumulators), where the device offers it."""
     if not use_coopmat(gpu.caps, q):
         pytest.skip(f"{gpu.caps.name} offers no f16×f16→f32 cooperative matrix (or VKFLASH_DISABLE_COOPMAT=1)")

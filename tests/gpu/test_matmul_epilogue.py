@@ -3,13 +3,22 @@ NumPy, and the fused store vs the plain path of separate eltwise dispatches (bit
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
 from matmul_util import U32, make_problem, read_view, reference, tolerance
+from vkflash import settings
 from vkflash.gpu.ops.matmul import Epilogue, matmul, use_coopmat
 from vkflash.gpu.ops.views import Rows
+
+
+@pytest.fixture
+def coopmat_on(monkeypatch):
+    """Cooperative-matrix GEMMs are off by default (VKFLASH_DISABLE_COOPMAT=1); these tests turn them on."""
+    monkeypatch.setattr(settings, "_current", settings.load(env=dict(os.environ, VKFLASH_DISABLE_COOPMAT="0")))
 
 pytestmark = pytest.mark.gpu
 
@@ -62,7 +71,7 @@ def _expected(acc, bound, k, scale, bias, act, mul, res, full, f16: bool):
 
 @pytest.mark.parametrize("chain", CHAINS)
 @pytest.mark.parametrize("path", ["gemv", "tiny", "gemm", "gemm_cm"])
-def test_epilogue(gpu, rng, path, chain):
+def test_epilogue(coopmat_on, gpu, rng, path, chain):
     cm = path == "gemm_cm"
     if cm and not use_coopmat(gpu.caps, Q.Q4_K):
         pytest.skip(f"{gpu.caps.name} offers no f16×f16→f32 cooperative matrix (or VKFLASH_DISABLE_COOPMAT=1)")
