@@ -76,6 +76,17 @@ def test_expert_rows(gpu, rng, q):
     _run(gpu, q, 70, 512, int(rng.integers(9, 40)), rng, expert=e)
 
 
+@pytest.mark.parametrize("k", [32, 64, 96, 128, 192, 512])
+def test_gemm_coopmat_small_shapes(coopmat_on, gpu, rng, k):
+    """Coopmat GEMM at the small and partial-tile shapes tiny models use (n_out ≤ 64, K of one or
+    two 32-groups, token counts around the 64-wide tile), which the random sweep rarely draws."""
+    if not use_coopmat(gpu.caps, Q.F32):
+        pytest.skip(f"{gpu.caps.name} offers no f16×f16→f32 cooperative matrix")
+    for n_out in (9, 16, 32, 48, 64, 96):
+        for n_tok in (9, 16, 33, 64, 65):
+            _run(gpu, Q.F32, n_out, k, n_tok, rng, coopmat=True)
+
+
 @pytest.mark.parametrize("q", TYPES, ids=lambda q: q.name)
 def test_gemm_coopmat(coopmat_on, gpu, rng, q):
     """The cooperative-matrix GEMM (f16 inputs, f32 accumulators), where the device offers it."""
