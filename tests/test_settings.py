@@ -59,3 +59,11 @@ def test_lines_say_where_each_value_came_from():
 def test_mem_budget_suffixes():
     assert settings.load(env={"VKFLASH_MEM_BUDGET": "96G"})["VKFLASH_MEM_BUDGET"] == 96 << 30
     assert settings.load(env={"VKFLASH_MEM_BUDGET": "512M"})["VKFLASH_MEM_BUDGET"] == 512 << 20
+
+
+def test_planned_knobs_are_named_when_set():
+    """Knobs whose feature is not built yet are accepted but reported, never silently ignored."""
+    assert settings.load(env={}).planned_in_use() == []
+    s = settings.load(env={"MTP": "1", "UB": "512"})
+    assert s.planned_in_use() == ["MTP"]
+    assert "planned" in settings.markdown_table().split("`MTP`")[1].splitlines()[0]

@@ -87,6 +87,7 @@ class Knob:
     help: str
     group: str
     aliases: tuple[str, ...] = ()
+    planned: bool = False  # accepted and validated, but the feature it steers is not built yet
 
     @property
     def accepts(self) -> str:
@@ -97,29 +98,33 @@ def _k(name: str, parse: Parser, default: Any, help: str, group: str, *aliases: 
     return Knob(name, parse, default, help, group, tuple(aliases))
 
 
+def _planned(name: str, parse: Parser, default: Any, help: str, group: str, *aliases: str) -> Knob:
+    return Knob(name, parse, default, help, group, tuple(aliases), planned=True)
+
+
 KNOBS: tuple[Knob, ...] = (
     # launcher-level knobs, also read by `vkflash serve`
     _k("MODEL", _text, "", "GGUF file to serve (empty: the default qwen2 model, fetched and cached)", "launcher"),
-    _k("MODEL_DRAFT", _text, "", "separate GGUF holding the MTP block (empty: use the model's own)", "launcher"),
+    _planned("MODEL_DRAFT", _text, "", "separate GGUF holding the MTP block (empty: use the model's own)", "launcher"),
     _k("HOST", _text, "127.0.0.1", "address the server binds (loopback by default)", "launcher"),
     _k("PORT", _int_range(1, 65535), 8080, "server port", "launcher"),
     _k("CTX", _int_range(0, 1 << 24), 0, "context length in tokens (0: the model's full context)", "launcher"),
     _k("UB", _int_range(1, 8192), 2048, "prefill ubatch in tokens", "launcher"),
     _k("KV", _choice("f16", "q8_0"), "f16", "attention KV cache type", "launcher"),
-    _k("MTP", _bool, False, "MTP self-speculative decoding", "launcher"),
+    _planned("MTP", _bool, False, "MTP self-speculative decoding", "launcher"),
     _k("DRAFT", _int_range(0, 16), 0, "draft length (0: 6 at temperature 0, else 4)", "launcher"),
     _k("TEMP", _float_range(0.0, 5.0), 0.8, "default sampling temperature", "launcher"),
     _k("REASONING", _choice("", "none", "low", "medium", "high", "xhigh"), "",
        "reasoning effort (empty: the template's default)", "launcher"),
-    _k("DEEPGUARD", _bool, True, "deep-context guard (downgrade UB/KV as the context fills)", "launcher"),
+    _planned("DEEPGUARD", _bool, True, "deep-context guard (downgrade UB/KV as the context fills)", "launcher"),
     _k("API_KEY", _text, "", "require this bearer token on every request (empty: none)", "launcher"),
     _k("QUEUE", _int_range(0, 1024), 8, "requests that may wait for the generation slot (more get 503)", "launcher"),
     # revert knobs: each 0 restores the plain path so an optimisation can be A/B-tested
-    _k("SPEC_STOCH", _bool, True, "0: exact-match verification instead of rejection sampling", "revert"),
-    _k("RSROLL", _bool, True, "0: restore recurrent checkpoints instead of rolling back in place", "revert"),
+    _planned("SPEC_STOCH", _bool, True, "0: exact-match verification instead of rejection sampling", "revert"),
+    _planned("RSROLL", _bool, True, "0: restore recurrent checkpoints instead of rolling back in place", "revert"),
     _k("BLKTOPK", _bool, True, "0: QSA `cell` selection (llama.cpp) instead of `block`", "revert"),
     _k("GP", _bool, True, "0: masked dense QSA prefill instead of gathered sparse", "revert"),
-    _k("POOLED", _bool, True, "0: re-pool indexer keys every step instead of the summary cache", "revert"),
+    _planned("POOLED", _bool, True, "0: re-pool indexer keys every step instead of the summary cache", "revert"),
     _k("TPLFIX", _bool, True, "0: raw chat template (no mid-conversation system fix)", "revert"),
     _k("VKFLASH_MM_TILE_EPILOG", _bool, True, "0: separate epilogue ops instead of fused GEMM stores", "revert"),
     _k("VKFLASH_MMID_COMPACT", _bool, True, "0: plain MoE grid instead of live (expert, tile) pairs", "revert"),
@@ -133,7 +138,7 @@ KNOBS: tuple[Knob, ...] = (
     _k("VKFLASH_MAX_INFLIGHT", _int_range(1, 16), 2, "submissions in flight at most", "backend"),
     _k("VKFLASH_SERIALIZE_SUBMISSIONS", _bool, False, "wait for each submission before the next", "backend",
        "GGML_VK_SERIALIZE_SUBMISSIONS"),
-    _k("VKFLASH_SUBMIT_BUDGET_MS", _float_range(1.0, 60000.0), 200.0, "GPU-time budget of one prefill submission",
+    _planned("VKFLASH_SUBMIT_BUDGET_MS", _float_range(1.0, 60000.0), 200.0, "GPU-time budget of one prefill submission",
        "backend"),
     _k("VKFLASH_DISABLE_COOPMAT", _bool, True,
        "1: scalar f32 GEMMs (default until coopmat GEMMs match the reference on hybrid models); 0: coopmat",
@@ -141,7 +146,7 @@ KNOBS: tuple[Knob, ...] = (
        "GGML_VK_DISABLE_COOPMAT"),
     _k("VKFLASH_DISABLE_FUSION", _bool, False, "never use fused kernels", "backend", "GGML_VK_DISABLE_FUSION"),
     _k("VKFLASH_SPIN_WAIT", _bool, False, "poll the fence instead of sleeping in the driver", "backend"),
-    _k("VKFLASH_MEM_BUDGET", _bytes, 0, "memory budget override in bytes, e.g. 96G (0: detect)", "backend"),
+    _planned("VKFLASH_MEM_BUDGET", _bytes, 0, "memory budget override in bytes, e.g. 96G (0: detect)", "backend"),
     # tracing
     _k("VKFLASH_JOB_LOG", _bool, False, "one line per submission: id, ops, GPU ms, host ms", "trace", "GGML_VK_JOB_LOG"),
     _k("VKFLASH_SUBMIT_TRACE", _bool, False, "print each submission's op list before it is sent", "trace",
@@ -164,6 +169,10 @@ class Settings:
 
     def __getitem__(self, name: str) -> Any:
         return self.values[name]
+
+    def planned_in_use(self) -> list[str]:
+        """Knobs set away from their default whose feature is not built yet (said at startup)."""
+        return [k.name for k in KNOBS if k.planned and self.sources[k.name] != "default"]
 
     def lines(self, only_changed: bool = False) -> list[str]:
         """One line per knob in effect, e.g. `CTX=4096 (env CTX)`."""
@@ -231,5 +240,6 @@ def markdown_table() -> str:
         default = k.default if k.default != "" else "(empty)"
         if isinstance(default, bool):
             default = int(default)
-        rows.append(f"| {names} | {default} | {k.accepts} | {k.help} |")
+        what = f"{k.help} (planned: accepted, no effect yet)" if k.planned else k.help
+        rows.append(f"| {names} | {default} | {k.accepts} | {what} |")
     return "\n".join(rows)

@@ -191,6 +191,9 @@ def serve(settings: Settings, options: ServerOptions | None = None,
     settings_mod.install(settings)
     for line in settings.lines():
         print(line, flush=True)
+    planned = settings.planned_in_use()
+    if planned:
+        print(f"note: {', '.join(planned)} set, but what they steer is not built yet: no effect", flush=True)
     sock = bind(settings["HOST"], settings["PORT"])
     state = ServerState(settings, options or ServerOptions(), loader)
     app = create_app(state)
