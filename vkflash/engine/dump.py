@@ -20,12 +20,11 @@ if TYPE_CHECKING:
     from vkflash.gpu.graph import Dispatch, Graph
 
 
-def written_buffer(op: "Dispatch") -> Buffer:
-    """The buffer a dispatch writes (its output; ops that write several are not tappable)."""
-    out = [b for b in op.buffers if b.id in op.writes]
-    if len({b.id for b in out}) != 1:
-        raise ValueError(f"{op.name}: writes {len(out)} buffers, cannot tap one output")
-    return out[0]
+def written_buffer(op: "Dispatch") -> Buffer | None:
+    """The buffer a dispatch writes; None when it writes several (e.g. an output and a state),
+    since then which one holds the named value is not known."""
+    out = {b.id: b for b in op.buffers if b.id in op.writes}
+    return next(iter(out.values())) if len(out) == 1 else None
 
 
 def op_of(dispatch_name: str, wanted: frozenset[str]) -> str | None:
@@ -38,25 +37,39 @@ def op_of(dispatch_name: str, wanted: frozenset[str]) -> str | None:
     return None
 
 
-def tapped(g: "Graph", names: Iterable[str]) -> tuple["Graph", dict[str, Buffer]]:
+Tap = tuple[Buffer, "tuple[int, int, int, int] | None"]
+
+
+def tapped(g: "Graph", names: Iterable[str]) -> tuple["Graph", dict[str, Tap]]:
     """A new graph with g's dispatches and, after the last dispatch of each wanted op, a copy of
-    the buffer it wrote; the copies by name (names g does not have are left out)."""
+    the buffer it wrote; the copies by name (names g does not have, or whose last dispatch writes
+    several buffers, are left out)."""
     wanted = frozenset(names)
     last = {name: j for j, op in enumerate(g.ops) if (name := op_of(op.name, wanted)) is not None}
     out = g.gpu.graph(f"{g.name}.dump", g.max_ops)
-    taps: dict[str, Buffer] = {}
+    taps: dict[str, Tap] = {}
     for j, op in enumerate(g.ops):
         out.ops.append(op)
         name = op_of(op.name, wanted)
         if name is None or last[name] != j:
             continue
         src = written_buffer(op)
+        if src is None:
+            continue
         dst = g.gpu.buffer(src.nbytes, f"dump.{name}")
         copy_words(out, src, 0, dst, 0, src.words, name=f"dump.{name}")
-        taps[name] = dst
+        taps[name] = (dst, g.views.get(name))
     return out, taps
 
 
-def read_taps(taps: dict[str, Buffer]) -> dict[str, np.ndarray]:
-    """Every tap's buffer as flat float32 (the caller takes the leading elements it compares)."""
-    return {name: buf.read(np.float32) for name, buf in taps.items()}
+def read_taps(taps: dict[str, Tap]) -> dict[str, np.ndarray]:
+    """Every tap as flat float32: the declared view's rows when the graph exposed one, else the
+    whole buffer (the caller takes the leading elements it compares)."""
+    out = {}
+    for name, (buf, view) in taps.items():
+        a = buf.read(np.float32)
+        if view is not None:
+            off, rows, cols, stride = view
+            a = np.concatenate([a[off + r * stride:off + r * stride + cols] for r in range(rows)])
+        out[name] = a
+    return out

@@ -63,6 +63,9 @@ class Graph:
         self.max_ops = max_ops_per_submission
         self.submissions: list[Submission] = []
         self._pending: list[Submission] = []
+        # where a named value lives when it is not the leading rows of its op's output buffer:
+        # name -> (element offset, rows, columns, row stride), for `vkflash verify`'s taps
+        self.views: dict[str, tuple[int, int, int, int]] = {}
 
     # --- building -------------------------------------------------------------------------
     def dispatch(self, kernel: str, buffers: Sequence[Buffer], groups: Sequence[int], push: Sequence[int] = (),
@@ -87,6 +90,11 @@ class Graph:
         self.ops.append(op)
         self.submissions = []  # a changed graph must be recorded again
         return op
+
+    def expose(self, name: str, off: int, n_rows: int, n_cols: int, stride: int) -> None:
+        """Declare that the value `name` is the (n_rows × n_cols, row stride) block at element
+        `off` of the buffer its last dispatch writes."""
+        self.views[name] = (off, n_rows, n_cols, stride)
 
     # --- recording ------------------------------------------------------------------------
     def _split(self) -> list[list[Dispatch]]:

@@ -134,7 +134,9 @@ def gdn_sublayer(g: "Graph", m: StepModel, s: HybridScratch, i: int, n: int, u: 
         matmul(g, w[b + "ssm_in.weight"].matrix(), u, Rows(s.proj, n, C + Z, 0, W), name=b + "gdn_qkvz")
     else:
         matmul(g, w[b + "attn_qkv.weight"].matrix(), u, Rows(s.proj, n, C, 0, W), name=b + "gdn_qkv")
+        g.expose(b + "gdn_qkv", 0, n, C, W)
         matmul(g, w[b + "attn_gate.weight"].matrix(), u, Rows(s.proj, n, Z, C, W), name=b + "gdn_z")
+        g.expose(b + "gdn_z", C, n, Z, W)
     if b + "ssm_ba.weight" in w.tensors:
         matmul(g, w[b + "ssm_ba.weight"].matrix(), u, Rows(s.proj, n, 2 * n_v, C + Z, W), name=b + "gdn_ba")
     else:

@@ -217,7 +217,8 @@ def hc_mixer(g: "Graph", m: StepModel, s: Scratch, R: Rows, prefix: str, u: Rows
     matmul(g, w[prefix + "_up.weight"].matrix(), ell, gpre, name=f"{name}.up")
     hc_mix(g, gpre, X, u, hc, name=name)
     if iota is not None:
-        matmul(g, w[prefix + "_inject.weight"].matrix(), X, iota, name=f"{name}.inject")
+        # named after its weight, not as a part of `name`: u is the mix's output, ι a second one
+        matmul(g, w[prefix + "_inject.weight"].matrix(), X, iota, name=f"{prefix}_inject")
 
 
 def ple_block(g: "Graph", m: StepModel, s: Scratch, i: int, n: int, R: Rows, st: RecurrentState, n_slots: int) -> None:
