@@ -3,8 +3,9 @@
 A Graph is an ordered list of dispatches. `record()` turns it into one or more submissions
 (kp sequences), with a compute→compute barrier only where a dispatch depends on an earlier one
 (read-after-write, write-after-read/write on the same buffer) and one at the start of each
-submission (it orders against everything submitted before). `run()` replays the recorded
-sequences: nothing is re-recorded per step; per-step values (positions, token ids, lengths)
+submission (it orders against everything submitted before). A graph is cut, in op order, into
+submissions whose estimated GPU time (gpu/cost.py) stays under VKFLASH_SUBMIT_BUDGET_MS, unless it
+is built with split=False (decode: always one submission). `run()` replays the recorded sequences: nothing is re-recorded per step; per-step values (positions, token ids, lengths)
 live in a host-visible step-params buffer the shaders read. Submissions are bounded in flight
 (VKFLASH_MAX_INFLIGHT) or serialized (VKFLASH_SERIALIZE_SUBMISSIONS=1).
 """
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Sequence
 import kp
 import numpy as np
 
-from vkflash.gpu import trace
+from vkflash.gpu import cost, trace
 from vkflash.gpu.memory import Buffer
 
 if TYPE_CHECKING:
@@ -54,13 +55,21 @@ class Submission:
 
 
 class Graph:
-    """Dispatches of one step (e.g. decode, or prefill of one ubatch bucket)."""
+    """Dispatches of one step (e.g. decode, or prefill of one ubatch bucket).
 
-    def __init__(self, gpu: "Gpu", name: str, max_ops_per_submission: int = 0) -> None:
+    split=False records one submission whatever its cost; otherwise submissions are bounded by the
+    GPU-time budget under `rates` (the device's assumed ones) and by max_ops_per_submission (0: any).
+    """
+
+    def __init__(self, gpu: "Gpu", name: str, max_ops_per_submission: int = 0, split: bool = True) -> None:
+        if not split and max_ops_per_submission:
+            raise ValueError(f"{name}: an unsplit graph cannot have an op limit per submission")
         self.gpu = gpu
         self.name = name
         self.ops: list[Dispatch] = []
         self.max_ops = max_ops_per_submission
+        self.split = split
+        self.rates: cost.Rates = cost.assumed_rates(gpu.caps)
         self.submissions: list[Submission] = []
         self._pending: list[Submission] = []
         # where a named value lives when it is not the leading rows of its op's output buffer:
@@ -97,13 +106,20 @@ class Graph:
         self.views[name] = (off, n_rows, n_cols, stride)
 
     # --- recording ------------------------------------------------------------------------
+    def estimates(self) -> list[float]:
+        """Each dispatch's estimated GPU seconds under the graph's rates."""
+        return [self.rates.seconds(op.nbytes, op.flops) for op in self.ops]
+
     def _split(self) -> list[list[Dispatch]]:
-        if not self.max_ops or len(self.ops) <= self.max_ops:
+        """The op list cut into submissions, in order (one when split=False)."""
+        if not self.split:
             return [list(self.ops)]
-        return [self.ops[i:i + self.max_ops] for i in range(0, len(self.ops), self.max_ops)]
+        budget = self.gpu.settings["VKFLASH_SUBMIT_BUDGET_MS"] / 1e3
+        return [self.ops[r.start:r.stop] for r in cost.cut(self.estimates(), budget, self.max_ops)]
 
     def record(self) -> None:
-        """Record every submission once (barriers only on real dependencies)."""
+        """Record every submission once (barriers only on real dependencies); the budget and rates
+        in effect now decide the cuts, so record again after changing them."""
         timestamps = trace.wants_timestamps()
         self.submissions = []
         for ops in self._split():
@@ -160,7 +176,13 @@ class Graph:
             self._pending.append(sub)
             trace.submitted(self, sub, sub_t0)
 
+    @property
+    def in_flight(self) -> int:
+        """Submissions sent and not yet waited for."""
+        return len(self._pending)
+
     def wait(self) -> None:
+        """Wait for every submission still in flight."""
         while self._pending:
             self._finish(self._pending.pop(0))
 
