@@ -1,11 +1,15 @@
 #version 450
-// QSA selection in `block` mode (MODEL.md Q6, Q8) for each query t of the ubatch, at position
-// t_pos = p0 + t (p0 = params[param_off]): if t_pos + 1 <= W the query is dense (cells 0..t_pos);
-// else it keeps the tail cells [nb*r, t_pos] (nb = floor((t_pos+1)/r)) and the cells of the kb
-// best visible blocks by (score descending, block index ascending) from
-// scores[s_off + t*s_row + b], b < nb. The top-kb is an exact radix select (8 passes of 8 bits)
-// on the unique 64-bit key (score bits, ~b), so any kb and any nb work (no 1024 limit) and ties
-// go to the lower block index. Scores are >= 0 (sums of relu); a -0.0 counts as 0.
+// QSA selection (MODEL.md Q6-Q8) for each query t of the ubatch, at position t_pos = p0 + t
+// (p0 = params[param_off]): if t_pos + 1 <= W the query is dense (cells 0..t_pos); else it keeps
+// the tail cells [nb*r, t_pos] (nb = floor((t_pos+1)/r), tau = t_pos + 1 - nb*r of them) and
+//   CELL=0 (`block`, Q8): the cells of the kb best visible blocks by (score desc, block asc);
+//   CELL=1 (`cell`, Q7, tie rule `index`): the top-W cells by (c desc, cell asc) with c = the
+//     block score and +inf on the tail, i.e. the kb best blocks whole plus the first r-1-tau
+//     cells of the (kb+1)-th best block (it always exists: t_pos + 1 > W gives nb > kb).
+// Scores come from scores[s_off + t*s_row + b], b < nb. The top-k of blocks (k = kb, or kb + 1 in
+// cell mode) is an exact radix select (8 passes of 8 bits) on the unique 64-bit key
+// (score bits, ~b), so any kb and any nb work (no 1024 limit) and ties go to the lower block
+// index. Scores are >= 0 (sums of relu); a -0.0 counts as 0.
 // Output, by spec LIST:
 //   LIST=1: the sorted cell list out[o_off + t*o_row + i] (selected blocks' cells in ascending
 //           block order, then the tail) and gp[gp_off + 2t] = t_pos, gp[gp_off + 2t + 1] = count,
@@ -13,10 +17,12 @@
 //   LIST=0: bit rows for a masked attn_flash: bit j of out[o_off + t*o_row + j/32] = (j selected),
 //           for the words j < t_pos + 1 covers (the attention never looks further).
 // One workgroup per query. Buffers: 0 params (int32), 1 scores (f32), 2 gp (int32), 3 out (uint).
+// Spec: 1 LIST, 2 CELL.
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"
 
 layout(constant_id = 1) const uint LIST = 1;
+layout(constant_id = 2) const uint CELL = 0;
 
 layout(std430, binding = 0) readonly buffer Params { int params[]; };
 layout(std430, binding = 1) readonly buffer Scores { float scores[]; };
@@ -62,10 +68,13 @@ void main() {
         }
         return;
     }
-    const uint nb = n_cells / p.r;
-    // Radix select of the kb-th largest key (hi = score bits, lo = ~b), most significant byte first.
+    const uint nb = n_cells / p.r, tail = n_cells - nb * p.r;
+    const uint k_sel = CELL != 0u ? p.kb + 1u : p.kb;        // blocks the radix select ranks
+    const uint part = CELL != 0u ? p.r - 1u - tail : p.r;   // cells kept of the k_sel-th block
+    const uint n_blk_cells = (k_sel - 1u) * p.r + part;     // selected cells outside the tail
+    // Radix select of the k_sel-th largest key (hi = score bits, lo = ~b), most significant byte first.
     uint khi = 0u, klo = 0u, mhi = 0u, mlo = 0u;
-    if (tid == 0u) sh_rem = p.kb;
+    if (tid == 0u) sh_rem = k_sel;
     for (uint pass = 0u; pass < 8u; ++pass) {
         for (uint i = tid; i < 256u; i += WG) hist[i] = 0u;
         barrier();
@@ -87,7 +96,8 @@ void main() {
         else { klo |= d << shift; mlo |= 255u << shift; }
         barrier();
     }
-    // Emit the selected blocks (key >= the kb-th key: exactly kb of them) in ascending order.
+    // Emit the selected blocks in ascending order: r cells of each key above the k_sel-th key
+    // (k_sel - 1 of them) and `part` cells of the block holding that key.
     if (tid == 0u) sh_base = 0u;
     barrier();
     for (uint c0 = 0u; c0 < nb; c0 += WG) {
@@ -95,10 +105,10 @@ void main() {
         uint f = 0u;
         if (b < nb) {
             const uint hi = key_hi(b, t), lo = ~b;
-            f = (hi > khi || (hi == khi && lo >= klo)) ? 1u : 0u;
+            f = (hi > khi || (hi == khi && lo > klo)) ? p.r : (hi == khi && lo == klo) ? part : 0u;
         }
         if (LIST == 0u) {
-            if (f != 0u) for (uint i = 0u; i < p.r; ++i) set_cell(b * p.r + i, t);
+            for (uint i = 0u; i < f; ++i) set_cell(b * p.r + i, t);
             continue;
         }
         const uint incl = subgroupInclusiveAdd(f);
@@ -110,18 +120,15 @@ void main() {
             sh_base = run;
         }
         barrier();
-        if (f != 0u) {
-            const uint rank = sub_tot[gl_SubgroupID] + incl - 1u;
-            for (uint i = 0u; i < p.r; ++i) outp[row + rank * p.r + i] = b * p.r + i;
-        }
+        const uint first = sub_tot[gl_SubgroupID] + incl - f;  // cells before block b
+        for (uint i = 0u; i < f; ++i) outp[row + first + i] = b * p.r + i;
         barrier();
     }
-    const uint tail = n_cells - nb * p.r;
     for (uint i = tid; i < tail; i += WG) {
-        if (LIST != 0u) outp[row + p.kb * p.r + i] = nb * p.r + i; else set_cell(nb * p.r + i, t);
+        if (LIST != 0u) outp[row + n_blk_cells + i] = nb * p.r + i; else set_cell(nb * p.r + i, t);
     }
     if (LIST != 0u && tid == 0u) {
         gp[p.gp_off + 2u * t] = int(t_pos);
-        gp[p.gp_off + 2u * t + 1u] = int(p.kb * p.r + tail);
+        gp[p.gp_off + 2u * t + 1u] = int(n_blk_cells + tail);
     }
 }

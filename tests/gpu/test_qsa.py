@@ -1,15 +1,16 @@
 """QSA kernels vs the NumPy reference (vkflash.model.layers): pooled summary rows (Q2–Q3), block
-scores (Q5), block-mode selection (Q6, Q8; ties to the lower block, kb beyond 1024) as cell lists
-and as bit rows, and a selection feeding gathered decode attention end to end."""
+scores (Q5), block- and cell-mode selection (Q6–Q8; ties to the lower index, kb beyond 1024) as cell
+lists and as bit rows, a selection feeding gathered decode attention end to end, and the per-tile
+union of gathered prefill (S1–S3) with its attention."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from attention_ref import attend, make_cache
-from vkflash.gpu.ops.attention import CacheType, CellList, Heads, attention
-from vkflash.gpu.ops.qsa import qsa_pool, qsa_scores, qsa_select
+from attention_ref import attend, make_cache, pack_bits
+from vkflash.gpu.ops.attention import CacheType, CellList, CellMask, Heads, attention
+from vkflash.gpu.ops.qsa import qsa_pool, qsa_scores, qsa_select, qsa_union
 from vkflash.gpu.ops.views import Rows
 from vkflash.model.layers.norms import rms_norm
 from vkflash.model.layers.qsa import select_cells
@@ -48,6 +49,38 @@ def test_pool_summary_rows(gpu, rng, ctype, D, r):
     assert err[:, :n_rot].max() <= 1e-3 * scale and err[:, n_rot:].max(initial=0) <= 1e-5 * scale, err.max()
 
 
+@pytest.mark.parametrize("ctype", [CacheType.F16, CacheType.Q8_0])
+def test_repool_equals_summary_cache(gpu, rng, ctype):
+    """POOLED=0: re-pooling every complete block in one step gives the same bits as the summary rows
+    the lazy path wrote ubatch by ubatch (same rounded keys, same order, same arithmetic); rows of
+    incomplete blocks stay poisoned."""
+    D, r = 64, int(rng.integers(2, 6))
+    steps = np.cumsum(rng.integers(1, 3 * r + 5, int(rng.integers(2, 6))))
+    n = int(steps[-1])
+    keys, _ = make_cache(gpu, rng, n + r, 1, D, ctype, "ik")
+    gain = gpu.upload((1 + rng.uniform(-0.1, 0.1, D)).astype(np.float32), "gain")
+    n_blocks = (n + r) // r + 1
+    lazy, again = gpu.buffer(4 * n_blocks * D, "lazy"), gpu.buffer(4 * n_blocks * D, "again")
+    lazy.fill(np.nan)
+    again.fill(np.nan)
+    kw = dict(r=r, n_rot=D // 2, theta=1e4, eps=1e-6)
+    p0 = 0
+    for end in steps:
+        g = gpu.graph("pool")
+        qsa_pool(g, gpu.upload(np.array([p0, end], np.int32), "params"), 0, keys, gain, Rows(lazy, n_blocks, D),
+                 T=int(end - p0), **kw)
+        g.run()
+        p0 = int(end)
+    g = gpu.graph("repool")
+    qsa_pool(g, gpu.upload(np.array([n - 1, n], np.int32), "params"), 0, keys, gain, Rows(again, n_blocks, D),
+             T=1, repool=True, **kw)
+    g.run()
+    a, b = lazy.read(np.uint32).reshape(n_blocks, D), again.read(np.uint32).reshape(n_blocks, D)
+    nb = n // r
+    assert np.array_equal(a[:nb], b[:nb]), "re-pooled rows differ from the summary cache"
+    assert np.isnan(again.read(np.float32).reshape(n_blocks, D)[nb:]).all(), "an incomplete block was pooled"
+
+
 def test_block_scores(gpu, rng):
     """s_{t,b} = Σ_h relu(qI_{t,h}·κ_b) for visible blocks only. Bound: f32 dot products, 1e-5 of
     Σ_h Σ_d |q κ|; a missing relu or head changes scores by O(the dots)."""
@@ -76,9 +109,12 @@ def test_block_scores(gpu, rng):
 
 @pytest.mark.parametrize("r,B,n_max", [(4, 16, 300), (3, 12, 200), (4, 4800, 6500)])
 @pytest.mark.parametrize("listing", [True, False])
-def test_select_block_mode(gpu, rng, r, B, n_max, listing):
-    """Sel_t equals the reference's block mode with ties to the lower block index. Scores come from a
-    handful of values (many exact ties and relu zeros); kb = 1200 checks there is no 1024 limit."""
+@pytest.mark.parametrize("mode", ["block", "cell"])
+def test_select(gpu, rng, r, B, n_max, listing, mode):
+    """Sel_t equals the reference's `block` mode, or `cell` mode with tie rule `index` (BLKTOPK=0), with
+    ties to the lower block/cell index. Scores come from a handful of values (many exact ties between
+    blocks and relu zeros, so the partial (kb+1)-th block of cell mode is decided by ties);
+    kb = 1200 checks there is no 1024 limit."""
     W = B + r - 1
     T = int(rng.integers(1, 5))
     p0 = int(rng.integers(max(0, W - 3 - T), n_max - T))  # both dense (t+1 ≤ W) and sparse queries when close
@@ -93,12 +129,12 @@ def test_select_block_mode(gpu, rng, r, B, n_max, listing):
     gp = gpu.buffer(4 * (2 * T + 1), "gp")
     g = gpu.graph("select")
     qsa_select(g, params, 0, Rows(gpu.upload(scores, "s"), T, nb_cap), Rows(obuf, T, cols), r=r, B=B,
-               gather_params=gp if listing else None, gp_off=1)
+               cell=mode == "cell", gather_params=gp if listing else None, gp_off=1)
     g.run()
     got = obuf.read(np.uint32).reshape(T, cols)
     for t in range(T):
         tp = p0 + t
-        want = select_cells(tp, np.abs(scores[t, : (tp + 1) // r]).astype(np.float64), r, B, "block", "index")
+        want = select_cells(tp, np.abs(scores[t, : (tp + 1) // r]).astype(np.float64), r, B, mode, "index")
         if listing:
             count = gp.read(np.int32, 2, 4 * (1 + 2 * t))
             assert list(count) == [tp, len(want)], f"query at {tp}: gather params {count}"
@@ -135,4 +171,95 @@ def test_select_then_gathered_decode(gpu, rng):
     vis[0, sel] = True
     want = attend(q, Kf[:n], Vf[:n], vis, 1 / np.sqrt(Dh))
     got = out.read(np.float32).reshape(1, H, Dh)
+    assert np.abs(got - want).max() <= 2e-5 * np.abs(Vf[:n]).max()
+
+
+def _selections(rng: np.random.Generator, p0: int, T: int, r: int, B: int, mode: str) -> np.ndarray:
+    """Reference Sel_t as bool rows (T, p0 + T) for scores that drift slowly from query to query (as
+    neighbouring queries of a real model do), with a fresh score row now and then."""
+    n = p0 + T
+    s = np.maximum(rng.standard_normal(n // r + 1), 0)
+    sel = np.zeros((T, n), bool)
+    for t in range(T):
+        s = rng.standard_normal(len(s)) if rng.random() < 0.05 else s + 0.1 * rng.standard_normal(len(s))
+        s = np.maximum(s, 0)
+        sel[t, select_cells(p0 + t, s[: (p0 + t + 1) // r], r, B, mode, "index")] = True
+    return sel
+
+
+def _union_run(gpu, rng, p0: int, T: int, tile: int, sel: np.ndarray, n_ctx: int):
+    """Upload sel as qsa_select's bit rows (words past each query's range hold garbage, as they do
+    between steps), run qsa_union; return (params, gp, cells, slot rows, buffers, tiles)."""
+    words = -(-n_ctx // 32)
+    rows = rng.integers(0, 1 << 32, (T, words + 1), dtype=np.uint64).astype(np.uint32)
+    for t in range(T):
+        w = -(-(p0 + t + 1) // 32)
+        rows[t, :w] = pack_bits(sel[t : t + 1, : p0 + t + 1], w)[0]
+    params = gpu.upload(np.array([p0, p0 + T], np.int32), "params")
+    n_tiles = -(-T // tile)
+    gp, cells = gpu.buffer(8 * n_tiles, "gp"), gpu.buffer(4 * n_tiles * n_ctx, "cells")
+    slots = gpu.buffer(4 * T * words, "slots")
+    cells.fill(0xDEADBEEF, np.uint32)
+    slots.fill(0xDEADBEEF, np.uint32)
+    g = gpu.graph("union")
+    got_tiles = qsa_union(g, params, 0, Rows(gpu.upload(rows, "sel"), T, words, 0, words + 1), gp, cells, n_ctx,
+                          Rows(slots, T, words), tile=tile)
+    return g, params, gp, cells, slots, got_tiles, words
+
+
+@pytest.mark.parametrize("mode", ["block", "cell"])
+def test_union_per_tile(gpu, rng, mode):
+    """Tile k's list is the sorted union of its queries' Sel_t (or the dense range 0..p0+t_last when
+    that union exceeds half of it), and each query's slot bits mark exactly its Sel_t in that list.
+    The step starts among the dense queries (t+1 ≤ W), so early tiles fall back and later ones gather."""
+    r, B = 4, int(rng.choice([16, 32]))
+    T, tile = int(rng.integers(150, 300)), int(rng.choice([8, 16, 32]))
+    p0 = int(rng.integers(0, B + r - 1))
+    n_ctx = p0 + T + int(rng.integers(0, 40))
+    sel = _selections(rng, p0, T, r, B, mode)
+    g, _, gp, cells, slots, n_tiles, words = _union_run(gpu, rng, p0, T, tile, sel, n_ctx)
+    g.run()
+    assert n_tiles == -(-T // tile)
+    lists, sl = cells.read(np.uint32).reshape(n_tiles, n_ctx), slots.read(np.uint32).reshape(T, words)
+    gathered = 0
+    for k in range(n_tiles):
+        t0, t1 = k * tile, min(T, k * tile + tile)
+        n_k = p0 + t1
+        union = np.flatnonzero(sel[t0:t1].any(axis=0))
+        want = np.arange(n_k) if 2 * len(union) > n_k else union
+        gathered += len(want) < n_k
+        assert list(gp.read(np.int32, 2, 8 * k)) == [p0 + t0, len(want)], f"tile {k}: gather params"
+        assert np.array_equal(lists[k, : len(want)], want), f"tile {k}: cell list"
+        for t in range(t0, t1):
+            bits = ((sl[t, :, None] >> np.arange(32, dtype=np.uint32)) & 1).reshape(-1)[: len(want)]
+            assert np.array_equal(want[bits.astype(bool)], np.flatnonzero(sel[t])), f"query {t}: slot bits"
+    assert 0 < gathered < n_tiles, f"{gathered} of {n_tiles} tiles gathered: the test missed a path"
+
+
+def test_gathered_prefill_attention(gpu, rng):
+    """Per-tile gathered attention over qsa_union's lists with the slot masks equals the reference
+    attention masked by Sel_t (S3), for tiles that gather and tiles that fall back to dense; the
+    tolerance is test_attention's f32 bound."""
+    H, H_kv, Dh, r, B = 4, 2, 64, 4, 16
+    T, tile = int(rng.integers(100, 200)), int(rng.choice([8, 16]))
+    p0 = int(rng.integers(0, B + r - 1))
+    n = p0 + T
+    n_ctx = n + 5
+    K, Kf = make_cache(gpu, rng, n_ctx, H_kv, Dh, CacheType.F16, "K")
+    V, Vf = make_cache(gpu, rng, n_ctx, H_kv, Dh, CacheType.F16, "V")
+    sel = _selections(rng, p0, T, r, B, "block")
+    q = rng.standard_normal((T, H, Dh)).astype(np.float32)
+    g, _, gp, cells, slots, n_tiles, words = _union_run(gpu, rng, p0, T, tile, sel, n_ctx)
+    qb, out = gpu.upload(q, "q"), gpu.buffer(4 * T * H * Dh, "o")
+    out.fill(np.nan)
+    for k in range(n_tiles):
+        t0, nt = k * tile, min(T, k * tile + tile) - k * tile
+        attention(g, gp, 2 * k, Heads(Rows(qb, nt, H * Dh, t0 * H * Dh), H, Dh), K, V,
+                  Heads(Rows(out, nt, H * Dh, t0 * H * Dh), H, Dh), mask=CellMask(slots, words, t0 * words),
+                  cells=CellList(cells, n_ctx, k * n_ctx), name=f"attn.{k}")
+    g.run()
+    assert any(gp.read(np.int32, 2 * n_tiles)[1::2] < p0 + np.minimum(np.arange(1, n_tiles + 1) * tile, T)), \
+        "no tile gathered"
+    want = attend(q, Kf[:n], Vf[:n], sel, 1 / np.sqrt(Dh))
+    got = out.read(np.float32).reshape(T, H, Dh)
     assert np.abs(got - want).max() <= 2e-5 * np.abs(Vf[:n]).max()

@@ -1,9 +1,12 @@
-"""QSA ops (MODEL.md §5.6 Q2–Q8): pooled-key summary rows, block scores and the block-mode selection.
+"""QSA ops (MODEL.md §5.6 Q2–Q8, S1–S3): pooled-key summary rows, block scores, the selection and
+the per-tile union of a gathered prefill.
 
 The raw indexer keys are written with attention.kv_append (one head of D_I). `qsa_pool` fills the
-summary rows of blocks an ubatch completes; `qsa_scores` computes s_{t,b}; `qsa_select` runs an
-exact top-kb over blocks (ties to the lower index, any kb) and emits either the sorted cell list +
-gather params of a gathered decode attention, or per-query bit rows for masked prefill attention.
+summary rows of blocks an ubatch completes (or re-pools every complete block); `qsa_scores`
+computes s_{t,b}; `qsa_select` runs an exact top-k over blocks (ties to the lower index, any kb) in
+`block` or `cell` mode and emits either the sorted cell list + gather params of a gathered decode
+attention, or per-query bit rows for masked prefill attention; `qsa_union` turns those bit rows into
+one sorted cell list per query tile with per-query slot rows (gathered prefill, S1–S3).
 Positions and lengths come from the params buffer ([p0, n] at param_off), as for attention.
 """
 
@@ -22,16 +25,19 @@ if TYPE_CHECKING:
 KERNELS = (
     [Kernel(f"qsa_pool_{c.value}", "qsa_pool.comp", 4, defines=((c.define, 1),), local_size=128) for c in CacheType]
     + [Kernel("qsa_scores", "qsa_scores.comp", 4, local_size=64),
-       Kernel("qsa_topk", "qsa_topk.comp", 4, local_size=256)]
+       Kernel("qsa_topk", "qsa_topk.comp", 4, local_size=256),
+       Kernel("qsa_union", "qsa_union.comp", 5, local_size=256)]
 )
 SCORE_GROUPS = 64  # workgroups per query striding over blocks (grid-stride: any depth)
+REPOOL_GROUPS = 256  # workgroups striding over all complete blocks when re-pooling (POOLED=0)
 
 
 def qsa_pool(g: "Graph", params: Buffer, param_off: int, keys: Cache, gain: Buffer, summary: Rows, *,
-             r: int, T: int, n_rot: int, theta: float, eps: float, name: str = "qsa_pool") -> None:
+             r: int, T: int, n_rot: int, theta: float, eps: float, repool: bool = False,
+             name: str = "qsa_pool") -> None:
     """(Q2)–(Q3) κ_b = RoPE_{br}(rms((1/r)Σ_i ρ_{br+i}) ⊙ gain) for every block b an ubatch of T tokens
-    at p0 = params[param_off] completes (n = params[param_off+1] keys after it); summary row b at
-    summary.off + b·summary.stride."""
+    at p0 = params[param_off] completes (n = params[param_off+1] keys after it), or with `repool` for
+    every complete block b < ⌊n/r⌋ (same bits per row); summary row b at b·D."""
     D = keys.dim
     if keys.n_heads != 1 or summary.n_cols != D or summary.stride != D or gain.nbytes < 4 * D:
         raise ValueError(f"{name}: needs one key head of {D}, dense summary rows of {D} and a gain of {D}")
@@ -40,9 +46,10 @@ def qsa_pool(g: "Graph", params: Buffer, param_off: int, keys: Cache, gain: Buff
     if n_rot % 2 or n_rot > D or r < 1:
         raise ValueError(f"{name}: n_rot {n_rot} / r {r} invalid for D_I {D}")
     kname = f"qsa_pool_{keys.type.value}"
-    g.dispatch(kname, [params, keys.buf, gain, summary.buf], [T // r + 1],
-               push=[param_off, r, summary.n_rows, n_rot, f32_bits(eps), f32_bits(theta)], spec=[D], name=name,
-               desc=f"T={T} r={r} D_I={D} {keys.type.value}")
+    groups = min(summary.n_rows, REPOOL_GROUPS) if repool else T // r + 1
+    g.dispatch(kname, [params, keys.buf, gain, summary.buf], [groups],
+               push=[param_off, r, summary.n_rows, n_rot, f32_bits(eps), f32_bits(theta), int(repool)], spec=[D],
+               name=name, desc=f"T={T} r={r} D_I={D} {keys.type.value}" + " repool" * repool)
 
 
 def qsa_scores(g: "Graph", params: Buffer, param_off: int, qI: Rows, summary: Rows, scores: Rows, *,
@@ -59,8 +66,10 @@ def qsa_scores(g: "Graph", params: Buffer, param_off: int, qI: Rows, summary: Ro
 
 
 def qsa_select(g: "Graph", params: Buffer, param_off: int, scores: Rows, out: Rows, *, r: int, B: int,
-               gather_params: Buffer | None = None, gp_off: int = 0, name: str = "qsa_select") -> None:
-    """(Q6), (Q8) block-mode Sel_t for the T = scores.n_rows queries at p0 + t. With gather_params:
+               cell: bool = False, gather_params: Buffer | None = None, gp_off: int = 0,
+               name: str = "qsa_select") -> None:
+    """(Q6)–(Q8) Sel_t for the T = scores.n_rows queries at p0 + t, in `block` mode or (cell=True)
+    `cell` mode with tie rule `index` (lower cell first). With gather_params:
     out row t = sorted cells of Sel_t (needs ≥ W = B + r − 1 columns) and gather_params[gp_off+2t],
     [gp_off+2t+1] = (position, count); else out row t = bit words of Sel_t (≥ ⌈n_ctx/32⌉ columns)."""
     if B % r:
@@ -73,5 +82,26 @@ def qsa_select(g: "Graph", params: Buffer, param_off: int, scores: Rows, out: Ro
         raise ValueError(f"{name}: cell lists need {W} columns and {2 * T} gather-params words")
     g.dispatch("qsa_topk", [params, scores.buf, gather_params if listing else params, out.buf], [T],
                push=[param_off, r, B // r, W, scores.off, scores.stride, out.off, out.stride, gp_off],
-               spec=[int(listing)], writes=[2, 3] if listing else [3], name=name,
-               desc=f"T={T} kb={B // r} r={r} {'list' if listing else 'mask'}")
+               spec=[int(listing), int(cell)], writes=[2, 3] if listing else [3], name=name,
+               desc=f"T={T} kb={B // r} r={r} {'cell' if cell else 'block'} {'list' if listing else 'mask'}")
+
+
+def qsa_union(g: "Graph", params: Buffer, param_off: int, sel: Rows, gp: Buffer, cells: Buffer, cap: int,
+              slots: Rows, *, tile: int, name: str = "qsa_union") -> int:
+    """(S1)–(S3) for the T = sel.n_rows queries at p0 + t in tiles of `tile`: tile k gets the sorted
+    union U_k of the queries' selections (bit rows `sel` over positions, from qsa_select) at
+    cells[k·cap …], slot rows `slots` (bit u of query t = U_k[u] ∈ Sel_t) and gp[2k], gp[2k+1] =
+    (p0 + k·tile, |U_k|); a tile whose union exceeds half its causal range gets the dense range
+    instead (masked dense through the same path). Returns the number of tiles."""
+    T = sel.n_rows
+    n_tiles = -(-T // tile)
+    if slots.n_rows != T or slots.n_cols * 32 < cap or sel.n_cols * 32 < cap:
+        raise ValueError(f"{name}: {T} queries need selection and slot rows of ⌈{cap}/32⌉ words, got "
+                         f"{sel.n_rows}x{sel.n_cols} and {slots.n_rows}x{slots.n_cols}")
+    if cells.nbytes < 4 * n_tiles * cap or gp.nbytes < 8 * n_tiles or tile < 1:
+        raise ValueError(f"{name}: {n_tiles} tiles of {tile} need {n_tiles}x{cap} list words and {2 * n_tiles} "
+                         f"gather-params words")
+    g.dispatch("qsa_union", [params, sel.buf, gp, cells, slots.buf], [n_tiles],
+               push=[param_off, T, tile, sel.off, sel.stride, cap, slots.off, slots.stride], writes=[2, 3, 4],
+               name=name, desc=f"T={T} tile={tile} cap={cap}")
+    return n_tiles
