@@ -25,14 +25,6 @@ class Geometry:
     L: int
 
 
-def random_geometry(rng: np.random.Generator) -> Geometry:
-    """Small shapes that are not powers of two where the kernels allow it (rows of whole 32-blocks)."""
-    H_kv = int(rng.integers(1, 3))
-    return Geometry(d=32 * int(rng.integers(2, 5)), H=H_kv * int(rng.integers(1, 4)), H_kv=H_kv,
-                    Dh=int(rng.choice([32, 64])), F=32 * int(rng.integers(3, 7)), V=int(rng.integers(200, 400)),
-                    L=int(rng.integers(2, 4)))
-
-
 def write_qwen2(path: Path, rng: np.random.Generator, geo: Geometry, qtype: Q = Q.F32, embd: Q | None = None,
                 tied: bool = False, n_ctx_train: int = 4096) -> None:
     """Write a qwen2 GGUF: matrices as `qtype`, token_embd as `embd` (default qtype), output tied or not."""

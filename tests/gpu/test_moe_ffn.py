@@ -12,7 +12,6 @@ from moe_util import SILU_SLOPE, experts, poisoned, read_rows, routed_reference,
 from vkflash import settings
 from vkflash.gpu.ops.matmul import QWeight
 from vkflash.gpu.ops.moe import MoEScratch, MoEWeights, moe_combine, moe_ffn
-from vkflash.gpu.ops.views import Rows
 from vkflash.model.layers.common import RefOptions
 from vkflash.model.layers.moe import moe
 from vkflash.model.weights import MoEW

@@ -31,7 +31,7 @@ from vkflash.engine.api import Finish, SamplingParams, TokenEvent
 from vkflash.engine.generate import generate
 from vkflash.errors import ConfigError
 from vkflash.model.tokenizer import Tokenizer
-from vkflash.model.weights import load_model
+from vkflash.model.hparams import hparams_from_gguf
 
 # plain English to cut prompts from (any text works; this one tokenizes like a real request)
 PROSE = ("The server reads a request, renders the prompt, and hands the token ids to a single generation slot. "
@@ -274,7 +274,7 @@ def measure(model: str | None, sizes: Sizes, load_timeout_s: float = 900.0) -> d
         env["MODEL"] = model
     s = settings_mod.load(env=env)
     path = backend.model_path(s)
-    n_ctx = s["CTX"] or load_model(path).hp.n_ctx_train
+    n_ctx = s["CTX"] or hparams_from_gguf(path).n_ctx_train
     long_n = min(sizes.long, n_ctx - sizes.gen - 1)
     if long_n <= sizes.short:
         raise ConfigError(f"{path.name}: a context of {n_ctx} tokens is too small for this benchmark")

@@ -53,11 +53,6 @@ class KVCaches:
         return sum(kv.k.buf.nbytes + kv.v.buf.nbytes for kv in self.layers.values())
 
 
-def kv_bytes_per_layer(hp: HParams, n_ctx: int, type: CacheType) -> int:
-    """Bytes of one layer's K plus V cache."""
-    return 2 * Cache.nbytes(n_ctx, hp.H_kv, hp.Dh, type)
-
-
 def allocate_kv(gpu: "Gpu", hp: HParams, n_ctx: int, type: CacheType, layers: Iterable[int]) -> KVCaches:
     """K and V caches of n_ctx positions for each attention layer in `layers`."""
     if type is CacheType.Q8_0 and hp.Dh % 32:

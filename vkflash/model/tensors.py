@@ -196,7 +196,7 @@ def _qwen4exp(hp: HParams, names: frozenset[str]) -> tuple[dict[str, Spec], bool
 
 
 def _qwen3next(hp: HParams, names: frozenset[str]) -> dict[str, Spec]:
-    """The qwen3next table; MTP blocks are accepted but optional (ignored for now)."""
+    """The qwen3next table; MTP blocks are accepted but optional (vkflash runs no qwen3next MTP)."""
     d, V = hp.d, hp.V
     t: dict[str, Spec] = {"token_embd.weight": exact((d, V)), "output.weight": exact((d, V), required=False),
                           "output_norm.weight": exact((d,))}

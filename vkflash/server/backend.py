@@ -11,6 +11,7 @@ from vkflash.engine.reference_backend import ReferenceForward
 from vkflash.errors import ConfigError, ModelError
 from vkflash.model.chat import QWEN3_THINKING_TEMPLATE
 from vkflash.model.tokenizer import Tokenizer, read_tokenizer_meta
+from vkflash.model.hparams import HParams, hparams_from_gguf
 from vkflash.model.weights import load_model
 from vkflash.settings import Settings
 
@@ -28,16 +29,17 @@ class Loaded:
     info: EngineInfo
 
 
-def _forward(settings: Settings, path: Path, weights, n_ctx: int) -> tuple[Forward, str]:
-    """The GPU forward when VKFLASH_BACKEND allows and the arch has step graphs, else the reference."""
+def _forward(settings: Settings, path: Path, hp: HParams, n_ctx: int) -> tuple[Forward, str]:
+    """The GPU forward when VKFLASH_BACKEND allows and the arch has step graphs, else the reference
+    (only then are the weights dequantized on the host)."""
     from vkflash.engine import graphs
 
     choice = settings["VKFLASH_BACKEND"]
-    if choice == "gpu" or (choice == "auto" and weights.hp.arch in graphs.ARCHS):
+    if choice == "gpu" or (choice == "auto" and hp.arch in graphs.ARCHS):
         from vkflash.engine.gpu_forward import GpuForward
 
         return GpuForward(path, ctx=n_ctx), "vulkan"
-    fwd = ReferenceForward(weights, n_ctx, qsa_mode="block" if settings["BLKTOPK"] else "cell",
+    fwd = ReferenceForward(load_model(path), n_ctx, qsa_mode="block" if settings["BLKTOPK"] else "cell",
                            gathered=bool(settings["GP"]))
     unused = [k for k in REFERENCE_IGNORES if settings.sources.get(k, "default") != "default"]
     if unused:
@@ -58,10 +60,9 @@ def model_path(settings: Settings) -> Path:
 
 
 def load(settings: Settings) -> Loaded:
-    """Read the model named by the settings and build its forward (the NumPy reference for now)."""
+    """Read the model named by the settings and build its forward (Vulkan or the NumPy reference)."""
     path = model_path(settings)
-    weights = load_model(path)
-    hp = weights.hp
+    hp = hparams_from_gguf(path)
     n_ctx = settings["CTX"] or hp.n_ctx_train
     if n_ctx > hp.n_ctx_train:
         raise ConfigError(f"CTX={n_ctx} exceeds the model's context of {hp.n_ctx_train} tokens")
@@ -70,7 +71,7 @@ def load(settings: Settings) -> Loaded:
     if tok.vocab_size > hp.V:
         raise ModelError(f"{path.name}: the tokenizer has {tok.vocab_size} tokens but the model only {hp.V}")
     template = str(meta.get("tokenizer.chat_template") or QWEN3_THINKING_TEMPLATE)
-    fwd, name = _forward(settings, path, weights, n_ctx)
+    fwd, name = _forward(settings, path, hp, n_ctx)
     info = EngineInfo(model_id=path.stem, model_path=str(path), arch=hp.arch, backend=name,
                       n_ctx=n_ctx, n_ctx_train=hp.n_ctx_train, n_vocab=hp.V, chat_template=template,
                       ubatch=settings["UB"])

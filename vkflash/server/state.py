@@ -55,8 +55,11 @@ class ServerState:
     def _load(self) -> None:
         try:
             loaded = self.loader(self.settings)
-        except (VkflashError, OSError, ValueError) as e:
+        except VkflashError as e:
             self.fail(f"model load failed: {e}")
+            return
+        except Exception as e:  # anything else must still end "loading", never leave it hanging
+            self.fail(f"model load failed: {type(e).__name__}: {e}")
             return
         self.slot = Slot(loaded.fwd, loaded.tokenizer, self.options.queue_depth, loaded.info.ubatch,
                          self.on_finish, self.options.token_delay_s)

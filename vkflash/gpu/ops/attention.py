@@ -47,7 +47,6 @@ KERNELS = (
     + [Kernel("attn_combine", "attn_combine.comp", 3, local_size=64)]
 )
 MAX_GROUPS = 4096  # grid-stride loop of kv_append covers the rest
-NEG = -1.0e30  # the kernels' score of a masked key (the m of an empty split)
 
 
 @dataclass(frozen=True)
