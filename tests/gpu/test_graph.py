@@ -149,3 +149,32 @@ def test_barrier_every_dispatch_revert_knob(gpu, rng):
         gpu.settings = saved
     assert outs["1"][0] == 2 and outs["0"][0] == 4  # leading barrier + (1 dependency | every op)
     np.testing.assert_array_equal(outs["1"][1], outs["0"][1])
+
+
+def test_gpu_failure_becomes_device_error(gpu, rng):
+    """A kp error while a submission runs (how a lost device shows) is a DeviceError naming the
+    graph, so the server can report itself unhealthy."""
+    from vkflash.errors import DeviceError
+
+    n = 16
+    x, y = gpu.upload(rng.standard_normal(n).astype(np.float32), "x"), gpu.buffer(4 * n, "y")
+    g = gpu.graph("doomed")
+    E.silu(g, Rows.flat(x, n), Rows.flat(y, n))
+    g.record()
+
+    class Lost:
+        def __init__(self, seq):
+            self.seq = seq
+
+        def eval_async(self):
+            self.seq.eval_async()
+
+        def eval_await(self, *a):
+            self.seq.eval_await()
+            raise RuntimeError("vk::Queue::submit: ErrorDeviceLost")
+
+    sub = g.submissions[0]
+    sub.seq = Lost(sub.seq)
+    with pytest.raises(DeviceError, match="doomed"):
+        g.run()
+    assert g.in_flight == 0

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Sequence
 import kp
 import numpy as np
 
+from vkflash.errors import DeviceError
 from vkflash.gpu import cost, trace
 from vkflash.gpu.memory import Buffer
 
@@ -52,6 +53,7 @@ class Submission:
     seq: "kp.Sequence | None" = None
     n_recorded: int = 0  # kp ops incl. barriers (timestamps are per kp op)
     op_slots: list[int] = field(default_factory=list)  # kp op index of each dispatch
+    timestamps: bool = False  # recorded with a timestamp after every kp op
 
 
 class Graph:
@@ -126,7 +128,7 @@ class Graph:
             n_kp = 2 + 2 * len(ops)  # upper bound: a barrier before every op, one to the host
             seq = self.gpu.mgr.sequence(0, n_kp + 1 if timestamps else 0)
             seq.set_spin_wait(bool(self.gpu.settings["VKFLASH_SPIN_WAIT"]))
-            sub = Submission(ops, seq)
+            sub = Submission(ops, seq, timestamps=timestamps)
             seq.record(kp.OpBarrier())
             sub.n_recorded = 1
             written: set[int] = set()
@@ -172,7 +174,10 @@ class Graph:
                 self._finish(self._pending.pop(0))
             trace.before_submit(self, sub)
             sub_t0 = time.perf_counter()
-            sub.seq.eval_async()
+            try:
+                sub.seq.eval_async()
+            except RuntimeError as e:  # kp's form of VK_ERROR_DEVICE_LOST, out of memory, …
+                raise DeviceError(f"{self.name}: submission failed: {e}") from e
             self._pending.append(sub)
             trace.submitted(self, sub, sub_t0)
 
@@ -188,5 +193,9 @@ class Graph:
 
     def _finish(self, sub: Submission) -> None:
         t0 = time.perf_counter()
-        sub.seq.eval_await()
+        try:
+            sub.seq.eval_await()
+        except RuntimeError as e:
+            self._pending.clear()
+            raise DeviceError(f"{self.name}: the GPU failed while running it: {e}") from e
         trace.finished(self, sub, t0)

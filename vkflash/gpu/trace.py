@@ -76,7 +76,7 @@ def submitted(graph: "Graph", sub: "Submission", t0: float) -> None:
 
 
 def finished(graph: "Graph", sub: "Submission", t_wait: float) -> None:
-    if not wants_timestamps():
+    if not sub.timestamps:  # decided when it was recorded, whatever the knobs say now
         return
     ts = sub.seq.get_timestamps()
     period = graph.gpu.caps.timestamp_period_ns
