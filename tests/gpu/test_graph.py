@@ -127,26 +127,22 @@ def test_staging_round_trip_odd_offsets(gpu, rng, monkeypatch):
     np.testing.assert_array_equal(buf.read(np.float32, 17, 3), f)
 
 
-def test_barrier_every_dispatch_revert_knob(gpu, rng):
+def test_barrier_every_dispatch_revert_knob(gpu, rng, monkeypatch):
     """VKFLASH_DEP_BARRIERS=0 puts a barrier before every dispatch; results equal the tracked path."""
     from vkflash import settings
 
     n = int(rng.integers(100, 1000))
     x = gpu.upload(rng.standard_normal(n).astype(np.float32), "x")
     outs = {}
-    saved = gpu.settings
-    try:
-        for flag in ("1", "0"):
-            gpu.settings = settings.load(env={"VKFLASH_DEP_BARRIERS": flag})
-            y1, y2, y3 = (gpu.buffer(4 * n, f"y{i}") for i in range(3))
-            g = gpu.graph(f"knob{flag}")
-            E.silu(g, Rows.flat(x, n), Rows.flat(y1, n))
-            E.sigmoid(g, Rows.flat(x, n), Rows.flat(y2, n))      # independent of the silu
-            E.add(g, Rows.flat(y1, n), Rows.flat(y2, n), Rows.flat(y3, n))
-            g.run()
-            outs[flag] = (g.barriers, y3.read(np.float32))
-    finally:
-        gpu.settings = saved
+    for flag in ("1", "0"):
+        monkeypatch.setattr(settings, "_current", settings.load(env={"VKFLASH_DEP_BARRIERS": flag}))
+        y1, y2, y3 = (gpu.buffer(4 * n, f"y{i}") for i in range(3))
+        g = gpu.graph(f"knob{flag}")
+        E.silu(g, Rows.flat(x, n), Rows.flat(y1, n))
+        E.sigmoid(g, Rows.flat(x, n), Rows.flat(y2, n))      # independent of the silu
+        E.add(g, Rows.flat(y1, n), Rows.flat(y2, n), Rows.flat(y3, n))
+        g.run()
+        outs[flag] = (g.barriers, y3.read(np.float32))
     assert outs["1"][0] == 2 and outs["0"][0] == 4  # leading barrier + (1 dependency | every op)
     np.testing.assert_array_equal(outs["1"][1], outs["0"][1])
 

@@ -115,7 +115,7 @@ def test_graph_cut_where_the_budget_says(gpu, rng, monkeypatch):
     costs = [c for grp in groups for c in grp]
     n = int(rng.integers(100, 2000))
     alphas = rng.choice(ALPHAS, len(costs))
-    monkeypatch.setattr(gpu, "settings", _settings(VKFLASH_SUBMIT_BUDGET_MS=str(budget_us / 1000)))
+    monkeypatch.setattr(settings, "_current", _settings(VKFLASH_SUBMIT_BUDGET_MS=str(budget_us / 1000)))
     g, pb, qb = _chain_graph(gpu, "budget", n, alphas)
     g.rates = PER_US
     for op, c in zip(g.ops, costs):
@@ -142,7 +142,7 @@ def test_graph_cut_where_the_budget_says(gpu, rng, monkeypatch):
 @pytest.mark.gpu
 def test_unsplit_graph_stays_one_submission(gpu, rng, monkeypatch):
     """split=False ignores the budget even when every op alone exceeds it; it refuses an op limit."""
-    monkeypatch.setattr(gpu, "settings", _settings(VKFLASH_SUBMIT_BUDGET_MS="1"))
+    monkeypatch.setattr(settings, "_current", _settings(VKFLASH_SUBMIT_BUDGET_MS="1"))
     n, steps = int(rng.integers(50, 500)), int(rng.integers(5, 20))
     alphas = rng.choice(ALPHAS, steps)
     for split, want in ((True, steps), (False, 1)):
@@ -168,7 +168,7 @@ def test_in_flight_bound(gpu, rng, monkeypatch, serialize):
     flight, the limit reached when there are enough submissions, and the results still exact."""
     inflight = int(rng.integers(1, 5))
     limit = 1 if serialize else inflight
-    monkeypatch.setattr(gpu, "settings", _settings(VKFLASH_MAX_INFLIGHT=str(inflight),
+    monkeypatch.setattr(settings, "_current", _settings(VKFLASH_MAX_INFLIGHT=str(inflight),
                                                    VKFLASH_SERIALIZE_SUBMISSIONS=str(int(serialize))))
     n, steps = int(rng.integers(50, 500)), int(rng.integers(8, 30))
     alphas = rng.choice(ALPHAS, steps)

@@ -26,8 +26,7 @@ class Gpu:
     """One Vulkan device driven through Kompute."""
 
     def __init__(self, index: int | None = None) -> None:
-        self.settings = settings.current()
-        self.index = self.settings["VKFLASH_DEVICE"] if index is None else index
+        self.index = settings.current()["VKFLASH_DEVICE"] if index is None else index
         self.caps: Capabilities = probe(self.index)
         try:
             self.mgr = kp.Manager(self.index)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Sequence
 import kp
 import numpy as np
 
+from vkflash import settings
 from vkflash.errors import DeviceError
 from vkflash.gpu import cost, trace
 from vkflash.gpu.memory import Buffer
@@ -116,7 +117,7 @@ class Graph:
         """The op list cut into submissions, in order (one when split=False)."""
         if not self.split:
             return [list(self.ops)]
-        budget = self.gpu.settings["VKFLASH_SUBMIT_BUDGET_MS"] / 1e3
+        budget = settings.current()["VKFLASH_SUBMIT_BUDGET_MS"] / 1e3
         return [self.ops[r.start:r.stop] for r in cost.cut(self.estimates(), budget, self.max_ops)]
 
     def record(self) -> None:
@@ -127,13 +128,13 @@ class Graph:
         for ops in self._split():
             n_kp = 2 + 2 * len(ops)  # upper bound: a barrier before every op, one to the host
             seq = self.gpu.mgr.sequence(0, n_kp + 1 if timestamps else 0)
-            seq.set_spin_wait(bool(self.gpu.settings["VKFLASH_SPIN_WAIT"]))
+            seq.set_spin_wait(bool(settings.current()["VKFLASH_SPIN_WAIT"]))
             sub = Submission(ops, seq, timestamps=timestamps)
             seq.record(kp.OpBarrier())
             sub.n_recorded = 1
             written: set[int] = set()
             read: set[int] = set()
-            every = not self.gpu.settings["VKFLASH_DEP_BARRIERS"]
+            every = not settings.current()["VKFLASH_DEP_BARRIERS"]
             for op in ops:
                 if every or op.reads & written or op.writes & (written | read):
                     seq.record(kp.OpBarrier())
@@ -167,7 +168,7 @@ class Graph:
         """Replay without waiting for the last submission (at most MAX_INFLIGHT in flight)."""
         if not self.submissions:
             self.record()
-        s = self.gpu.settings
+        s = settings.current()
         limit = 1 if s["VKFLASH_SERIALIZE_SUBMISSIONS"] else s["VKFLASH_MAX_INFLIGHT"]
         for sub in self.submissions:
             while len(self._pending) >= limit:
