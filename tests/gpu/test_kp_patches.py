@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from vkflash.gpu.compile_shaders import cache_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("build_kp", ROOT / "launcher" / "build_kp.py")
@@ -84,7 +85,7 @@ def lcg_power(x: np.ndarray, iters: int) -> np.ndarray:
 def compile_glsl(src: str, tmp: Path, name: str) -> bytes:
     """GLSL → SPIR-V with the venv's cmeel glslangValidator, into tmp; also kept in the SPIR-V cache
     (build/spv) so machines without a compiler (the lent GPU) run the carried result."""
-    cached = Path(os.environ.get("VKFLASH_SPV_CACHE", ROOT / "build" / "spv")) / (
+    cached = cache_dir() / (
         f"kptest-{name}-{hashlib.sha256(src.encode()).hexdigest()[:16]}.spv")
     prefix = Path(sysconfig.get_paths()["purelib"]) / "cmeel.prefix"
     exe = prefix / "bin" / "glslangValidator"

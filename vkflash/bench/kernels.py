@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -80,8 +81,10 @@ def raw_kp(gpu: Gpu, pythonpath: str | None) -> list[dict]:
     from vkflash.gpu.registry import kernel
 
     spv = gpu.spirv(kernel("copy"))
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"vkflash-copy-{os.getpid()}.spv"
-    path.write_bytes(spv)
+    fd, name = tempfile.mkstemp(suffix=".spv")
+    path = Path(name)
+    with os.fdopen(fd, "wb") as f:
+        f.write(spv)
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
@@ -176,7 +179,7 @@ def run(quick: bool, as_json: bool, console: Console) -> None:
         rows.append(r)
     for n in (1, 100, 1000):
         rows += replay_cost(gpu, n)
-    stock = os.environ.get("VKFLASH_KP_STOCK", str(Path(__file__).resolve().parents[2] / "build" / "kp-stock" / "out"))
+    stock = str(Path(__file__).resolve().parents[2] / "build" / "kp-stock" / "out")  # launcher/build_kp.py --stock
     raw = {"patched": raw_kp(gpu, None)}
     if Path(stock).exists():
         raw["stock"] = raw_kp(gpu, stock)

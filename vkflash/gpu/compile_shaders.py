@@ -23,7 +23,7 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
 
 def cache_dir() -> Path:
-    d = Path(os.environ.get("VKFLASH_SPV_CACHE", ROOT / "build" / "spv"))
+    d = ROOT / "build" / "spv"
     d.mkdir(parents=True, exist_ok=True)
     return d
 
