@@ -3,8 +3,9 @@
 Step graphs are recorded once per (token count, head) and replayed with the step's positions and
 token ids written into the step-params buffer. A prompt is fed in ubatches of UB tokens; a
 ubatch that is not a whole recorded size is cut into power-of-two pieces (37 = 32 + 4 + 1), so no
-token is ever padded and there is never a per-token loop. Decode is one replay of the 1-token
-graph: one submission, ending in the LM head and a device argmax (greedy reads 4 bytes).
+token is ever padded and there is never a per-token loop. A prefill graph is cut into submissions
+of at most VKFLASH_SUBMIT_BUDGET_MS estimated GPU time; decode is one replay of the 1-token graph,
+never split: one submission, ending in the LM head and a device argmax (greedy reads 4 bytes).
 """
 
 from __future__ import annotations
@@ -168,11 +169,12 @@ class GpuForward:
 
     # --- steps ----------------------------------------------------------------------------
     def graph(self, n: int, head: Head) -> Graph:
-        """The step graph of n tokens with `head`, built on first use (recorded on its first run)."""
+        """The step graph of n tokens with `head`, built on first use (recorded on its first run);
+        only graphs of several tokens are split by the submission budget (decode stays one)."""
         key = (n, head)
         g = self._graphs.get(key)
         if g is None:
-            g = self.gpu.graph(f"{self.hp.arch}.{head.value}.{n}")
+            g = Graph(self.gpu, f"{self.hp.arch}.{head.value}.{n}", split=n > 1)
             self.arch.build(g, self.model, self.scratch, n, head)
             self._graphs[key] = g
         return g
