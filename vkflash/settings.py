@@ -124,7 +124,7 @@ KNOBS: tuple[Knob, ...] = (
     _planned("RSROLL", _bool, True, "0: restore recurrent checkpoints instead of rolling back in place", "revert"),
     _k("BLKTOPK", _bool, True, "0: QSA `cell` selection (llama.cpp) instead of `block`", "revert"),
     _k("GP", _bool, True, "0: masked dense QSA prefill instead of gathered sparse", "revert"),
-    _planned("POOLED", _bool, True, "0: re-pool indexer keys every step instead of the summary cache", "revert"),
+    _k("POOLED", _bool, True, "0: re-pool indexer keys every step instead of the summary cache", "revert"),
     _k("TPLFIX", _bool, True, "0: raw chat template (no mid-conversation system fix)", "revert"),
     _k("VKFLASH_MM_TILE_EPILOG", _bool, True, "0: separate epilogue ops instead of fused GEMM stores", "revert"),
     _k("VKFLASH_MMID_COMPACT", _bool, True, "0: plain MoE grid instead of live (expert, tile) pairs", "revert"),

@@ -1,5 +1,6 @@
 """Sublayers shared by the qwen3next and qwen4exp step graphs: GDN (MODEL.md §5.4 G1–G10), gated
-attention with RoPE (§5.5 A1–A8, optionally QSA-masked/gathered §5.6), and MoE with the σ-gated
+attention with RoPE (§5.5 A1–A8, with QSA §5.6: masked or per-tile gathered prefill, gathered
+decode, `block` or `cell` selection, lazy or re-pooled summary rows), and MoE with the σ-gated
 shared expert (§5.7 M1–M4); plus the upload-time re-layouts their weights need.
 
 Every sublayer covers the step's n tokens in whole-ubatch dispatches (no per-token loops) and
@@ -28,10 +29,11 @@ from vkflash.gpu.ops.moe import (TILES, ExpertStack, MoEPlan, RoutedExperts, moe
                                  plan_words, split_gate_up, tile_width)
 from vkflash.gpu.ops.moe import DECODE_MAX_T as MOE_GEMV_MAX_T
 from vkflash.gpu.ops.norm import rms_norm
-from vkflash.gpu.ops.qsa import qsa_pool, qsa_scores, qsa_select
+from vkflash.gpu.ops.qsa import qsa_pool, qsa_scores, qsa_select, qsa_union
 from vkflash.gpu.ops.rope import rope_neox
 from vkflash.gpu.ops.views import Rows
 from vkflash.model.hparams import HParams
+from vkflash.settings import current
 
 if TYPE_CHECKING:
     from vkflash.gpu.context import Gpu
@@ -162,44 +164,86 @@ def gdn_sublayer(g: "Graph", m: StepModel, s: HybridScratch, i: int, n: int, u: 
 # ------------------------------------------------------------------ attention
 
 
+GATHER_TILE = 64  # queries per gathered-prefill tile (S1): one union, one attention dispatch each
+
+
+@dataclass(frozen=True)
+class QSAConfig:
+    """The QSA revert knobs, read once when the state is allocated: `cell` selection (BLKTOPK=0),
+    gathered sparse prefill (GP=1), the lazy summary cache (POOLED=1; else re-pool every step)."""
+
+    cell: bool
+    gathered: bool
+    pooled: bool
+
+    @classmethod
+    def from_settings(cls) -> "QSAConfig":
+        s = current()
+        return cls(cell=not s["BLKTOPK"], gathered=bool(s["GP"]), pooled=bool(s["POOLED"]))
+
+
 @dataclass(frozen=True)
 class QSABuffers:
     """Per-sequence QSA scratch sized by the context: raw keys ρ, indexer queries, block scores,
-    prefill bit rows, and the decode cell list with its gather params."""
+    prefill bit rows, the decode cell list with its gather params, and per the config the tile
+    lists + slot rows of gathered prefill and the re-pooled summary rows."""
 
+    cfg: QSAConfig
     rho: Buffer  # [ub, D_I]
     qI: Buffer  # [ub, n_I·D_I]
     scores: Buffer  # [ub, n_blocks]
-    mask: Buffer  # [ub, ⌈n_ctx/32⌉] words
+    mask: Buffer  # [ub, ⌈n_ctx/32⌉] words over positions
     cells: Buffer  # [W] cell positions (decode)
     gp: Buffer  # (position, count) of the decode query
+    tile_cells: Buffer  # [⌈ub/tile⌉, n_ctx] union lists (gathered prefill)
+    tile_gp: Buffer  # (first position, |U|) per tile
+    slots: Buffer  # [ub, ⌈n_ctx/32⌉] words over list slots
+    pooled: Buffer  # [n_blocks, D_I] re-pooled κ (POOLED=0), shared by the layers
+    tile: int  # queries per gathered-prefill tile
+    n_ctx: int
     n_blocks: int
     mask_words: int
     W: int
 
     @classmethod
-    def allocate(cls, gpu: "Gpu", hp: HParams, ub: int, n_ctx: int, r_min: int) -> "QSABuffers":
+    def allocate(cls, gpu: "Gpu", hp: HParams, ub: int, n_ctx: int, r_min: int, cfg: QSAConfig) -> "QSABuffers":
         n_blocks = n_ctx // r_min + 1
         words = -(-n_ctx // 32)
         W = hp.B + max(hp.r) - 1
-        return cls(gpu.buffer(4 * ub * hp.D_I, "qsa.rho"), gpu.buffer(4 * ub * hp.n_I * hp.D_I, "qsa.qI"),
+        tiles = -(-ub // GATHER_TILE) if cfg.gathered else 0  # the tile is fixed here, with the buffers
+        return cls(cfg, gpu.buffer(4 * ub * hp.D_I, "qsa.rho"), gpu.buffer(4 * ub * hp.n_I * hp.D_I, "qsa.qI"),
                    gpu.buffer(4 * ub * n_blocks, "qsa.scores"), gpu.buffer(4 * ub * words, "qsa.mask"),
-                   gpu.buffer(4 * W, "qsa.cells"), gpu.buffer(8, "qsa.gp"), n_blocks, words, W)
+                   gpu.buffer(4 * W, "qsa.cells"), gpu.buffer(8, "qsa.gp"),
+                   gpu.buffer(4 * max(1, tiles * n_ctx), "qsa.tile_cells"),
+                   gpu.buffer(8 * max(1, tiles), "qsa.tile_gp"),
+                   gpu.buffer(4 * (ub * words if cfg.gathered else 1), "qsa.slots"),
+                   gpu.buffer(4 * (1 if cfg.pooled else n_blocks * hp.D_I), "qsa.pooled"), GATHER_TILE, n_ctx,
+                   n_blocks, words, W)
+
+
+@dataclass(frozen=True)
+class GatheredTiles:
+    """Gathered prefill (S2–S3): tile k (queries k·tile …) attends through tile_cells[k·n_ctx …]
+    with its slot rows, params (first position, |U_k|) at tile_gp[2k]."""
+
+    qb: QSABuffers
+    n_tiles: int
 
 
 def _qsa_select(g: "Graph", m: StepModel, i: int, n: int, u: Rows, idx: IndexerCache,
-                qb: QSABuffers) -> CellMask | CellList:
-    """(Q1)–(Q8): write ρ, pool the blocks this step completes, score the visible blocks and select;
-    a bit-row mask for n > 1, a gathered cell list (positions in qb.gp) for decode."""
-    hp, w, p = m.hp, m.weights, m.params
+                qb: QSABuffers) -> CellMask | CellList | GatheredTiles:
+    """(Q1)–(Q8): write ρ, pool the blocks this step completes (or all, POOLED=0), score the visible
+    blocks and select: a gathered cell list (positions in qb.gp) for decode; for n > 1 per-query bit
+    rows, turned into per-tile union lists (GP=1) or used as the mask of dense attention (GP=0)."""
+    hp, w, p, cfg = m.hp, m.weights, m.params, qb.cfg
     b = f"blk.{i}."
     D, n_I, r = hp.D_I, hp.n_I, idx.r
     rho = Rows(qb.rho, n, D)
     matmul(g, w[b + "indexer.k_proj.weight"].matrix(), u, rho, name=b + "idx_k")
     kv_append(g, p.buf, p.pos, Heads(rho, 1, D), idx.keys, name=b + "cache_idx")
-    summary = idx.summary_rows()
+    summary = idx.summary_rows() if cfg.pooled else Rows(qb.pooled, idx.n_blocks, D)
     qsa_pool(g, p.buf, 0, idx.keys, w[b + "indexer.k_norm.weight"].buf, summary, r=r, T=n, n_rot=hp.n_rot,
-             theta=hp.theta, eps=hp.eps, name=b + "qsa_pool")
+             theta=hp.theta, eps=hp.eps, repool=not cfg.pooled, name=b + "qsa_pool")
     qI = Rows(qb.qI, n, n_I * D)
     matmul(g, w[b + "indexer.q_proj.weight"].matrix(), u, qI, name=b + "idx_q")
     heads = Rows(qb.qI, n * n_I, D)
@@ -208,11 +252,16 @@ def _qsa_select(g: "Graph", m: StepModel, i: int, n: int, u: Rows, idx: IndexerC
     scores = Rows(qb.scores, n, qb.n_blocks)
     qsa_scores(g, p.buf, 0, qI, summary, scores, n_I=n_I, r=r, name=b + "idx_scores")
     if n == 1:
-        qsa_select(g, p.buf, 0, scores, Rows(qb.cells, 1, qb.W), r=r, B=hp.B, gather_params=qb.gp,
+        qsa_select(g, p.buf, 0, scores, Rows(qb.cells, 1, qb.W), r=r, B=hp.B, cell=cfg.cell, gather_params=qb.gp,
                    name=b + "qsa_select")
         return CellList(qb.cells, hp.W(i))
-    qsa_select(g, p.buf, 0, scores, Rows(qb.mask, n, qb.mask_words), r=r, B=hp.B, name=b + "qsa_mask")
-    return CellMask(qb.mask, qb.mask_words)
+    sel = Rows(qb.mask, n, qb.mask_words)
+    qsa_select(g, p.buf, 0, scores, sel, r=r, B=hp.B, cell=cfg.cell, name=b + "qsa_mask")
+    if not cfg.gathered:
+        return CellMask(qb.mask, qb.mask_words)
+    tiles = qsa_union(g, p.buf, 0, sel, qb.tile_gp, qb.tile_cells, qb.n_ctx, Rows(qb.slots, n, qb.mask_words),
+                      tile=qb.tile, name=b + "qsa_union")
+    return GatheredTiles(qb, tiles)
 
 
 def attention_sublayer(g: "Graph", m: StepModel, s: HybridScratch, i: int, n: int, u: Rows, out: Rows,
@@ -242,13 +291,25 @@ def attention_sublayer(g: "Graph", m: StepModel, s: HybridScratch, i: int, n: in
     kv_append(g, p.buf, p.pos, Heads(k, H_kv, Dh), cache.k, name=b + "cache_k")
     kv_append(g, p.buf, p.pos, Heads(v, H_kv, Dh), cache.v, name=b + "cache_v")
     sel = _qsa_select(g, m, i, n, u, *qsa) if qsa is not None else None
-    q, gate = q_and_gate(qg, H, Dh)
     o = Rows(s.o, n, H * Dh)
     n_split = m.splits(n)
-    params, poff = (qsa[1].gp, 0) if isinstance(sel, CellList) else (p.buf, 0)
-    attention(g, params, poff, q, cache.k, cache.v, Heads(o, H, Dh), gate=gate,
-              mask=sel if isinstance(sel, CellMask) else None, cells=sel if isinstance(sel, CellList) else None,
-              n_split=n_split, partial=s.partial if n_split > 1 else None, name=b + "kqv_out")
+    partial = s.partial if n_split > 1 else None
+    if isinstance(sel, GatheredTiles):  # (S3) one gathered, slot-masked attention per query tile
+        qb, words = sel.qb, sel.qb.mask_words
+        for k in range(sel.n_tiles):
+            t0 = k * qb.tile
+            nt = min(n, t0 + qb.tile) - t0
+            q, gate = q_and_gate(Rows(s.qg, nt, 2 * H * Dh, t0 * 2 * H * Dh), H, Dh)
+            attention(g, qb.tile_gp, 2 * k, q, cache.k, cache.v, Heads(Rows(s.o, nt, H * Dh, t0 * H * Dh), H, Dh),
+                      gate=gate, mask=CellMask(qb.slots, words, t0 * words),
+                      cells=CellList(qb.tile_cells, qb.n_ctx, k * qb.n_ctx), n_split=n_split, partial=partial,
+                      name=b + "kqv_out" + (f".{k}" if sel.n_tiles > 1 else ""))
+    else:
+        q, gate = q_and_gate(qg, H, Dh)
+        params = qsa[1].gp if qsa is not None and isinstance(sel, CellList) else p.buf
+        attention(g, params, 0, q, cache.k, cache.v, Heads(o, H, Dh), gate=gate,
+                  mask=sel if isinstance(sel, CellMask) else None, cells=sel if isinstance(sel, CellList) else None,
+                  n_split=n_split, partial=partial, name=b + "kqv_out")
     matmul(g, w[b + "attn_output.weight"].matrix(), o, out, Epilogue(res=out) if residual else Epilogue(),
            name=b + "attn_out")
 

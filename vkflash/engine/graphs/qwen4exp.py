@@ -7,10 +7,12 @@
     logits = W_out Mix(R; output_hc) for the rows the head asks for, and their argmax.   (O2, O3)
 
 GDN uses the tiled head map and the σ gate; attention layers with r > 0 select cells with QSA
-(block mode): summary rows of blocks a step completes are pooled once, prefill attends through
-per-query bit rows and decode through a gathered cell list (both dense while t+1 ≤ W). The PLE
-table rows (n_p per token, host-hashed with model/ple_hash.py) are gathered from the mmapped file
-into the step-params buffer; its dilated conv runs as a contiguous conv with zero taps between.
+(`block` mode, or `cell` with BLKTOPK=0): summary rows of blocks a step completes are pooled once
+(re-pooled every step with POOLED=0), prefill attends per query tile through the union of the
+tile's selections with per-query slot masks (masked dense with GP=0), decode through a gathered
+cell list (all dense while t+1 ≤ W). The PLE table rows (n_p per token, host-hashed with
+model/ple_hash.py) are gathered from the mmapped file into the step-params buffer; its dilated
+conv runs as a contiguous conv with zero taps between.
 """
 
 from __future__ import annotations
@@ -23,12 +25,11 @@ from gguf import GGMLQuantizationType as Q
 
 from vkflash.engine.caches import IndexerCache, allocate_indexer
 from vkflash.engine.graphs.common import Head, StepModel, embed_tokens
-from vkflash.engine.graphs.hybrid import (HybridScratch, QSABuffers, attention_sublayer, moe_sublayer,
+from vkflash.engine.graphs.hybrid import (HybridScratch, QSABuffers, QSAConfig, attention_sublayer, moe_sublayer,
                                           gdn_sublayer, hybrid_transforms)
 from vkflash.engine.state import RecurrentState
 from vkflash.engine.step_params import StepParams
 from vkflash.engine.weights_gpu import Stored, Transform, as_f32, host_row_gather
-from vkflash.errors import ConfigError
 from vkflash.formats.gguf_file import GGUFFile, TensorInfo
 from vkflash.formats.quant_blocks import row_bytes
 from vkflash.gpu.memory import Buffer
@@ -156,12 +157,12 @@ class Qwen4State:
 
 
 def allocate_state(gpu: "Gpu", gf: GGUFFile, hp: HParams, n_ctx: int, kv: CacheType, ub: int) -> Qwen4State:
-    """Recurrent rows with n_draft+1 slots, indexer caches of the QSA layers, PLE host side."""
-    if not current()["BLKTOPK"] and any(hp.r[: hp.L]):
-        raise ConfigError("BLKTOPK=0 (QSA `cell` mode) is not available in the GPU forward; use BLKTOPK=1")
+    """Recurrent rows with n_draft+1 slots, indexer caches and QSA scratch (for the QSA knobs in
+    effect now: BLKTOPK, GP, POOLED), PLE host side."""
     rec = RecurrentState.allocate(gpu, hp, int(current()["DRAFT"]) or 6, ple_taps(hp) - 1 if hp.has_ple else 0)
     idx = allocate_indexer(gpu, hp, n_ctx, kv)
-    qsa = QSABuffers.allocate(gpu, hp, ub, n_ctx, min(c.r for c in idx.values())) if idx else None
+    qsa = QSABuffers.allocate(gpu, hp, ub, n_ctx, min(c.r for c in idx.values()), QSAConfig.from_settings()) \
+        if idx else None
     if hp.has_ple:
         return Qwen4State(rec, idx, qsa, _hash_params(hp), host_row_gather(gf, "per_layer_token_embd.weight"))
     return Qwen4State(rec, idx, qsa, None, None)

@@ -1,0 +1,102 @@
+"""The QSA revert paths of the qwen4exp GPU forward on `make-model` tiny files (MODEL.md §5.6):
+BLKTOPK=0 (`cell` selection, index ties) vs the reference in cell/index mode, GP=1 gathered sparse
+prefill vs GP=0 masked dense prefill, and POOLED=0 re-pooling vs the lazy summary cache."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+from test_gpu_qwen4exp import EXACT, _model, _prompt, _rel
+from vkflash import settings
+from vkflash.engine.gpu_forward import GpuForward
+from vkflash.engine.graphs import hybrid
+from vkflash.model import reference
+from vkflash.model.weights import load_model
+
+pytestmark = pytest.mark.gpu
+
+
+@contextmanager
+def knobs(**flags: str) -> Iterator[None]:
+    """Install settings with these knob flags for the block (the forward reads them when built)."""
+    old = settings.current()
+    settings.install(settings.load(flags=flags))
+    try:
+        yield
+    finally:
+        settings.install(old)
+
+
+def _run(fwd: GpuForward, toks: np.ndarray, n_prefill: int) -> np.ndarray:
+    """Teacher-forced logits: one all-logits prefill of n_prefill tokens, then decodes."""
+    return np.vstack([fwd.prefill_logits(toks[:n_prefill])] + [fwd.decode(int(t))[None] for t in toks[n_prefill:]])
+
+
+def _last_qsa(fwd: GpuForward) -> int:
+    return max(fwd.model.state.idx)
+
+
+def test_cell_mode_matches_reference(gpu, rng, tmp_path: Path):
+    """BLKTOPK=0: prefill across the dense → sparse boundary (t+1 = 35) and gathered decodes equal the
+    reference in `cell` mode with tie rule `index`; `block` differs from it (the knob took effect)."""
+    path = _model(tmp_path, rng)
+    toks = _prompt(rng, 90)
+    with knobs(BLKTOPK="0"):
+        fwd = GpuForward(path, ctx=128, ub=40, kv="f32", gpu=gpu, logits_rows=40)
+    got = _run(fwd, toks, 80)
+    weights = load_model(path, np.float64)
+    ref = reference.prefill(toks, reference.new_state(weights, cache_dtype=np.float32, qsa_mode="cell",
+                                                      tie_rule="index"))
+    block = reference.prefill(toks, reference.new_state(weights, cache_dtype=np.float32))
+    assert _rel(got, ref) <= EXACT, f"max|Δ| = {_rel(got, ref):.2e}·std"
+    assert _rel(block, ref) > 10 * EXACT, "cell and block mode agree on this model: the test checks nothing"
+
+
+def test_gathered_prefill_equals_masked(gpu, rng, tmp_path: Path, monkeypatch):
+    """GP=1 (per-tile union + slot masks) and GP=0 (masked dense) give the same selections and the same
+    logits as the reference; tiles of 3 queries so the tiny model's tiles really gather (a 64-query
+    tile's union covers most of a short cache and falls back to dense)."""
+    monkeypatch.setattr(hybrid, "GATHER_TILE", 3)
+    path = _model(tmp_path, rng)
+    toks = _prompt(rng, 236)
+    out, sel = {}, {}
+    for gp in ("1", "0"):
+        with knobs(GP=gp):
+            fwd = GpuForward(path, ctx=256, ub=58, kv="f32", gpu=gpu, logits_rows=58)
+        out[gp] = _run(fwd, toks, 232)
+        qb = fwd.model.state.qsa
+        fwd.prefill(toks[:4])  # one more 4-token step so the bit rows of the last QSA layer can be compared
+        sel[gp] = qb.mask.read(np.uint32, 4 * qb.mask_words)
+        if gp == "1":
+            counts = qb.tile_gp.read(np.int32, 4)[1::2]
+            assert (counts < 232 + 3).any(), "no tile gathered"
+    fwd.reset()
+    ref = reference.prefill(toks, reference.new_state(load_model(path, np.float64), cache_dtype=np.float32))
+    for gp in ("1", "0"):
+        assert _rel(out[gp], ref) <= EXACT, f"GP={gp}: max|Δ| = {_rel(out[gp], ref):.2e}·std"
+    assert _rel(out["1"], out["0"]) <= EXACT
+    assert np.array_equal(sel["1"], sel["0"]), "selections differ between GP=1 and GP=0"
+
+
+def test_repooled_summary_equals_cache(gpu, rng, tmp_path: Path):
+    """POOLED=0 re-pools every complete block each step: the re-pooled rows of the last QSA layer are
+    bit-identical to its lazily written summary cache, and so are the logits of prefill + decodes."""
+    path = _model(tmp_path, rng)
+    toks = _prompt(rng, 60)
+    out, rows = {}, {}
+    for pooled in ("1", "0"):
+        with knobs(POOLED=pooled):
+            fwd = GpuForward(path, ctx=64, ub=24, kv="f32", gpu=gpu, logits_rows=24)
+        out[pooled] = np.vstack([fwd.prefill_logits(toks[:24]), fwd.prefill_logits(toks[24:48])]
+                                + [fwd.decode(int(t))[None] for t in toks[48:]])
+        idx = fwd.model.state.idx[_last_qsa(fwd)]
+        n_words = (len(toks) // idx.r) * idx.keys.dim
+        buf = idx.summary if pooled == "1" else fwd.model.state.qsa.pooled
+        rows[pooled] = buf.read(np.uint32, n_words)
+    assert np.array_equal(rows["1"], rows["0"]), "re-pooled rows differ from the summary cache"
+    assert np.array_equal(out["1"], out["0"]), f"logits differ by {_rel(out['0'], out['1']):.2e}·std"
