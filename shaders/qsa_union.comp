@@ -8,14 +8,17 @@
 // the tile (S3: the per-query mask is what makes the union exact). Fallback: when 2|U_k| > n_k =
 // p0 + t_last + 1 (the tile's causal range) gathering saves little, so the list becomes the dense
 // range 0..n_k-1 and the slot rows equal the position rows (masked dense attention).
-// One workgroup per tile. Buffers: 0 params (int32), 1 mask (uint), 2 gp (int32), 3 cells (uint),
-// 4 smask (uint).
+// Two passes by spec PHASE: 0 builds list + gp with one workgroup per tile; 1 writes the slot rows
+// with one workgroup per (tile, query of the tile), reading the count from gp.
+// Buffers: 0 params (int32), 1 mask (uint), 2 gp (int32), 3 cells (uint), 4 smask (uint). Spec: 1 PHASE.
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"
 
+layout(constant_id = 1) const uint PHASE = 0;
+
 layout(std430, binding = 0) readonly buffer Params { int params[]; };
 layout(std430, binding = 1) readonly buffer Mask { uint mask[]; };
-layout(std430, binding = 2) writeonly buffer GP { int gp[]; };
+layout(std430, binding = 2) buffer GP { int gp[]; };
 layout(std430, binding = 3) coherent buffer Cells { uint cells[]; };
 layout(std430, binding = 4) writeonly buffer SMask { uint smask[]; };
 
@@ -30,10 +33,27 @@ bool selected(uint t, uint t_pos, uint j) {
     return j <= t_pos && ((mask[p.m_off + t * p.m_row + (j >> 5)] >> (j & 31u)) & 1u) != 0u;
 }
 
+// (S3) slot row of query t of tile k: bit u = (U_k[u] in Sel_t).
+void slot_row(uint k, uint t, uint p0, uint tid, uint WG) {
+    const uint list = k * p.cap, count = uint(gp[2u * k + 1u]), t_pos = p0 + t;
+    for (uint ow = tid; ow < (count + 31u) / 32u; ow += WG) {
+        uint word = 0u;
+        for (uint b = 0u; b < 32u; ++b) {
+            const uint u = ow * 32u + b;
+            if (u < count && selected(t, t_pos, cells[list + u])) word |= 1u << b;
+        }
+        smask[p.s_off + t * p.s_row + ow] = word;
+    }
+}
+
 void main() {
     const uint tid = gl_LocalInvocationID.x, WG = gl_WorkGroupSize.x, k = gl_WorkGroupID.x;
     const uint p0 = uint(params[p.param_off]);
     const uint t0 = k * p.TQ, t1 = min(p.T, t0 + p.TQ);
+    if (PHASE == 1u) {
+        if (t0 + gl_WorkGroupID.y < t1) slot_row(k, t0 + gl_WorkGroupID.y, p0, tid, WG);
+        return;
+    }
     const uint n_k = p0 + t1;  // positions 0 .. p0 + t1 - 1 are causally visible to the tile
     const uint n_words = (n_k + 31u) / 32u;
     const uint list = k * p.cap;
@@ -67,6 +87,8 @@ void main() {
         }
         barrier();
     }
+    memoryBarrierBuffer();  // the list writes above land before the dense fallback overwrites them
+    barrier();
     const bool dense = 2u * sh_base > n_k;
     const uint count = dense ? n_k : sh_base;
     if (dense) {
@@ -75,19 +97,5 @@ void main() {
     if (tid == 0u) {
         gp[2u * k] = int(p0 + t0);
         gp[2u * k + 1u] = int(count);
-    }
-    memoryBarrierBuffer();
-    barrier();
-
-    // (S3) per-query slot rows over the list.
-    const uint o_words = (count + 31u) / 32u;
-    for (uint e = tid; e < (t1 - t0) * o_words; e += WG) {
-        const uint t = t0 + e / o_words, ow = e % o_words, t_pos = p0 + t;
-        uint word = 0u;
-        for (uint b = 0u; b < 32u; ++b) {
-            const uint u = ow * 32u + b;
-            if (u < count && selected(t, t_pos, cells[list + u])) word |= 1u << b;
-        }
-        smask[p.s_off + t * p.s_row + ow] = word;
     }
 }

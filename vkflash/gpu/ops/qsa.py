@@ -92,7 +92,8 @@ def qsa_union(g: "Graph", params: Buffer, param_off: int, sel: Rows, gp: Buffer,
     union U_k of the queries' selections (bit rows `sel` over positions, from qsa_select) at
     cells[k·cap …], slot rows `slots` (bit u of query t = U_k[u] ∈ Sel_t) and gp[2k], gp[2k+1] =
     (p0 + k·tile, |U_k|); a tile whose union exceeds half its causal range gets the dense range
-    instead (masked dense through the same path). Returns the number of tiles."""
+    instead (masked dense through the same path). Two dispatches: the lists (one workgroup per tile),
+    then the slot rows (one per query). cap ≥ the cache length. Returns the number of tiles."""
     T = sel.n_rows
     n_tiles = -(-T // tile)
     if slots.n_rows != T or slots.n_cols * 32 < cap or sel.n_cols * 32 < cap:
@@ -101,7 +102,10 @@ def qsa_union(g: "Graph", params: Buffer, param_off: int, sel: Rows, gp: Buffer,
     if cells.nbytes < 4 * n_tiles * cap or gp.nbytes < 8 * n_tiles or tile < 1:
         raise ValueError(f"{name}: {n_tiles} tiles of {tile} need {n_tiles}x{cap} list words and {2 * n_tiles} "
                          f"gather-params words")
-    g.dispatch("qsa_union", [params, sel.buf, gp, cells, slots.buf], [n_tiles],
-               push=[param_off, T, tile, sel.off, sel.stride, cap, slots.off, slots.stride], writes=[2, 3, 4],
-               name=name, desc=f"T={T} tile={tile} cap={cap}")
+    bufs, push = [params, sel.buf, gp, cells, slots.buf], [param_off, T, tile, sel.off, sel.stride, cap, slots.off,
+                                                          slots.stride]
+    g.dispatch("qsa_union", bufs, [n_tiles], push=push, spec=[0], writes=[2, 3], name=name,
+               desc=f"T={T} tile={tile} cap={cap} lists")
+    g.dispatch("qsa_union", bufs, [n_tiles, min(tile, T)], push=push, spec=[1], writes=[4], name=f"{name}.slots",
+               desc=f"T={T} tile={tile} cap={cap} slot rows")
     return n_tiles
