@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from test_gpu_qwen4exp import EXACT, _model, _prompt, _rel
+from conditioning import RoutingGuard, redraw_if_ill_conditioned
 from vkflash import settings
 from vkflash.engine.gpu_forward import GpuForward
 from vkflash.engine.graphs import hybrid
@@ -42,6 +43,7 @@ def _last_qsa(fwd: GpuForward) -> int:
     return max(fwd.model.state.idx)
 
 
+@redraw_if_ill_conditioned
 def test_cell_mode_matches_reference(gpu, rng, tmp_path: Path):
     """BLKTOPK=0: prefill across the dense → sparse boundary (t+1 = 35) and gathered decodes equal the
     reference in `cell` mode with tie rule `index`; `block` differs from it (the knob took effect)."""
@@ -51,13 +53,16 @@ def test_cell_mode_matches_reference(gpu, rng, tmp_path: Path):
         fwd = GpuForward(path, ctx=128, ub=40, kv="f32", gpu=gpu, logits_rows=40)
     got = _run(fwd, toks, 80)
     weights = load_model(path, np.float64)
+    guard = RoutingGuard(weights.hp.k)
     ref = reference.prefill(toks, reference.new_state(weights, cache_dtype=np.float32, qsa_mode="cell",
-                                                      tie_rule="index"))
+                                                      tie_rule="index", dump=guard))
+    guard.check()
     block = reference.prefill(toks, reference.new_state(weights, cache_dtype=np.float32))
     assert _rel(got, ref) <= EXACT, f"max|Δ| = {_rel(got, ref):.2e}·std"
     assert _rel(block, ref) > 10 * EXACT, "cell and block mode agree on this model: the test checks nothing"
 
 
+@redraw_if_ill_conditioned
 def test_gathered_prefill_equals_masked(gpu, rng, tmp_path: Path, monkeypatch):
     """GP=1 (per-tile union + slot masks) and GP=0 (masked dense) give the same selections and the same
     logits as the reference; tiles of 3 queries so the tiny model's tiles really gather (a 64-query
@@ -76,7 +81,10 @@ def test_gathered_prefill_equals_masked(gpu, rng, tmp_path: Path, monkeypatch):
         if gp == "1":  # tiles of 3 and 1 queries select ≤ 3·W = 105 cells of 239 and 240: both gather
             counts = qb.tile_gp.read(np.int32, 4)[1::2]
             assert (counts < 236 + np.array([3, 4])).all(), f"a tile fell back to dense: |U| = {counts}"
-    ref = reference.prefill(toks, reference.new_state(load_model(path, np.float64), cache_dtype=np.float32))
+    weights = load_model(path, np.float64)
+    guard = RoutingGuard(weights.hp.k)
+    ref = reference.prefill(toks, reference.new_state(weights, cache_dtype=np.float32, dump=guard))
+    guard.check()
     for gp in ("1", "0"):
         assert _rel(out[gp], ref) <= EXACT, f"GP={gp}: max|Δ| = {_rel(out[gp], ref):.2e}·std"
     assert _rel(out["1"], out["0"]) <= EXACT

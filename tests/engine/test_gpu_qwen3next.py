@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conditioning import RoutingGuard, redraw_if_ill_conditioned
 from vkflash.engine.gpu_forward import GpuForward
 from vkflash.engine.graphs.common import Head
 from vkflash.model import reference
@@ -33,10 +34,15 @@ def _model(tmp_path: Path, rng: np.random.Generator, variant: str | None = None)
 
 def _reference(path: Path, toks: np.ndarray) -> np.ndarray:
     """Reference logits (T, V) in float64 with f32 K/V caches."""
-    return reference.prefill(toks, reference.new_state(load_model(path, np.float64), cache_dtype=np.float32))
+    w = load_model(path, np.float64)
+    guard = RoutingGuard(w.hp.k)
+    logits = reference.prefill(toks, reference.new_state(w, cache_dtype=np.float32, dump=guard))
+    guard.check()
+    return logits
 
 
 @pytest.mark.parametrize("variant", [None, "ssm_in"], ids=["attn_qkv", "ssm_in"])
+@redraw_if_ill_conditioned
 def test_logits_at_every_position(gpu, rng, tmp_path, variant):
     """Teacher-forced logits of a 64-token prompt in steps 24 + 24 + 16 (chunked GDN, GEMM paths)
     match the reference; grouped v-head order, silu gate, ssm_ba (and ssm_in) rows re-ordered at upload."""
@@ -50,6 +56,7 @@ def test_logits_at_every_position(gpu, rng, tmp_path, variant):
     assert _rel(got, ref) <= EXACT, f"max|Δ| = {_rel(got, ref):.2e}·std"
 
 
+@redraw_if_ill_conditioned
 def test_prefill_then_decode_and_greedy(gpu, rng, tmp_path):
     """prefill(37) + 13 decodes (step GDN, flash-decode) = one 50-token prefill = the reference; then
     16 greedy tokens from the device argmax equal the reference's greedy continuation."""
@@ -70,13 +77,17 @@ def test_prefill_then_decode_and_greedy(gpu, rng, tmp_path):
     got = [fwd.prefill_argmax(prompt)]
     for _ in range(15):
         got.append(fwd.decode_argmax(got[-1]))
-    st = reference.new_state(load_model(path, np.float64), cache_dtype=np.float32)
+    w = load_model(path, np.float64)
+    guard = RoutingGuard(w.hp.k)
+    st = reference.new_state(w, cache_dtype=np.float32, dump=guard)
     want = [int(np.argmax(reference.prefill(prompt, st)[-1]))]
     for _ in range(15):
         want.append(int(np.argmax(reference.prefill([want[-1]], st)[-1])))
+    guard.check()
     assert got == want
 
 
+@redraw_if_ill_conditioned
 def test_rollback_by_slots_and_by_replay(gpu, rng, tmp_path):
     """A 4-token verify-sized step writes checkpoint slots: truncating 1..3 of its tokens restores a
     slot (no replay) and the next logits match the reference; truncating further back replays."""
@@ -97,6 +108,7 @@ def test_rollback_by_slots_and_by_replay(gpu, rng, tmp_path):
     assert _rel(fwd.prefill(toks[20:40]), ref[39]) <= EXACT
 
 
+@redraw_if_ill_conditioned
 def test_decode_graph_is_one_submission(gpu, rng, tmp_path):
     """Decode replays one recorded submission that ends in the LM head and argmax."""
     path = _model(tmp_path, rng)
