@@ -41,7 +41,7 @@ void main() {
             if (m > NEG) o += exp(m - M) * part[z * stride + base + d];
         }
         o = L > 0.0 ? o / L : 0.0;
-        if (GATED != 0u) o /= 1.0 + exp(-gate[p.gate_off + t * p.gate_row + h * p.gate_head + d]);
+        if (GATED != 0u) o *= sigmoid(gate[p.gate_off + t * p.gate_row + h * p.gate_head + d]);
         outp[p.o_off + t * p.o_row + h * p.o_head + d] = o;
     }
 }

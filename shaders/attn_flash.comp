@@ -181,7 +181,7 @@ void main() {
         } else {
             const float l = sL[r];
             float o = l > 0.0 ? acc[k] / l : 0.0;
-            if (GATED) o /= 1.0 + exp(-gate[p.gate_off + t * p.gate_row + h * p.gate_head + d]);
+            if (GATED) o *= sigmoid(gate[p.gate_off + t * p.gate_row + h * p.gate_head + d]);
             outp[p.o_off + t * p.o_row + h * p.o_head + d] = o;
         }
     }

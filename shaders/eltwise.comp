@@ -22,8 +22,6 @@ layout(push_constant) uniform P {
     uint alpha_bits;
 } p;
 
-float sigmoid(float x) { return 1.0 / (1.0 + exp(-x)); }
-
 void main() {
     float alpha = uintBitsToFloat(p.alpha_bits);
     uint n = p.n_cols * p.n_rows;
@@ -36,9 +34,9 @@ void main() {
         else if (OP == OP_MUL) v = x * b[p.b_off + r * p.b_stride + c];
         else if (OP == OP_ADD_SCALED) v = x + alpha * b[p.b_off + r * p.b_stride + c];
         else if (OP == OP_SCALE) v = alpha * x;
-        else if (OP == OP_SILU) v = x * sigmoid(x);
+        else if (OP == OP_SILU) v = silu(x);
         else if (OP == OP_SIGMOID) v = sigmoid(x);
-        else v = x > 20.0 ? x : log(1.0 + exp(x));  // OP_SOFTPLUS
+        else v = softplus(x);  // OP_SOFTPLUS
         y[p.y_off + r * p.y_stride + c] = v;
     }
 }

@@ -48,7 +48,7 @@ void main() {
         win[K - 1] = X(t + K - 1, ch);
         float acc = 0.0;
         for (uint k = 0; k < K; ++k) acc += wk[k] * win[k];
-        c[p.c_off + t * p.c_stride + ch] = acc / (1.0 + exp(-acc));
+        c[p.c_off + t * p.c_stride + ch] = silu(acc);
         for (uint k = 0; k + 1 < K; ++k) win[k] = win[k + 1];
     }
     if (t0 == 0) {

@@ -24,9 +24,8 @@ void main() {
     uint stride = gl_NumWorkGroups.x * gl_WorkGroupSize.x;
     for (uint i = gl_GlobalInvocationID.x; i < p.n_v * p.T; i += stride) {
         uint t = i / p.n_v, j = i - t * p.n_v;
-        beta[p.beta_off + t * p.beta_stride + j] = 1.0 / (1.0 + exp(-b[p.b_off + t * p.b_stride + j]));
+        beta[p.beta_off + t * p.beta_stride + j] = sigmoid(b[p.b_off + t * p.b_stride + j]);
         float x = a[p.a_off + t * p.a_stride + j] + dt_bias[p.dt_off + j];
-        float sp = x > 20.0 ? x : log(1.0 + exp(x));
-        g[p.g_off + t * p.g_stride + j] = sp * ssm_a[p.sa_off + j];
+        g[p.g_off + t * p.g_stride + j] = softplus(x) * ssm_a[p.sa_off + j];
     }
 }

@@ -33,7 +33,7 @@ void main() {
         float r = 1.0 / sqrt(wg_sum(ss) / float(p.S) + eps);
         for (uint i = gl_LocalInvocationID.x; i < p.S; i += gl_WorkGroupSize.x) {
             float zi = z[zb + i];
-            float gate = 1.0 / (1.0 + exp(-zi));
+            float gate = sigmoid(zi);
             if (ACT == 1) gate *= zi;
             y[yb + i] = o[ob + i] * r * w[p.w_off + i] * gate;
         }

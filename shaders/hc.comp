@@ -23,7 +23,6 @@ layout(push_constant) uniform P {
     uint a_off; uint a_stride; uint b_off; uint b_stride; uint y_off; uint y_stride;
 } p;
 
-float sigmoid(float x) { return 1.0 / (1.0 + exp(-x)); }
 
 void main() {
     float hcf = float(p.hc);

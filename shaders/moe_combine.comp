@@ -24,7 +24,7 @@ void main() {
         uint t = i / p.d, c = i % p.d;
         precise float v = 0.0;
         for (uint j = 0u; j < p.k; ++j) v += ys[p.y_off + (t * p.k + j) * p.y_stride + c];
-        if (SHARED) v += (1.0 / (1.0 + exp(-gl[p.g_off + t * p.g_stride]))) * sh[p.s_off + t * p.s_stride + c];
+        if (SHARED) v += sigmoid(gl[p.g_off + t * p.g_stride]) * sh[p.s_off + t * p.s_stride + c];
         f[p.f_off + t * p.f_stride + c] = v;
     }
 }

@@ -42,7 +42,6 @@ shared uint xrow[BN];
 shared uint orow[BN];
 shared float wrow[BN];
 
-float silu(float v) { return v * (1.0 / (1.0 + exp(-v))); }
 
 void main() {
     const uint tid = gl_LocalInvocationID.x, tx = tid % 16u, ty = tid / 16u;

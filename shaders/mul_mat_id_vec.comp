@@ -36,7 +36,6 @@ layout(push_constant) uniform P {
 const uint NB = MODE == 2u ? 2u : 1u;
 shared float red[NB * NDEC * (gl_WorkGroupSize.x / SG_MIN)];
 
-float silu(float v) { return v * (1.0 / (1.0 + exp(-v))); }
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;

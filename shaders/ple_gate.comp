@@ -27,7 +27,7 @@ void main() {
         float acc = 0.0;
         for (uint i = gl_LocalInvocationID.x; i < p.d; i += gl_WorkGroupSize.x) acc += kt[kb + i] * qt[qb + i];
         const float s = wg_sum(acc) / sqrt(float(p.d));
-        const float g = 1.0 / (1.0 + exp(-(sign(s) * sqrt(max(abs(s), 1e-6)))));
+        const float g = sigmoid(sign(s) * sqrt(max(abs(s), 1e-6)));
         if (gl_LocalInvocationID.x == 0u) lam[p.l_off + t * p.l_stride + c] = g;
         const uint vb = p.v_off + t * p.v_stride + c * p.d, pb = p.vp_off + t * p.vp_stride;
         for (uint i = gl_LocalInvocationID.x; i < p.d; i += gl_WorkGroupSize.x) v[vb + i] = g * vp[pb + i];

@@ -9,3 +9,8 @@
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_arithmetic : require
 layout(local_size_x_id = 0, local_size_y = 1, local_size_z = 1) in;
+// MODEL.md §2's activations, one definition for every kernel (fused and plain paths then round
+// alike): σ(x) = 1/(1+e^{−x}); silu(x) = x·σ(x); softplus(x) = ln(1+eˣ), or x when x > 20.
+float sigmoid(float x) { return 1.0 / (1.0 + exp(-x)); }
+float silu(float x) { return x * sigmoid(x); }
+float softplus(float x) { return x > 20.0 ? x : log(1.0 + exp(x)); }

@@ -38,8 +38,8 @@ void store_out(float acc, uint r, uint n) {
     precise float v = acc;
     if ((EPILOGUE & EP_SCALE) != 0u) v = p.scale * v;
     if ((EPILOGUE & EP_BIAS) != 0u) v += bias[p.bias_off + r];
-    if ((EPILOGUE & EP_SIGMOID) != 0u) v = 1.0 / (1.0 + exp(-v));
-    if ((EPILOGUE & EP_SILU) != 0u) v = v * (1.0 / (1.0 + exp(-v)));
+    if ((EPILOGUE & EP_SIGMOID) != 0u) v = sigmoid(v);
+    if ((EPILOGUE & EP_SILU) != 0u) v = silu(v);
     if ((EPILOGUE & EP_MUL) != 0u) v *= mulv[p.mul_off + o];
     if ((EPILOGUE & EP_RES) != 0u) v += res[p.res_off + o];
     y[p.y_off + o] = v;
