@@ -11,8 +11,8 @@ from typing import Iterator
 import numpy as np
 import pytest
 
-from test_gpu_qwen4exp import EXACT, _model, _prompt, _rel
-from conditioning import RoutingGuard, redraw_if_ill_conditioned
+from test_gpu_qwen4exp import _model, _prompt
+from hybrid_ref import EXACT, RoutingGuard, redraw_if_ill_conditioned, rel
 from vkflash import settings
 from vkflash.engine.gpu_forward import GpuForward
 from vkflash.engine.graphs import hybrid
@@ -58,8 +58,8 @@ def test_cell_mode_matches_reference(gpu, rng, tmp_path: Path):
                                                       tie_rule="index", dump=guard))
     guard.check()
     block = reference.prefill(toks, reference.new_state(weights, cache_dtype=np.float32))
-    assert _rel(got, ref) <= EXACT, f"max|Δ| = {_rel(got, ref):.2e}·std"
-    assert _rel(block, ref) > 10 * EXACT, "cell and block mode agree on this model: the test checks nothing"
+    assert rel(got, ref) <= EXACT, f"max|Δ| = {rel(got, ref):.2e}·std"
+    assert rel(block, ref) > 10 * EXACT, "cell and block mode agree on this model: the test checks nothing"
 
 
 @redraw_if_ill_conditioned
@@ -86,8 +86,8 @@ def test_gathered_prefill_equals_masked(gpu, rng, tmp_path: Path, monkeypatch):
     ref = reference.prefill(toks, reference.new_state(weights, cache_dtype=np.float32, dump=guard))
     guard.check()
     for gp in ("1", "0"):
-        assert _rel(out[gp], ref) <= EXACT, f"GP={gp}: max|Δ| = {_rel(out[gp], ref):.2e}·std"
-    assert _rel(out["1"], out["0"]) <= EXACT
+        assert rel(out[gp], ref) <= EXACT, f"GP={gp}: max|Δ| = {rel(out[gp], ref):.2e}·std"
+    assert rel(out["1"], out["0"]) <= EXACT
     assert np.array_equal(sel["1"], sel["0"]), "selections differ between GP=1 and GP=0"
 
 
@@ -107,4 +107,4 @@ def test_repooled_summary_equals_cache(gpu, rng, tmp_path: Path):
         buf = idx.summary if pooled == "1" else fwd.model.state.qsa.pooled
         rows[pooled] = buf.read(np.uint32, n_words)
     assert np.array_equal(rows["1"], rows["0"]), "re-pooled rows differ from the summary cache"
-    assert np.array_equal(out["1"], out["0"]), f"logits differ by {_rel(out['0'], out['1']):.2e}·std"
+    assert np.array_equal(out["1"], out["0"]), f"logits differ by {rel(out['0'], out['1']):.2e}·std"

@@ -10,35 +10,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conditioning import RoutingGuard, redraw_if_ill_conditioned
+from hybrid_ref import EXACT, check_prefill_decode_greedy, redraw_if_ill_conditioned, reference_logits, rel
 from vkflash.engine.gpu_forward import GpuForward
 from vkflash.engine.graphs.common import Head
-from vkflash.model import reference
 from vkflash.model.make_model import make_model
-from vkflash.model.weights import load_model
 
 pytestmark = pytest.mark.gpu
-EXACT = 1e-3  # MODEL.md §7.10: max|Δ| ≤ 1e-3·std(logits) with f32 caches and identical weights
 V = 512  # the tiny vocabulary
 
-
-def _rel(got: np.ndarray, ref: np.ndarray) -> float:
-    """max|Δ| in units of std(ref)."""
-    return float(np.abs(got - ref).max() / ref.std())
 
 
 def _model(tmp_path: Path, rng: np.random.Generator, variant: str | None = None) -> Path:
     seed = int(rng.integers(1 << 31))
     return make_model("qwen3next", "tiny", "F32", seed, tmp_path / f"q3n-{seed}.gguf", variant=variant)[0]
 
-
-def _reference(path: Path, toks: np.ndarray) -> np.ndarray:
-    """Reference logits (T, V) in float64 with f32 K/V caches."""
-    w = load_model(path, np.float64)
-    guard = RoutingGuard(w.hp.k)
-    logits = reference.prefill(toks, reference.new_state(w, cache_dtype=np.float32, dump=guard))
-    guard.check()
-    return logits
 
 
 @pytest.mark.parametrize("variant", [None, "ssm_in"], ids=["attn_qkv", "ssm_in"])
@@ -51,9 +36,9 @@ def test_logits_at_every_position(gpu, rng, tmp_path, variant):
     fwd = GpuForward(path, ctx=128, ub=24, kv="f32", gpu=gpu, logits_rows=24)
     fwd.model.head.logits.fill(np.nan)
     got = fwd.prefill_logits(toks)
-    ref = _reference(path, toks)
+    ref = reference_logits(path, toks)
     assert np.isfinite(got).all()
-    assert _rel(got, ref) <= EXACT, f"max|Δ| = {_rel(got, ref):.2e}·std"
+    assert rel(got, ref) <= EXACT, f"max|Δ| = {rel(got, ref):.2e}·std"
 
 
 @redraw_if_ill_conditioned
@@ -64,27 +49,7 @@ def test_prefill_then_decode_and_greedy(gpu, rng, tmp_path):
     toks = rng.integers(0, V, 50)
     fwd = GpuForward(path, ctx=600, ub=32, kv="f32", gpu=gpu)
     assert fwd.model.n_split > 1
-    whole = fwd.prefill_logits(toks)
-    fwd.reset()
-    steps = np.stack([fwd.prefill(toks[:37])] + [fwd.decode(int(t)) for t in toks[37:]])
-    ref = _reference(path, toks)
-    assert _rel(whole, ref) <= EXACT
-    assert _rel(steps, ref[36:]) <= EXACT
-    assert _rel(steps, whole[36:]) <= EXACT  # both paths agree as closely as each with the reference
-
-    fwd.reset()
-    prompt = toks[:21]
-    got = [fwd.prefill_argmax(prompt)]
-    for _ in range(15):
-        got.append(fwd.decode_argmax(got[-1]))
-    w = load_model(path, np.float64)
-    guard = RoutingGuard(w.hp.k)
-    st = reference.new_state(w, cache_dtype=np.float32, dump=guard)
-    want = [int(np.argmax(reference.prefill(prompt, st)[-1]))]
-    for _ in range(15):
-        want.append(int(np.argmax(reference.prefill([want[-1]], st)[-1])))
-    guard.check()
-    assert got == want
+    check_prefill_decode_greedy(fwd, path, toks, cut=37, prompt=21)
 
 
 @redraw_if_ill_conditioned
@@ -93,7 +58,7 @@ def test_rollback_by_slots_and_by_replay(gpu, rng, tmp_path):
     slot (no replay) and the next logits match the reference; truncating further back replays."""
     path = _model(tmp_path, rng)
     toks = rng.integers(0, V, 40)
-    ref = _reference(path, toks)
+    ref = reference_logits(path, toks)
     fwd = GpuForward(path, ctx=64, ub=16, kv="f32", gpu=gpu)
     back = int(rng.integers(1, 4))
     fwd.prefill(toks[:31])
@@ -102,10 +67,10 @@ def test_rollback_by_slots_and_by_replay(gpu, rng, tmp_path):
     fwd.truncate(35 - back)
     assert fwd.n_past == 35 - back and fwd.model.state.valid_slots == 0, "expected a slot restore"
     got = fwd.prefill(toks[35 - back:36])
-    assert _rel(got, ref[35]) <= EXACT
+    assert rel(got, ref[35]) <= EXACT
     fwd.truncate(20)  # no slot reaches this far: the prefix is re-run
     assert fwd.n_past == 20
-    assert _rel(fwd.prefill(toks[20:40]), ref[39]) <= EXACT
+    assert rel(fwd.prefill(toks[20:40]), ref[39]) <= EXACT
 
 
 @redraw_if_ill_conditioned

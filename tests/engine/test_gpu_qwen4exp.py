@@ -11,21 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conditioning import RoutingGuard, redraw_if_ill_conditioned
+from hybrid_ref import EXACT, check_prefill_decode_greedy, redraw_if_ill_conditioned, reference_logits, rel
 from vkflash.engine.gpu_forward import GpuForward
 from vkflash.engine.graphs.common import Head
-from vkflash.model import reference
 from vkflash.model.make_model import make_model
-from vkflash.model.weights import load_model
 
 pytestmark = pytest.mark.gpu
-EXACT = 1e-3  # MODEL.md §7.10: max|Δ| ≤ 1e-3·std(logits) with f32 caches and identical weights
 V, EOS = 512, 2  # tiny vocabulary and its PLE n-gram reset token
 
-
-def _rel(got: np.ndarray, ref: np.ndarray) -> float:
-    """max|Δ| in units of std(ref)."""
-    return float(np.abs(got - ref).max() / ref.std())
 
 
 def _model(tmp_path: Path, rng: np.random.Generator, variant: str | None = None) -> Path:
@@ -42,14 +35,6 @@ def _prompt(rng: np.random.Generator, n: int) -> np.ndarray:
     return toks
 
 
-def _reference(path: Path, toks: np.ndarray) -> np.ndarray:
-    """Reference logits (T, V) in float64 with f32 K/V and indexer caches, QSA block mode."""
-    w = load_model(path, np.float64)
-    guard = RoutingGuard(w.hp.k)
-    logits = reference.prefill(toks, reference.new_state(w, cache_dtype=np.float32, dump=guard))
-    guard.check()
-    return logits
-
 
 @pytest.mark.parametrize("variant", [None, "hc_norm_2d,ple_conv_f16,tied", "dense"],
                          ids=["default", "2d-norms-f16-conv-tied", "dense"])
@@ -62,9 +47,9 @@ def test_logits_at_every_position(gpu, rng, tmp_path, variant):
     fwd = GpuForward(path, ctx=128, ub=24, kv="f32", gpu=gpu, logits_rows=24)
     fwd.model.head.logits.fill(np.nan)
     got = fwd.prefill_logits(toks)
-    ref = _reference(path, toks)
+    ref = reference_logits(path, toks)
     assert np.isfinite(got).all()
-    assert _rel(got, ref) <= EXACT, f"max|Δ| = {_rel(got, ref):.2e}·std"
+    assert rel(got, ref) <= EXACT, f"max|Δ| = {rel(got, ref):.2e}·std"
 
 
 @redraw_if_ill_conditioned
@@ -74,27 +59,7 @@ def test_prefill_then_decode_and_greedy(gpu, rng, tmp_path):
     path = _model(tmp_path, rng)
     toks = _prompt(rng, 50)
     fwd = GpuForward(path, ctx=600, ub=32, kv="f32", gpu=gpu)
-    whole = fwd.prefill_logits(toks)
-    fwd.reset()
-    steps = np.stack([fwd.prefill(toks[:33])] + [fwd.decode(int(t)) for t in toks[33:]])
-    ref = _reference(path, toks)
-    assert _rel(whole, ref) <= EXACT
-    assert _rel(steps, ref[32:]) <= EXACT
-    assert _rel(steps, whole[32:]) <= EXACT  # both paths agree as closely as each with the reference
-
-    fwd.reset()
-    prompt = toks[:40]
-    got = [fwd.prefill_argmax(prompt)]
-    for _ in range(15):
-        got.append(fwd.decode_argmax(got[-1]))
-    w = load_model(path, np.float64)
-    guard = RoutingGuard(w.hp.k)
-    st = reference.new_state(w, cache_dtype=np.float32, dump=guard)
-    want = [int(np.argmax(reference.prefill(prompt, st)[-1]))]
-    for _ in range(15):
-        want.append(int(np.argmax(reference.prefill([want[-1]], st)[-1])))
-    guard.check()
-    assert got == want
+    check_prefill_decode_greedy(fwd, path, toks, cut=33, prompt=40)
 
 
 @redraw_if_ill_conditioned
@@ -103,7 +68,7 @@ def test_rollback_by_slots(gpu, rng, tmp_path):
     its tokens restores them (and the PLE history) so the next logits match the reference."""
     path = _model(tmp_path, rng)
     toks = _prompt(rng, 40)
-    ref = _reference(path, toks)
+    ref = reference_logits(path, toks)
     fwd = GpuForward(path, ctx=64, ub=16, kv="f32", gpu=gpu)
     back = int(rng.integers(1, 4))
     fwd.prefill(toks[:31])
@@ -111,7 +76,7 @@ def test_rollback_by_slots(gpu, rng, tmp_path):
     assert fwd.model.state.rec.valid_slots == 4
     fwd.truncate(35 - back)
     assert fwd.n_past == 35 - back and fwd.model.state.rec.valid_slots == 0, "expected a slot restore"
-    assert _rel(fwd.prefill(toks[35 - back:37]), ref[36]) <= EXACT
+    assert rel(fwd.prefill(toks[35 - back:37]), ref[36]) <= EXACT
 
 
 @redraw_if_ill_conditioned
@@ -134,5 +99,5 @@ def test_long_prompt_sparse_selection(gpu, rng, tmp_path):
     toks = _prompt(rng, 648)
     fwd = GpuForward(path, ctx=700, ub=64, kv="f32", gpu=gpu, logits_rows=64)
     got = np.vstack([fwd.prefill_logits(toks[:640])] + [fwd.decode(int(t))[None] for t in toks[640:]])
-    ref = _reference(path, toks)
-    assert _rel(got, ref) <= EXACT, f"max|Δ| = {_rel(got, ref):.2e}·std"
+    ref = reference_logits(path, toks)
+    assert rel(got, ref) <= EXACT, f"max|Δ| = {rel(got, ref):.2e}·std"
