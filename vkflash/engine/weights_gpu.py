@@ -23,6 +23,7 @@ from vkflash.gpu.ops.matmul import QWeight
 from vkflash.gpu.ops.views import Rows
 from vkflash.model.hparams import HParams
 from vkflash.model.tensors import validate_tensors
+from vkflash.model.weights import GGUFSource
 
 if TYPE_CHECKING:
     from vkflash.gpu.context import Gpu
@@ -77,16 +78,8 @@ def device_embeddable(qtype: int) -> bool:
 
 def host_row_gather(gf: GGUFFile, name: str) -> Callable[[np.ndarray], np.ndarray]:
     """Rows of a 2-D table decoded on the host from the mmapped file (tables the embed kernel
-    cannot decode): ids → (n, ne0) float32."""
-    info = gf.tensors[name]
-    ne0, ne1 = info.ne
-    data = info.data.reshape(ne1, -1)
-
-    def gather(ids: np.ndarray) -> np.ndarray:
-        picked = data[np.asarray(ids).reshape(-1)]
-        return dequantize(picked, info.ggml_type, picked.shape[0] * ne0).reshape(-1, ne0)
-
-    return gather
+    cannot decode, the PLE table): ids → (n, ne0) float32. The reference's own row gather."""
+    return GGUFSource(gf).rows(name)
 
 
 @dataclass(frozen=True)
