@@ -98,3 +98,13 @@ def check_prefill_decode_greedy(fwd: Any, path: Path, toks: np.ndarray, cut: int
     for _ in range(15):
         got.append(fwd.decode_argmax(got[-1]))
     assert got == reference_greedy(path, toks[:prompt], 16)
+
+
+def check_logits_at_every_position(fwd: Any, path: Path, toks: np.ndarray) -> None:
+    """Teacher-forced logits of every position (prefill in the forward's ubatch steps, output
+    buffer poisoned first) match the reference."""
+    fwd.model.head.logits.fill(np.nan)
+    got = fwd.prefill_logits(toks)
+    ref = reference_logits(path, toks)
+    assert np.isfinite(got).all()
+    assert rel(got, ref) <= EXACT, f"max|Δ| = {rel(got, ref):.2e}·std"

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hybrid_ref import EXACT, check_prefill_decode_greedy, redraw_if_ill_conditioned, reference_logits, rel
+from hybrid_ref import (EXACT, check_logits_at_every_position, check_prefill_decode_greedy,
+                        redraw_if_ill_conditioned, reference_logits, rel)
 from vkflash.engine.gpu_forward import GpuForward
 from vkflash.engine.graphs.common import Head
 from vkflash.model.make_model import make_model
@@ -34,11 +35,7 @@ def test_logits_at_every_position(gpu, rng, tmp_path, variant):
     path = _model(tmp_path, rng, variant)
     toks = rng.integers(0, V, 64)
     fwd = GpuForward(path, ctx=128, ub=24, kv="f32", gpu=gpu, logits_rows=24)
-    fwd.model.head.logits.fill(np.nan)
-    got = fwd.prefill_logits(toks)
-    ref = reference_logits(path, toks)
-    assert np.isfinite(got).all()
-    assert rel(got, ref) <= EXACT, f"max|Δ| = {rel(got, ref):.2e}·std"
+    check_logits_at_every_position(fwd, path, toks)
 
 
 @redraw_if_ill_conditioned
