@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from test_gpu_qwen4exp import _model, _prompt
-from hybrid_ref import EXACT, TieGuard, redraw_if_ill_conditioned, rel
+from hybrid_ref import EXACT, RoutingGuard, redraw_if_ill_conditioned, rel
 from vkflash import settings
 from vkflash.engine.gpu_forward import GpuForward
 from vkflash.engine.graphs import hybrid
@@ -53,7 +53,7 @@ def test_cell_mode_matches_reference(gpu, rng, tmp_path: Path):
         fwd = GpuForward(path, ctx=128, ub=40, kv="f32", gpu=gpu, logits_rows=40)
     got = _run(fwd, toks, 80)
     weights = load_model(path, np.float64)
-    guard = TieGuard(weights.hp)
+    guard = RoutingGuard(weights.hp.k)
     ref = reference.prefill(toks, reference.new_state(weights, cache_dtype=np.float32, qsa_mode="cell",
                                                       tie_rule="index", dump=guard))
     guard.check()
@@ -82,7 +82,7 @@ def test_gathered_prefill_equals_masked(gpu, rng, tmp_path: Path, monkeypatch):
             counts = qb.tile_gp.read(np.int32, 4)[1::2]
             assert (counts < 236 + np.array([3, 4])).all(), f"a tile fell back to dense: |U| = {counts}"
     weights = load_model(path, np.float64)
-    guard = TieGuard(weights.hp)
+    guard = RoutingGuard(weights.hp.k)
     ref = reference.prefill(toks, reference.new_state(weights, cache_dtype=np.float32, dump=guard))
     guard.check()
     for gp in ("1", "0"):
