@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from chain import chain, chain_ref
 from vkflash.gpu import context
 from vkflash.gpu.ops import eltwise as E
 from vkflash.gpu.ops.views import Rows
@@ -15,27 +16,6 @@ from vkflash.gpu.ops.views import Rows
 pytestmark = pytest.mark.gpu
 
 ALPHAS = np.array([-1.0, -0.5, 0.5, 1.0, -2.0], np.float32)
-
-
-def _chain(g, p: Rows, q: Rows, alphas: np.ndarray) -> None:
-    """Step k: P ← Q + α_k·P (k even) or Q ← P + α_k·Q (k odd), each in place on its output.
-
-    Every step reads the previous step's output, so each needs a barrier; α_k are powers of two,
-    so α·x is exact and each step is one rounding whether fused or not: NumPy in f32 is exact.
-    """
-    for k, a in enumerate(alphas):
-        src, dst = (q, p) if k % 2 == 0 else (p, q)
-        E.add_scaled(g, src, dst, float(a), dst, name=f"chain.{k}")
-
-
-def _chain_ref(p: np.ndarray, q: np.ndarray, alphas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    p, q = p.copy(), q.copy()
-    for k, a in enumerate(alphas):
-        if k % 2 == 0:
-            p = q + a * p
-        else:
-            q = p + a * q
-    return p, q
 
 
 @pytest.mark.parametrize("per_submission", [0, 16], ids=["one_submission", "split"])
@@ -46,13 +26,13 @@ def test_long_chain_replays_with_fresh_input(gpu, rng, per_submission):
     pb, qb = gpu.buffer(4 * n, "P"), gpu.buffer(4 * n, "Q")
     p, q = Rows.flat(pb, n), Rows.flat(qb, n)
     g = gpu.graph("chain", max_ops_per_submission=per_submission)
-    _chain(g, p, q, alphas)
+    chain(g, p, q, alphas)
     for replay in range(4):
         x0, y0 = rng.standard_normal((2, n)).astype(np.float32)
         pb.write(x0)
         qb.write(y0)
         g.run()
-        want_p, want_q = _chain_ref(x0, y0, alphas)
+        want_p, want_q = chain_ref(x0, y0, alphas)
         np.testing.assert_array_equal(pb.read(np.float32), want_p, err_msg=f"replay {replay}")
         np.testing.assert_array_equal(qb.read(np.float32), want_q, err_msg=f"replay {replay}")
     expected_subs = 1 if not per_submission else -(-steps // per_submission)

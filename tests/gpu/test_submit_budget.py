@@ -9,10 +9,10 @@ import os
 import numpy as np
 import pytest
 
+from chain import chain, chain_ref
 from vkflash import settings
 from vkflash.gpu import cost, trace
 from vkflash.gpu.graph import Graph
-from vkflash.gpu.ops import eltwise as E
 from vkflash.gpu.ops.views import Rows
 
 ALPHAS = np.array([-1.0, -0.5, 0.5, 1.0, -2.0], np.float32)
@@ -81,28 +81,10 @@ def _planned_groups(rng: np.random.Generator, budget_us: int) -> list[list[int]]
     return groups
 
 
-def _chain(g: Graph, p: Rows, q: Rows, alphas: np.ndarray) -> None:
-    """Step k: P ← Q + α_k·P (k even) or Q ← P + α_k·Q (k odd): each step needs the previous one."""
-    for k, a in enumerate(alphas):
-        src, dst = (q, p) if k % 2 == 0 else (p, q)
-        E.add_scaled(g, src, dst, float(a), dst, name=f"chain.{k}")
-
-
-def _chain_ref(p: np.ndarray, q: np.ndarray, alphas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The chain in f32 NumPy (α are powers of two: every step is exact but for one rounding)."""
-    p, q = p.copy(), q.copy()
-    for k, a in enumerate(alphas):
-        if k % 2 == 0:
-            p = q + a * p
-        else:
-            q = p + a * q
-    return p, q
-
-
 def _chain_graph(gpu, name: str, n: int, alphas: np.ndarray, split: bool = True):
     pb, qb = gpu.buffer(4 * n, f"{name}.P"), gpu.buffer(4 * n, f"{name}.Q")
     g = Graph(gpu, name, split=split)
-    _chain(g, Rows.flat(pb, n), Rows.flat(qb, n), alphas)
+    chain(g, Rows.flat(pb, n), Rows.flat(qb, n), alphas)
     return g, pb, qb
 
 
@@ -132,7 +114,7 @@ def test_graph_cut_where_the_budget_says(gpu, rng, monkeypatch):
             b.write(v)
         g.run()
         whole.run()
-        want_p, want_q = _chain_ref(x0, y0, alphas)
+        want_p, want_q = chain_ref(x0, y0, alphas)
         np.testing.assert_array_equal(pb.read(np.float32), pw.read(np.float32), err_msg=f"replay {replay}")
         np.testing.assert_array_equal(qb.read(np.float32), qw.read(np.float32), err_msg=f"replay {replay}")
         np.testing.assert_array_equal(pb.read(np.float32), want_p, err_msg=f"replay {replay}")
@@ -155,7 +137,7 @@ def test_unsplit_graph_stays_one_submission(gpu, rng, monkeypatch):
         qb.write(y0)
         g.run()
         assert len(g.submissions) == want
-        want_p, _ = _chain_ref(x0, y0, alphas)
+        want_p, _ = chain_ref(x0, y0, alphas)
         np.testing.assert_array_equal(pb.read(np.float32), want_p)
     with pytest.raises(ValueError):
         Graph(gpu, "bad", max_ops_per_submission=4, split=False)
@@ -205,6 +187,6 @@ def test_in_flight_bound(gpu, rng, monkeypatch, serialize):
         if ev >= 0:
             assert ev == counted <= limit
     assert max(seen) == min(limit, n_subs) and seen.count(-1) == n_subs
-    want_p, want_q = _chain_ref(x0, y0, alphas)
+    want_p, want_q = chain_ref(x0, y0, alphas)
     np.testing.assert_array_equal(pb.read(np.float32), want_p)
     np.testing.assert_array_equal(qb.read(np.float32), want_q)
