@@ -10,6 +10,7 @@ import numpy as np
 from vkflash.model.reference import check_global, layer_name
 
 Dump = Callable[[str, np.ndarray], None]
+Route = Callable[[int, np.ndarray, np.ndarray], np.ndarray]  # (layer, probs (T, E), top-k (T, k)) → top-k
 
 
 @dataclass
@@ -25,6 +26,7 @@ class RefOptions:
     mtp_hnorm: str = "grouped"  # (T2) "grouped" per stream (default) or "flat" (vLLM)
     keep_hidden: bool = False  # keep h_nextn of every position (MTP drafting)
     dump: Dump | None = None
+    route: Route | None = None  # resolves router near-ties as another engine did (comparisons, §7.10)
 
     def __post_init__(self) -> None:
         if self.qsa_mode not in ("block", "cell"):

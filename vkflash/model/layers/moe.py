@@ -15,6 +15,8 @@ def moe(u: np.ndarray, w: MoEW, k: int, opts: RefOptions, i: int) -> np.ndarray:
     z = u @ w.router.T  # (M1)
     p = softmax(z)
     I = np.argsort(-p, axis=1, kind="stable")[:, :k]  # (M2) ties → lower index
+    if opts.route is not None:
+        I = opts.route(i, p, I)
     pI = np.take_along_axis(p, I, axis=1)
     wts = pI / np.maximum(pI.sum(axis=1, keepdims=True), DENOM_CLAMP)  # (M3)
     for op, x in (("ffn_moe_logits", z), ("ffn_moe_probs", p), ("ffn_moe_topk", I), ("ffn_moe_weights", wts)):
