@@ -5,21 +5,30 @@
 // A row r of n_groups*n values is n_groups groups of n, each normalised on its own (grouped
 // RMSNorm of a wide HC vector, MODEL.md §2); group c of row r starts at x_off + r*x_stride + c*n.
 // gamma (if HAS_GAMMA) spans the whole row: element c*n + i uses gamma[g_off + c*n + i].
-// Buffers: 0 x (f32), 1 gamma (f32; any buffer when unused), 2 y (f32; may alias x, same view).
+// COMBINE (HC, MODEL.md H6 then H1): first x[r, c*n + i] += 2σ(iota[r, c] / n_groups) · b[r, i]
+// in place (hc.comp COMBINE's formula), then the norm of the updated group; one dispatch for a
+// Combine and the next Mix's grouped RMSNorm. Each x element is updated and re-read by one
+// invocation (both loops walk i the same way).
+// Buffers: 0 x (f32), 1 gamma (f32; any buffer when unused), 2 y (f32; may alias x, same view,
+// except with COMBINE), 3 iota, 4 b (f32; any buffer when not COMBINE).
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"
 #include "common/reduce.glsl"
 
 layout(constant_id = 1) const uint MODE = 0;
 layout(constant_id = 2) const bool HAS_GAMMA = false;
+layout(constant_id = 3) const bool COMBINE = false;
 
 layout(std430, binding = 0) buffer X { float x[]; };
 layout(std430, binding = 1) readonly buffer G { float gamma[]; };
 layout(std430, binding = 2) buffer Y { float y[]; };
+layout(std430, binding = 3) readonly buffer Iota { float iota[]; };
+layout(std430, binding = 4) readonly buffer Bv { float bv[]; };
 layout(push_constant) uniform P {
     uint n; uint n_groups; uint n_rows;
     uint x_off; uint x_stride; uint y_off; uint y_stride; uint g_off;
     uint eps_bits; uint post_bits;
+    uint i_off; uint i_stride; uint b_off; uint b_stride;
 } p;
 
 void main() {
@@ -29,6 +38,14 @@ void main() {
         uint r = k / p.n_groups, c = k - r * p.n_groups;
         uint xb = p.x_off + r * p.x_stride + c * p.n, yb = p.y_off + r * p.y_stride + c * p.n;
         float ss = 0.0;
+        if (COMBINE) {
+            precise float s = 2.0 * sigmoid(iota[p.i_off + r * p.i_stride + c] / float(p.n_groups));
+            uint bb = p.b_off + r * p.b_stride;
+            for (uint i = gl_LocalInvocationID.x; i < p.n; i += gl_WorkGroupSize.x) {
+                precise float v = s * bv[bb + i];
+                x[xb + i] += v;
+            }
+        }
         for (uint i = gl_LocalInvocationID.x; i < p.n; i += gl_WorkGroupSize.x) ss += x[xb + i] * x[xb + i];
         ss = wg_sum(ss);
         float s = post / sqrt((MODE == 0 ? ss / float(p.n) : ss) + eps);

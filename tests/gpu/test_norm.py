@@ -83,6 +83,43 @@ def test_grouped_rms_norm(gpu, rng, hc, d):
     _check(yb.read(np.float32).reshape(rows, hc * d), _rms(x, eps, hc) * gam, d)
 
 
+def test_combine_then_grouped_norm(gpu, rng):
+    """combine=(ι, b): R_c += 2σ(ι_c/hc)·b in place, then the grouped norm of the updated R — the
+    same bits as hc_combine followed by grouped_rms_norm (the plain path), and R near float64."""
+    from vkflash.gpu.ops.hc import hc_combine
+
+    hc, d, T = int(rng.integers(2, 5)), int(rng.integers(1, 700)), int(rng.integers(1, 9))
+    R = _rows(rng, T, hc * d)
+    b = rng.standard_normal((T, d)).astype(np.float32)
+    iota = (rng.standard_normal((T, hc)) * 8).astype(np.float32)
+    gam = rng.standard_normal(hc * d).astype(np.float32)
+    eps = 1e-6
+    out = {}
+    for fused in (True, False):
+        rb, gb, xb = gpu.upload(R, "R"), gpu.upload(gam, "gamma"), gpu.buffer(R.nbytes + 64, "X")
+        ib = gpu.upload(np.concatenate([np.full(3, np.nan, np.float32), iota.reshape(-1)]), "iota")
+        bb = gpu.upload(b, "b")
+        xb.fill(np.nan)
+        iv, bv, Rv, Xv = Rows(ib, T, hc, 3, hc), Rows(bb, T, d), Rows(rb, T, hc * d), Rows(xb, T, hc * d, 16)
+        g = gpu.graph("combine_norm")
+        if fused:
+            N.grouped_rms_norm(g, Rv, Xv, hc, eps, gb, combine=(iv, bv))
+            assert len(g.ops) == 1
+        else:
+            hc_combine(g, Rv, bv, iv, fuse=True)
+            N.grouped_rms_norm(g, Rv, Xv, hc, eps, gb)
+        g.run()
+        X = xb.read(np.float32)
+        assert np.isnan(X[:16]).all() and np.isnan(X[16 + T * hc * d:]).all()
+        out[fused] = rb.read(np.float32).reshape(T, hc * d), X[16:16 + T * hc * d].reshape(T, hc * d)
+    assert np.array_equal(out[True][0], out[False][0]) and np.array_equal(out[True][1], out[False][1])
+    s = 2 / (1 + np.exp(-iota.astype(np.float64) / hc))
+    want = (R.astype(np.float64).reshape(T, hc, d) + s[:, :, None] * b[:, None, :]).reshape(T, hc * d)
+    scale = np.abs(R).max() + 2 * np.abs(b).max()
+    assert np.abs(out[True][0] - want).max() <= 2.0**-20 * scale * (1 + np.abs(iota).max())
+    _check(out[True][1], _rms(out[True][0], eps, hc) * gam, d)
+
+
 def test_l2_norm_scaled(gpu, rng):
     """q̂ = q/√(Σq²+ε)·(1/√S) per head, heads read with a stride (G6)."""
     heads, S = int(rng.integers(2, 9)), int(rng.integers(16, 200))
@@ -123,4 +160,8 @@ def test_validation(gpu):
         N.l2_norm(g, Rows(b, 2, 10), Rows(b, 2, 11, 50), 1e-6)
     with pytest.raises(ValueError, match="eps"):
         N.rms_norm(g, Rows(b, 2, 10), Rows(b, 2, 10, 50), float("nan"))
+    with pytest.raises(ValueError, match="ι must be 2x2"):
+        N.grouped_rms_norm(g, Rows(b, 2, 10), Rows(b, 2, 10, 50), 2, 1e-6, combine=(Rows(c, 2, 3), Rows(c, 2, 5)))
+    with pytest.raises(ValueError, match="must not overlap"):
+        N.grouped_rms_norm(g, Rows(b, 2, 10), Rows(b, 2, 10, 50), 2, 1e-6, combine=(Rows(c, 2, 2), Rows(b, 2, 5, 5)))
     assert not g.ops

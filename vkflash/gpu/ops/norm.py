@@ -16,7 +16,7 @@ from vkflash.gpu.registry import Kernel
 if TYPE_CHECKING:
     from vkflash.gpu.graph import Graph
 
-KERNELS = [Kernel("norm", "norm.comp", 3)]
+KERNELS = [Kernel("norm", "norm.comp", 5)]
 MAX_GROUPS = 65535  # one workgroup per group; more groups loop
 
 
@@ -28,10 +28,17 @@ class Mode(IntEnum):
 
 
 def _norm(g: "Graph", mode: Mode, x: Rows, y: Rows, eps: float, n_groups: int, gamma: Buffer | None,
-          gamma_off: int, post: float, name: str) -> None:
-    """Normalise each of the n_groups equal groups of every row of x into y."""
+          gamma_off: int, post: float, name: str, combine: tuple[Rows, Rows] | None = None) -> None:
+    """Normalise each of the n_groups equal groups of every row of x into y (after the HC
+    combine x_c += 2σ(ι_c/n_groups)·b in place when `combine` = (ι, b))."""
     check_same_shape(name, x=x, y=y)
     check_alias(name, y, x)
+    iota, b = combine if combine is not None else (x, x)
+    if combine is not None:
+        if (iota.n_rows, iota.n_cols) != (x.n_rows, n_groups) or (b.n_rows, b.n_cols) != (x.n_rows, x.n_cols // n_groups):
+            raise ValueError(f"{name}: ι must be {x.n_rows}x{n_groups} and b {x.n_rows}x{x.n_cols // n_groups}")
+        if x.overlaps(y) or iota.overlaps(x) or b.overlaps(x):
+            raise ValueError(f"{name}: the combined residual must not overlap y, ι or b")
     if n_groups < 1 or x.n_cols % n_groups:
         raise ValueError(f"{name}: row of {x.n_cols} does not split into {n_groups} groups")
     if not eps >= 0:
@@ -40,10 +47,15 @@ def _norm(g: "Graph", mode: Mode, x: Rows, y: Rows, eps: float, n_groups: int, g
         Rows(gamma, 1, x.n_cols, gamma_off)  # bounds check: gamma spans the whole row
     n = x.n_cols // n_groups
     total = x.n_rows * n_groups
-    g.dispatch("norm", [x.buf, gamma if gamma is not None else x.buf, y.buf], [grid(total, 1, MAX_GROUPS)],
-               push=[n, n_groups, x.n_rows, x.off, x.stride, y.off, y.stride, gamma_off, f32_bits(eps), f32_bits(post)],
-               spec=[int(mode), int(gamma is not None)], name=name,
-               desc=f"{mode.name} {x.n_rows}x{n_groups}x{n}", nbytes=F32 * x.size * (3 if gamma is not None else 2))
+    g.dispatch("norm", [x.buf, gamma if gamma is not None else x.buf, y.buf, iota.buf, b.buf],
+               [grid(total, 1, MAX_GROUPS)],
+               push=[n, n_groups, x.n_rows, x.off, x.stride, y.off, y.stride, gamma_off, f32_bits(eps), f32_bits(post),
+                     iota.off, iota.stride, b.off, b.stride],
+               spec=[int(mode), int(gamma is not None), int(combine is not None)],
+               writes=[0, 2] if combine is not None else [2], name=name,
+               desc=f"{mode.name} {x.n_rows}x{n_groups}x{n}{' +combine' if combine else ''}",
+               nbytes=F32 * (x.size * ((3 if gamma is not None else 2) + 2 * (combine is not None))
+                             + (b.size if combine is not None else 0)))
 
 
 def rms_norm(g: "Graph", x: Rows, y: Rows, eps: float, gamma: Buffer | None = None, gamma_off: int = 0,
@@ -53,9 +65,11 @@ def rms_norm(g: "Graph", x: Rows, y: Rows, eps: float, gamma: Buffer | None = No
 
 
 def grouped_rms_norm(g: "Graph", x: Rows, y: Rows, n_groups: int, eps: float, gamma: Buffer | None = None,
-                     gamma_off: int = 0, name: str = "grouped_rms_norm") -> None:
-    """Each row of hc·d values is hc = n_groups streams of d, each RMS-normalised; then ⊙ γ ∈ R^{hc·d}."""
-    _norm(g, Mode.RMS, x, y, eps, n_groups, gamma, gamma_off, 1.0, name)
+                     gamma_off: int = 0, name: str = "grouped_rms_norm",
+                     combine: tuple[Rows, Rows] | None = None) -> None:
+    """Each row of hc·d values is hc = n_groups streams of d, each RMS-normalised; then ⊙ γ ∈ R^{hc·d}.
+    With combine = (ι, b), first x_c += 2σ(ι_c/hc)·b in place (HC H6; x is then the residual R)."""
+    _norm(g, Mode.RMS, x, y, eps, n_groups, gamma, gamma_off, 1.0, name, combine)
 
 
 def l2_norm(g: "Graph", x: Rows, y: Rows, eps: float, scale: float = 1.0, name: str = "l2_norm") -> None:
