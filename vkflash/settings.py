@@ -129,6 +129,9 @@ KNOBS: tuple[Knob, ...] = (
     _k("VKFLASH_MM_TILE_EPILOG", _bool, True, "0: separate epilogue ops instead of fused GEMM stores", "revert"),
     _k("VKFLASH_MMID_COMPACT", _bool, True, "0: plain MoE grid instead of live (expert, tile) pairs", "revert"),
     _k("VKFLASH_HC_FUSE", _bool, True, "0: unfused hyper-connection mix/combine", "revert"),
+    _k("VKFLASH_STACK_WEIGHTS", _bool, True,
+       "0: every projection its own buffer and matmul (no stacking of same-type projections of one input)",
+       "revert"),
     _k("VKFLASH_DEP_BARRIERS", _bool, True, "0: a barrier before every dispatch instead of only on real dependencies",
        "revert"),
     # backend

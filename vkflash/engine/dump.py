@@ -17,7 +17,7 @@ from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops.copy import copy_words
 
 if TYPE_CHECKING:
-    from vkflash.gpu.graph import Dispatch, Graph
+    from vkflash.gpu.graph import Dispatch, Graph, View
 
 
 def written_buffer(op: "Dispatch") -> Buffer | None:
@@ -37,39 +37,53 @@ def op_of(dispatch_name: str, wanted: frozenset[str]) -> str | None:
     return None
 
 
-Tap = tuple[Buffer, "tuple[int, int, int, int] | None"]
+Tap = tuple[Buffer, "View | None"]
+
+
+def _tap_points(g: "Graph", wanted: frozenset[str]) -> dict[int, list[str]]:
+    """Dispatch index → the wanted names final after it: the last dispatch of the name's own op
+    (or of the op its exposed view names)."""
+    last: dict[str, int] = {}
+    for j, op in enumerate(g.ops):
+        for name in wanted:
+            view = g.views.get(name)
+            target = view.after if view is not None else name
+            if op_of(op.name, frozenset({target})) == target:
+                last[name] = j
+    at: dict[int, list[str]] = {}
+    for name, j in last.items():
+        at.setdefault(j, []).append(name)
+    return at
 
 
 def tapped(g: "Graph", names: Iterable[str]) -> tuple["Graph", dict[str, Tap]]:
-    """A new graph with g's dispatches and, after the last dispatch of each wanted op, a copy of
-    the buffer it wrote; the copies by name (names g does not have, or whose last dispatch writes
-    several buffers, are left out)."""
-    wanted = frozenset(names)
-    last = {name: j for j, op in enumerate(g.ops) if (name := op_of(op.name, wanted)) is not None}
+    """A new graph with g's dispatches and, after the dispatch where each wanted value is final,
+    a copy of the buffer holding it; the copies by name (names g does not have, or whose last
+    dispatch writes several buffers and exposes none, are left out)."""
+    at = _tap_points(g, frozenset(names))
     out = g.gpu.graph(f"{g.name}.dump", g.max_ops)
     taps: dict[str, Tap] = {}
     for j, op in enumerate(g.ops):
         out.ops.append(op)
-        name = op_of(op.name, wanted)
-        if name is None or last[name] != j:
-            continue
-        src = written_buffer(op)
-        if src is None:
-            continue
-        dst = g.gpu.buffer(src.nbytes, f"dump.{name}")
-        copy_words(out, src, 0, dst, 0, src.words, name=f"dump.{name}")
-        taps[name] = (dst, g.views.get(name))
+        for name in sorted(at.get(j, ())):
+            view = g.views.get(name)
+            src = view.buf if view is not None else written_buffer(op)
+            if src is None:
+                continue
+            dst = g.gpu.buffer(src.nbytes, f"dump.{name}")
+            copy_words(out, src, 0, dst, 0, src.words, name=f"dump.{name}")
+            taps[name] = (dst, view)
     return out, taps
 
 
 def read_taps(taps: dict[str, Tap]) -> dict[str, np.ndarray]:
-    """Every tap as flat float32: the declared view's rows when the graph exposed one, else the
+    """Every tap as flat float32: the exposed view's rows when the graph declared one, else the
     whole buffer (the caller takes the leading elements it compares)."""
     out = {}
     for name, (buf, view) in taps.items():
         a = buf.read(np.float32)
         if view is not None:
-            off, rows, cols, stride = view
-            a = np.concatenate([a[off + r * stride:off + r * stride + cols] for r in range(rows)])
+            a = np.concatenate([a[view.off + r * view.stride:view.off + r * view.stride + view.n_cols]
+                                for r in range(view.n_rows)])
         out[name] = a
     return out

@@ -87,7 +87,9 @@ class GpuForward:
         skip = ["token_embd.weight"] if host_embed and "output.weight" in gf.tensors else []
         self._gather = host_row_gather(gf, "token_embd.weight") if host_embed else None
         transforms = self.arch.weight_transforms(gf, hp) if hasattr(self.arch, "weight_transforms") else None
-        weights = upload_weights(self.gpu, gf, hp, skip, progress, transforms)
+        stacks = (self.arch.weight_stacks(gf, hp)
+                  if hasattr(self.arch, "weight_stacks") and s["VKFLASH_STACK_WEIGHTS"] else ())
+        weights = upload_weights(self.gpu, gf, hp, skip, progress, transforms, stacks)
         n_split = decode_splits(self.n_ctx)
         rows = logits_rows or max(1, min(self.ub, LOGITS_BUDGET // (4 * hp.V)))
         kv_type = cache_type(s["KV"] if kv is None else kv)

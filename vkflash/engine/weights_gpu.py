@@ -2,13 +2,17 @@
 
 Matrices keep their file encoding (the matmul/embed shaders decode blocks on the fly), so the
 host never dequantizes a weight matrix; 1-D tensors (norm gains, biases) are decoded to f32.
+An arch may name *stacks*: projections of one type and row length that read the same input go
+into one buffer, rows of each member one after the other (per expert for expert stacks), so one
+matmul computes them all; every member stays addressable as rows of that buffer
+(VKFLASH_STACK_WEIGHTS=0 uploads them apart).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
@@ -31,17 +35,22 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class GpuTensor:
-    """One uploaded tensor: its buffer, GGML type and dims ne (ne0 contiguous)."""
+    """One uploaded tensor: its buffer, GGML type and dims ne (ne0 contiguous). A stack member
+    starts at row `row0` of the shared buffer, and its experts (ne2) are `expert_rows` apart."""
 
     name: str
     buf: Buffer
     qtype: Q
     ne: tuple[int, ...]
+    row0: int = 0
+    expert_rows: int = -1  # -1: ne1 (the tensor's own rows, not a stack)
 
     def matrix(self) -> QWeight:
         """W ∈ R^{n_out×k} for matmul: k = ne0, n_out = the product of the other dims."""
+        if len(self.ne) > 2 and self.expert_rows not in (-1, self.ne[1]):
+            raise ModelError(f"tensor {self.name}: its experts are interleaved in a stack; address them per expert")
         try:
-            return QWeight(self.buf, int(self.qtype), self.ne[0], math.prod(self.ne[1:]))
+            return QWeight(self.buf, int(self.qtype), self.ne[0], math.prod(self.ne[1:]), self.row0)
         except ValueError as e:
             raise ModelError(f"tensor {self.name}: {e}") from None
 
@@ -91,6 +100,14 @@ class Stored:
     ne: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class Stack:
+    """Tensors uploaded as one buffer `name` (members in order; see the module docstring)."""
+
+    name: str
+    members: tuple[str, ...]
+
+
 Transform = Callable[[TensorInfo], Stored]
 """Re-lays a file tensor for an arch's graph at upload (row permutations of raw blocks, f32 casts)."""
 
@@ -115,30 +132,75 @@ def _check_type(name: str, qtype: Q, ne: tuple[int, ...]) -> None:
                          f"(supported: {', '.join(t.name for t in MATMUL_TYPES)})")
 
 
+def _stored(gf: GGUFFile, name: str, transforms: Mapping[str, Transform] | None) -> Stored:
+    """A file tensor as it goes to the GPU: re-laid, 1-D decoded to f32, else raw."""
+    info = gf.tensors[name]
+    if transforms and name in transforms:
+        st = transforms[name](info)
+    elif len(info.ne) == 1:
+        st = Stored(gf.tensor_f32(name), Q.F32, info.ne)
+    else:
+        st = Stored(info.data, info.ggml_type, info.ne)
+    _check_type(name, st.qtype, st.ne)
+    return st
+
+
+def _rows(st: Stored) -> tuple[int, int]:
+    """(rows per expert, experts) of a stored tensor {ne0, rows[, experts]}."""
+    return (st.ne[1] if len(st.ne) > 1 else 1), (st.ne[2] if len(st.ne) > 2 else 1)
+
+
+def _stackable(parts: Sequence[Stored]) -> bool:
+    """Same type and row length, the same expert count, at most 3-D, and raw bytes of whole rows."""
+    first = parts[0]
+    return all(p.qtype == first.qtype and p.ne[0] == first.ne[0] and _rows(p)[1] == _rows(first)[1]
+               and len(p.ne) <= 3 for p in parts)
+
+
+def _upload_stack(gpu: "Gpu", w: GpuWeights, stack: Stack, parts: Sequence[Stored]) -> None:
+    """One buffer holding the members' rows per expert in order; each member registered as its rows."""
+    E = _rows(parts[0])[1]
+    blocks = [np.ascontiguousarray(p.data).view(np.uint8).reshape(E, _rows(p)[0], -1) for p in parts]
+    total = sum(b.shape[1] for b in blocks)
+    buf = gpu.upload(np.concatenate(blocks, axis=1), stack.name)
+    first = parts[0]
+    ne = (first.ne[0], total) + ((E,) if E > 1 else ())
+    w.tensors[stack.name] = GpuTensor(stack.name, buf, first.qtype, ne)
+    row0 = 0
+    for name, p, b in zip(stack.members, parts, blocks):
+        w.tensors[name] = GpuTensor(name, buf, p.qtype, p.ne, row0, total)
+        row0 += b.shape[1]
+
+
 def upload_weights(gpu: "Gpu", gf: GGUFFile, hp: HParams, skip: Iterable[str] = (),
                    progress: Callable[[int, int], None] | None = None,
-                   transforms: Mapping[str, Transform] | None = None) -> GpuWeights:
+                   transforms: Mapping[str, Transform] | None = None,
+                   stacks: Sequence[Stack] = ()) -> GpuWeights:
     """Validate the file against hp's tensor table and upload every tensor not in `skip` (re-laid
-    by `transforms[name]` where an arch gives one); progress(done, total) after each tensor, in
-    file bytes."""
+    by `transforms[name]` where an arch gives one; members of a `stacks` entry that are all present
+    and stackable go into one buffer); progress(done, total) after each tensor, in file bytes."""
     validate_tensors(hp, {n: t.ne for n, t in gf.tensors.items()})
     w = GpuWeights(hp, gf)
     skipped = frozenset(skip)
     todo = {n: info for n, info in gf.tensors.items() if n not in skipped}
     total, done = sum(info.data.nbytes for info in todo.values()), 0
+    stacked: set[str] = set()
+    for stack in stacks:
+        if not all(m in todo and m not in stacked for m in stack.members):
+            continue
+        parts = [_stored(gf, m, transforms) for m in stack.members]
+        if not _stackable(parts):
+            continue
+        _upload_stack(gpu, w, stack, parts)
+        stacked.update(stack.members)
+        done += sum(todo[m].data.nbytes for m in stack.members)
+        if progress is not None:
+            progress(done, total)
     for name, info in todo.items():
-        if transforms and name in transforms:
-            st = transforms[name](info)
-            _check_type(name, st.qtype, st.ne)
-            w.tensors[name] = GpuTensor(name, gpu.upload(st.data, name), st.qtype, st.ne)
-        elif len(info.ne) == 1:
-            _check_type(name, info.ggml_type, info.ne)
-            buf = gpu.upload(gf.tensor_f32(name), name)
-            w.tensors[name] = GpuTensor(name, buf, Q.F32, info.ne)
-        else:
-            _check_type(name, info.ggml_type, info.ne)
-            buf = gpu.upload(info.data, name)
-            w.tensors[name] = GpuTensor(name, buf, info.ggml_type, info.ne)
+        if name in stacked:
+            continue
+        st = _stored(gf, name, transforms)
+        w.tensors[name] = GpuTensor(name, gpu.upload(st.data, name), st.qtype, st.ne)
         done += info.data.nbytes
         if progress is not None:
             progress(done, total)

@@ -46,6 +46,18 @@ class Dispatch:
     flops: int = 0
 
 
+@dataclass(frozen=True)
+class View:
+    """Where a named value lives (Graph.expose)."""
+
+    after: str
+    buf: Buffer
+    off: int
+    n_rows: int
+    n_cols: int
+    stride: int
+
+
 @dataclass
 class Submission:
     """A contiguous run of dispatches recorded into one kp sequence."""
@@ -76,8 +88,9 @@ class Graph:
         self.submissions: list[Submission] = []
         self._pending: list[Submission] = []
         # where a named value lives when it is not the leading rows of its op's output buffer:
-        # name -> (element offset, rows, columns, row stride), for `vkflash verify`'s taps
-        self.views: dict[str, tuple[int, int, int, int]] = {}
+        # name -> (the dispatch after which it is final, buffer, element offset, rows, columns,
+        # row stride), for `vkflash verify`'s taps
+        self.views: dict[str, View] = {}
 
     # --- building -------------------------------------------------------------------------
     def dispatch(self, kernel: str, buffers: Sequence[Buffer], groups: Sequence[int], push: Sequence[int] = (),
@@ -103,10 +116,11 @@ class Graph:
         self.submissions = []  # a changed graph must be recorded again
         return op
 
-    def expose(self, name: str, off: int, n_rows: int, n_cols: int, stride: int) -> None:
+    def expose(self, name: str, buf: Buffer, off: int, n_rows: int, n_cols: int, stride: int,
+               after: str | None = None) -> None:
         """Declare that the value `name` is the (n_rows × n_cols, row stride) block at element
-        `off` of the buffer its last dispatch writes."""
-        self.views[name] = (off, n_rows, n_cols, stride)
+        `off` of `buf`, final after the last dispatch named `after` (default: `name`)."""
+        self.views[name] = View(after or name, buf, off, n_rows, n_cols, stride)
 
     # --- recording ------------------------------------------------------------------------
     def estimates(self) -> list[float]:

@@ -1,6 +1,7 @@
 """Step graphs per architecture: each arch module offers `attention_layers(hp)`, a `Scratch` with
 `allocate(gpu, hp, ub, n_split)`, and `build(g, model, scratch, n, head)` listing its gpu ops.
-Optional hooks: `weight_transforms(gf, hp)` (upload re-layouts), `extra_dim(hp)` (f32 per-token
+Optional hooks: `weight_transforms(gf, hp)` (upload re-layouts), `weight_stacks(gf, hp)` (projections
+uploaded as one buffer, VKFLASH_STACK_WEIGHTS), `extra_dim(hp)` (f32 per-token
 params rows), `allocate_state(gpu, gf, hp, n_ctx, kv_type, ub)` → an object with reset(),
 before_step(params, ids), stepped(ids) and truncate(back) -> bool (recurrent and QSA state)."""
 

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 from vkflash.engine.caches import KVCaches
 from vkflash.engine.step_params import StepParams
-from vkflash.engine.weights_gpu import GpuWeights
+from vkflash.engine.weights_gpu import GpuWeights, Stack
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops import argmax as argmax_op
 from vkflash.gpu.ops.copy import copy_words
 from vkflash.gpu.ops.embed import embed
-from vkflash.gpu.ops.matmul import matmul
+from vkflash.gpu.ops.matmul import QWeight, matmul
 from vkflash.gpu.ops.norm import rms_norm
 from vkflash.gpu.ops.views import Rows
 from vkflash.model.hparams import HParams
@@ -109,3 +109,40 @@ def lm_head(g: "Graph", m: StepModel, h: Rows, tmp: Rows, head: Head, norm: str 
     logits = Rows(m.head.logits, rows, m.hp.V)
     matmul(g, out.matrix(), tmp, logits, name="result_output")
     argmax_op.argmax(g, logits, m.head.scratch, m.head.ids, name="argmax")
+
+
+def run_stacks(members: list[str]) -> list[Stack]:
+    """Stacks for projections whose outputs are consecutive columns of one activation row, in
+    that order: every run of ≥ 2 neighbours, longest first (the upload takes the first that fits
+    the file's types and skips runs that overlap a taken one)."""
+    out = []
+    for size in range(len(members), 1, -1):
+        for i in range(len(members) - size + 1):
+            run = members[i:i + size]
+            out.append(Stack("+".join(run), tuple(run)))
+    return out
+
+
+def projections(g: "Graph", w: GpuWeights, x: Rows, y: Rows, parts: list[tuple[str, str]]) -> None:
+    """y's columns, in order, are x times each (tensor, op name) of `parts`; neighbours that are
+    consecutive rows of one stacked buffer run as one matmul, named e.g. `blk.0.gdn_qkv+gdn_z`.
+    Each part's columns stay tappable under its own op name."""
+    col, i = 0, 0
+    while i < len(parts):
+        t = w[parts[i][0]]
+        W, run, j = t.matrix(), [(parts[i][1], t.matrix().n_out)], i + 1
+        while j < len(parts):
+            nxt = w[parts[j][0]]
+            if nxt.buf is not t.buf or nxt.row0 != W.row0 + W.n_out:
+                break
+            W = QWeight(W.buf, W.qtype, W.k, W.n_out + nxt.matrix().n_out, W.row0)
+            run.append((parts[j][1], nxt.matrix().n_out))
+            j += 1
+        name = "+".join([run[0][0]] + [op.rsplit(".", 1)[-1] for op, _ in run[1:]])
+        matmul(g, W, x, Rows(y.buf, x.n_rows, W.n_out, y.off + col, y.stride), name=name)
+        for op, cols in run:
+            g.expose(op, y.buf, y.off + col, x.n_rows, cols, y.stride, after=name)
+            col += cols
+        i = j
+    if col != y.n_cols:
+        raise ValueError(f"projections: {col} columns for a {y.n_cols}-column output")

@@ -10,15 +10,15 @@ either adds its output to `out` (residual) or stores it there (qwen4exp's block 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Container
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from vkflash.engine.caches import IndexerCache
-from vkflash.engine.graphs.common import StepModel
+from vkflash.engine.graphs.common import StepModel, projections, run_stacks
 from vkflash.engine.state import GDNLayerState
-from vkflash.engine.weights_gpu import Transform, as_f32, permute_rows
+from vkflash.engine.weights_gpu import Stack, Transform, as_f32, permute_rows
 from vkflash.formats.gguf_file import GGUFFile
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops import eltwise as E
@@ -58,6 +58,32 @@ def _ssm_ba_order(hp: HParams) -> np.ndarray:
     return np.concatenate([g.reshape(-1), (g + hp.rho).reshape(-1)])
 
 
+GDN_PROJECTIONS = (("ssm_in.weight", "gdn_qkvz"), ("attn_qkv.weight", "gdn_qkv"), ("attn_gate.weight", "gdn_z"),
+                   ("ssm_ba.weight", "gdn_ba"), ("ssm_beta.weight", "gdn_b"), ("ssm_alpha.weight", "gdn_a"))
+"""The GDN input projections a file may hold, in the column order of the proj row [m | z | b | a]."""
+
+
+def gdn_projections(names: Container[str], b: str) -> list[tuple[str, str]]:
+    """(tensor leaf, op name) of layer b's GDN projections present in the file, in proj order."""
+    return [(t, op) for t, op in GDN_PROJECTIONS if b + t in names]
+
+
+def hybrid_stacks(gf: GGUFFile, hp: HParams) -> list[Stack]:
+    """Projections that share an input, stacked where the file's types allow: the GDN inputs (any
+    run of neighbours in proj order), the router with the shared-expert gate row (z gets E + 1
+    columns), the shared expert's gate/up and the routed experts' gate/up (one fused pass)."""
+    out: list[Stack] = []
+    for i in range(hp.L):
+        b = f"blk.{i}."
+        if hp.is_gdn[i]:
+            out += run_stacks([b + t for t, _ in gdn_projections(gf.tensors, b)])
+        for pair in (("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"),
+                     ("ffn_gate_shexp.weight", "ffn_up_shexp.weight"),
+                     ("ffn_gate_exps.weight", "ffn_up_exps.weight")):
+            out.append(Stack(b + "+".join(pair), tuple(b + t for t in pair)))
+    return out
+
+
 def hybrid_transforms(gf: GGUFFile, hp: HParams) -> dict[str, Transform]:
     """Re-layouts for the GDN tensors of either arch (see each helper)."""
     out: dict[str, Transform] = {}
@@ -89,7 +115,7 @@ class HybridScratch:
     k: Buffer  # [ub, H_kv·Dh]
     v: Buffer  # [ub, H_kv·Dh]
     partial: Buffer  # flash-decode partials
-    z: Buffer  # router logits, [ub, E]
+    z: Buffer  # router logits and the shared-expert gate logit w_sg·u, [ub, E + 1]
     ids: Buffer  # router top-k ids (int32), [ub, k]
     w: Buffer  # router weights, [ub, k]
     plan: Buffer  # routing plan of a prefill step (moe_prepass)
@@ -99,7 +125,6 @@ class HybridScratch:
     sh_gate: Buffer  # shared expert silu(W_g^s u), [ub, F_s]
     sh_h: Buffer  # [ub, F_s]
     sh_out: Buffer  # W_d^s(…), [ub, d]
-    sh_g: Buffer  # w_sg·u (σ applied by moe_combine), [ub, 1]
 
     @classmethod
     def allocate(cls, gpu: "Gpu", hp: HParams, ub: int, n_split: int) -> "HybridScratch":
@@ -116,9 +141,9 @@ class HybridScratch:
         return cls(ub, buf(d, "u"), buf(hp.C + Z + 2 * hp.n_v, "gdn.proj"), buf(hp.C, "gdn.conv"),
                    buf(2 * hp.n_v, "gdn.gates"), buf(max(Z, hp.H * hp.Dh), "o"), buf(2 * hp.H * hp.Dh, "attn.qg"),
                    buf(hp.H_kv * hp.Dh, "attn.k"), buf(hp.H_kv * hp.Dh, "attn.v"), gpu.buffer(part, "attn.partial"),
-                   buf(n_e, "moe.z"), buf(k, "moe.ids"), buf(k, "moe.w"), gpu.buffer(4 * plan, "moe.plan"),
+                   buf(n_e + 1, "moe.z"), buf(k, "moe.ids"), buf(k, "moe.w"), gpu.buffer(4 * plan, "moe.plan"),
                    buf(k * hp.F, "moe.h"), buf(k * d, "moe.ys"), buf(d, "moe.f"), buf(hp.F_s, "shexp.gate"),
-                   buf(hp.F_s, "shexp.h"), buf(d, "shexp.out"), buf(1, "shexp.g"))
+                   buf(hp.F_s, "shexp.h"), buf(d, "shexp.out"))
 
 
 # ------------------------------------------------------------------ GDN
@@ -132,18 +157,7 @@ def gdn_sublayer(g: "Graph", m: StepModel, s: HybridScratch, i: int, n: int, u: 
     b = f"blk.{i}."
     C, Z, n_v = hp.C, hp.n_v * hp.S, hp.n_v
     W = C + Z + 2 * n_v
-    if b + "ssm_in.weight" in w.tensors:
-        matmul(g, w[b + "ssm_in.weight"].matrix(), u, Rows(s.proj, n, C + Z, 0, W), name=b + "gdn_qkvz")
-    else:
-        matmul(g, w[b + "attn_qkv.weight"].matrix(), u, Rows(s.proj, n, C, 0, W), name=b + "gdn_qkv")
-        g.expose(b + "gdn_qkv", 0, n, C, W)
-        matmul(g, w[b + "attn_gate.weight"].matrix(), u, Rows(s.proj, n, Z, C, W), name=b + "gdn_z")
-        g.expose(b + "gdn_z", C, n, Z, W)
-    if b + "ssm_ba.weight" in w.tensors:
-        matmul(g, w[b + "ssm_ba.weight"].matrix(), u, Rows(s.proj, n, 2 * n_v, C + Z, W), name=b + "gdn_ba")
-    else:
-        matmul(g, w[b + "ssm_beta.weight"].matrix(), u, Rows(s.proj, n, n_v, C + Z, W), name=b + "gdn_b")
-        matmul(g, w[b + "ssm_alpha.weight"].matrix(), u, Rows(s.proj, n, n_v, C + Z + n_v, W), name=b + "gdn_a")
+    projections(g, w, u, Rows(s.proj, n, W), [(b + t, b + op) for t, op in gdn_projections(w.tensors, b)])
     conv_w = w[b + "ssm_conv1d.weight"]
     c = Rows(s.conv, n, C)
     gdn.conv(g, Rows(s.proj, n, C, 0, W), Rows(conv_w.buf, C, hp.K_c), st.conv.view(), c,
@@ -324,11 +338,11 @@ def _experts(m: StepModel, b: str) -> RoutedExperts:
     if fused is not None:
         gate, up = split_gate_up(fused.buf, int(fused.qtype), hp.d, hp.F, hp.E)
     else:
-        gt, ut = w[b + "ffn_gate_exps.weight"], w[b + "ffn_up_exps.weight"]
-        gate = ExpertStack(gt.buf, int(gt.qtype), hp.d, hp.F, hp.E)
-        up = ExpertStack(ut.buf, int(ut.qtype), hp.d, hp.F, hp.E)
+        gt, ut = w[b + "ffn_gate_exps.weight"], w[b + "ffn_up_exps.weight"]  # stacked: one buffer, fused pass
+        gate = ExpertStack(gt.buf, int(gt.qtype), hp.d, hp.F, hp.E, gt.row0, gt.expert_rows)
+        up = ExpertStack(ut.buf, int(ut.qtype), hp.d, hp.F, hp.E, ut.row0, ut.expert_rows)
     dt = w[b + "ffn_down_exps.weight"]
-    return RoutedExperts(gate, up, ExpertStack(dt.buf, int(dt.qtype), hp.F, hp.d, hp.E))
+    return RoutedExperts(gate, up, ExpertStack(dt.buf, int(dt.qtype), hp.F, hp.d, hp.E, dt.row0, dt.expert_rows))
 
 
 def moe_sublayer(g: "Graph", m: StepModel, s: HybridScratch, i: int, n: int, u: Rows, out: Rows,
@@ -338,17 +352,18 @@ def moe_sublayer(g: "Graph", m: StepModel, s: HybridScratch, i: int, n: int, u: 
     hp, w = m.hp, m.weights
     b = f"blk.{i}."
     n_e, k, F, F_s, d = hp.E, hp.k, hp.F, hp.F_s, hp.d
-    z, ids, wts = Rows(s.z, n, n_e), Rows(s.ids, n, k), Rows(s.w, n, k)
-    matmul(g, w[b + "ffn_gate_inp.weight"].matrix(), u, z, name=b + "ffn_moe_logits")  # (M1)
+    z, ids, wts = Rows(s.z, n, n_e, 0, n_e + 1), Rows(s.ids, n, k), Rows(s.w, n, k)
+    sg = Rows(s.z, n, 1, n_e, n_e + 1)  # w_sg·u beside the router logits (σ applied by moe_combine)
+    projections(g, w, u, Rows(s.z, n, n_e + 1), [(b + "ffn_gate_inp.weight", b + "ffn_moe_logits"),
+                                                  (b + "ffn_gate_inp_shexp.weight", b + "ffn_shexp_g")])  # (M1)
     moe_router(g, z, ids, wts, k, name=b + "ffn_moe_topk")  # (M1)–(M3)
     plan = None if n <= MOE_GEMV_MAX_T else MoEPlan(s.plan, n, k, n_e, tile_width(n, k, n_e))
     ys = Rows(s.ys, n * k, d)
     moe_routed(g, u, ids, wts, _experts(m, b), Rows(s.h, n * k, F), ys, plan, name=b + "ffn_moe")
-    gs, hs, sh, sg = Rows(s.sh_gate, n, F_s), Rows(s.sh_h, n, F_s), Rows(s.sh_out, n, d), Rows(s.sh_g, n, 1)
+    gs, hs, sh = Rows(s.sh_gate, n, F_s), Rows(s.sh_h, n, F_s), Rows(s.sh_out, n, d)
     matmul(g, w[b + "ffn_gate_shexp.weight"].matrix(), u, gs, Epilogue(act="silu"), name=b + "ffn_shexp_gate")
     matmul(g, w[b + "ffn_up_shexp.weight"].matrix(), u, hs, Epilogue(mul=gs), name=b + "ffn_shexp_up")
     matmul(g, w[b + "ffn_down_shexp.weight"].matrix(), hs, sh, name=b + "ffn_shexp_out")
-    matmul(g, w[b + "ffn_gate_inp_shexp.weight"].matrix(), u, sg, name=b + "ffn_shexp_g")
     f = Rows(s.f, n, d) if residual else out
     moe_combine(g, ys, f, k, shared=sh, gate=sg, name=b + "ffn_out")  # (M4)
     if residual:

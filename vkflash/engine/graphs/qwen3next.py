@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 
 from vkflash.engine.graphs.common import Head, StepModel, embed_tokens, lm_head
 from vkflash.engine.graphs.hybrid import (HybridScratch, attention_sublayer, moe_sublayer, gdn_sublayer,
-                                          hybrid_transforms)
+                                          hybrid_stacks, hybrid_transforms)
 from vkflash.engine.state import RecurrentState
-from vkflash.engine.weights_gpu import Transform
+from vkflash.engine.weights_gpu import Stack, Transform
 from vkflash.formats.gguf_file import GGUFFile
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops.attention import CacheType
@@ -43,6 +43,11 @@ def attention_layers(hp: HParams) -> list[int]:
 def weight_transforms(gf: GGUFFile, hp: HParams) -> dict[str, Transform]:
     """Legacy ssm_in / grouped ssm_ba rows re-ordered, expert stacks laid out for the MoE."""
     return hybrid_transforms(gf, hp)
+
+
+def weight_stacks(gf: GGUFFile, hp: HParams) -> list[Stack]:
+    """GDN input projections, router + shared gate, shared and routed gate/up (hybrid_stacks)."""
+    return hybrid_stacks(gf, hp)
 
 
 def n_draft() -> int:

@@ -24,12 +24,12 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from vkflash.engine.caches import IndexerCache, allocate_indexer
-from vkflash.engine.graphs.common import Head, StepModel, embed_tokens
+from vkflash.engine.graphs.common import Head, StepModel, embed_tokens, projections
 from vkflash.engine.graphs.hybrid import (HybridScratch, QSABuffers, QSAConfig, attention_sublayer, moe_sublayer,
-                                          gdn_sublayer, hybrid_transforms)
+                                          gdn_sublayer, hybrid_stacks, hybrid_transforms)
 from vkflash.engine.state import RecurrentState
 from vkflash.engine.step_params import StepParams
-from vkflash.engine.weights_gpu import Stored, Transform, as_f32, host_row_gather
+from vkflash.engine.weights_gpu import Stack, Stored, Transform, as_f32, host_row_gather
 from vkflash.formats.gguf_file import GGUFFile, TensorInfo
 from vkflash.formats.quant_blocks import row_bytes
 from vkflash.gpu.memory import Buffer
@@ -37,7 +37,7 @@ from vkflash.gpu.ops import argmax as argmax_op
 from vkflash.gpu.ops import eltwise as E
 from vkflash.gpu.ops import gdn
 from vkflash.gpu.ops.attention import CacheType
-from vkflash.gpu.ops.hc import hc_combine, hc_mix, hc_pre
+from vkflash.gpu.ops.hc import fuse_hc, hc_combine, hc_mix, hc_pre
 from vkflash.gpu.ops.matmul import matmul
 from vkflash.gpu.ops.norm import grouped_rms_norm
 from vkflash.gpu.ops.ple import ple_gate
@@ -115,6 +115,16 @@ def weight_transforms(gf: GGUFFile, hp: HParams) -> dict[str, Transform]:
     return out
 
 
+def weight_stacks(gf: GGUFFile, hp: HParams) -> list[Stack]:
+    """hybrid_stacks, and each block mixer's W_dn (padded) with its W_inj: both read X."""
+    out = hybrid_stacks(gf, hp)
+    for i in range(hp.L):
+        for X in ("attn", "ffn"):
+            p = f"blk.{i}.hc_{X}_"
+            out.append(Stack(p + "down+inject", (p + "down.weight", p + "inject.weight")))
+    return out
+
+
 def extra_dim(hp: HParams) -> int:
     """The PLE rows e (n_p·D_p = d floats per token) travel in the step-params buffer."""
     return hp.d if hp.has_ple else 0
@@ -177,9 +187,8 @@ class Scratch:
     x: Buffer  # embedding rows, [ub, d]
     a: Buffer  # block output b of a Combine, [ub, d]
     X: Buffer  # grouped-normed R, [ub, hc·d]
-    ell: Buffer  # ℓ, [ub, lr_padded]
+    ell: Buffer  # [ℓ (lr_padded) | ι (hc)] per token: W_dn X and W_inj X side by side
     gpre: Buffer  # W_up ℓ, [ub, hc·d]
-    iota: Buffer  # ι, [ub, hc]
     kp: Buffer  # PLE K̃ (k_p normalised in place), [ub, hc·d]
     vp: Buffer  # [ub, d]
     qt: Buffer  # PLE Q̃, [ub, hc·d]
@@ -197,29 +206,59 @@ class Scratch:
             return gpu.buffer(4 * ub * cols, name)
 
         ple = 1 if hp.has_ple else 0
-        return cls(ub, buf(wide, "R"), buf(d, "x"), buf(d, "a"), buf(wide, "hc.X"), buf(lr_padded(hp), "hc.ell"),
-                   buf(wide, "hc.gpre"), buf(hp.hc, "hc.iota"), buf(wide * ple or 1, "ple.k"), buf(d * ple or 1, "ple.v"),
+        return cls(ub, buf(wide, "R"), buf(d, "x"), buf(d, "a"), buf(wide, "hc.X"), buf(lr_padded(hp) + hp.hc, "hc.ell"),
+                   buf(wide, "hc.gpre"), buf(wide * ple or 1, "ple.k"), buf(d * ple or 1, "ple.v"),
                    buf(wide * ple or 1, "ple.q"), buf(hp.hc * ple or 1, "ple.gate"), buf(wide * ple or 1, "ple.V"),
                    buf(wide * ple or 1, "ple.Vt"), buf(wide * ple or 1, "ple.y"),
                    HybridScratch.allocate(gpu, hp, ub, n_split))
 
 
-def hc_mixer(g: "Graph", m: StepModel, s: Scratch, R: Rows, prefix: str, u: Rows, iota: Rows | None,
-             name: str) -> None:
-    """(H1)–(H5): u = Mix(R) and, for block mixers, ι = W_inj X."""
+@dataclass(frozen=True)
+class Pending:
+    """A Combine (H6) R += 2σ(ι/hc)·b not yet applied: the next Mix's norm applies it on the way
+    (one dispatch, VKFLASH_HC_FUSE), or `apply` does on its own. Named like the reference's op."""
+
+    b: Rows
+    iota: Rows
+    name: str
+
+    def last_row(self) -> Pending:
+        """The Combine of the last token only (a head that reads one row)."""
+        n = self.b.n_rows - 1
+        return Pending(Rows(self.b.buf, 1, self.b.n_cols, self.b.off + n * self.b.stride, self.b.stride),
+                       Rows(self.iota.buf, 1, self.iota.n_cols, self.iota.off + n * self.iota.stride,
+                            self.iota.stride), self.name)
+
+    def apply(self, g: "Graph", R: Rows) -> None:
+        hc_combine(g, R, self.b, self.iota, name=self.name)
+
+
+def hc_mixer(g: "Graph", m: StepModel, s: Scratch, R: Rows, prefix: str, u: Rows, inject: bool,
+             name: str, pending: Pending | None = None) -> Rows | None:
+    """(H1)–(H5): u = Mix(R) after the pending Combine; for block mixers also ι = W_inj X, returned
+    as a view (W_dn and W_inj read the same X: one matmul when the two are stacked)."""
     hp, w = m.hp, m.weights
-    n, hc, d = R.n_rows, hp.hc, hp.d
+    n, hc, d, lr = R.n_rows, hp.hc, hp.d, lr_padded(hp)
     X = Rows(s.X, n, hc * d)
-    grouped_rms_norm(g, R, X, hc, hp.eps, w[prefix + "_norm.weight"].buf, name=f"{name}.norm")
-    ell = Rows(s.ell, n, lr_padded(hp))
-    matmul(g, w[prefix + "_down.weight"].matrix(), X, ell, name=f"{name}.down")
+    gamma = w[prefix + "_norm.weight"].buf
+    if pending is not None and fuse_hc():
+        grouped_rms_norm(g, R, X, hc, hp.eps, gamma, name=pending.name, combine=(pending.iota, pending.b))
+        g.expose(pending.name, R.buf, R.off, R.n_rows, R.n_cols, R.stride)  # R after the Combine
+    else:
+        if pending is not None:
+            pending.apply(g, R)
+        grouped_rms_norm(g, R, X, hc, hp.eps, gamma, name=f"{name}.norm")
+    width = lr + hc
+    parts = [(prefix + "_down.weight", f"{name}.down")]
+    if inject:  # named after its weight, not as a part of `name`: u is the mix's output, ι a second one
+        parts.append((prefix + "_inject.weight", f"{prefix}_inject"))
+    projections(g, w, X, Rows(s.ell, n, lr + hc * inject, 0, width), parts)
+    ell = Rows(s.ell, n, lr, 0, width)
     hc_pre(g, ell, ell, hc, name=f"{name}.pre")
     gpre = Rows(s.gpre, n, hc * d)
     matmul(g, w[prefix + "_up.weight"].matrix(), ell, gpre, name=f"{name}.up")
     hc_mix(g, gpre, X, u, hc, name=name)
-    if iota is not None:
-        # named after its weight, not as a part of `name`: u is the mix's output, ι a second one
-        matmul(g, w[prefix + "_inject.weight"].matrix(), X, iota, name=f"{prefix}_inject")
+    return Rows(s.ell, n, hc, lr, width) if inject else None
 
 
 def ple_block(g: "Graph", m: StepModel, s: Scratch, i: int, n: int, R: Rows, st: RecurrentState, n_slots: int) -> None:
@@ -246,17 +285,19 @@ def ple_block(g: "Graph", m: StepModel, s: Scratch, i: int, n: int, R: Rows, st:
     E.add(g, R, y, R, name=b + "ple_out")
 
 
-def head(g: "Graph", m: StepModel, s: Scratch, n: int, which: Head) -> None:
-    """(O2)–(O3): logits = W_out Mix(R; output_hc) for the rows `which` asks for, then their argmax."""
-    if which is Head.NONE:
-        return
+def head(g: "Graph", m: StepModel, s: Scratch, n: int, which: Head, pending: Pending) -> None:
+    """(O2)–(O3): logits = W_out Mix(R; output_hc) for the rows `which` asks for, then their argmax;
+    the last layer's Combine is applied to those rows on the way (to all rows without a head)."""
     hp, wide = m.hp, m.hp.hc * m.hp.d
+    if which is Head.NONE:
+        pending.apply(g, Rows(s.R, n, wide))
+        return
     R = Rows(s.R, n, wide) if which is Head.ALL else Rows(s.R, 1, wide, (n - 1) * wide)
     rows = R.n_rows
     if rows > m.head.rows:
         raise ValueError(f"head: {rows} logit rows, the buffers hold {m.head.rows}")
     y = Rows(s.x, rows, hp.d)
-    hc_mixer(g, m, s, R, "output_hc", y, None, "result_norm")
+    hc_mixer(g, m, s, R, "output_hc", y, False, "result_norm", pending if rows == n else pending.last_row())
     out = m.weights.get("output.weight") or m.weights["token_embd.weight"]
     logits = Rows(m.head.logits, rows, hp.V)
     matmul(g, out.matrix(), y, logits, name="result_output")
@@ -264,29 +305,36 @@ def head(g: "Graph", m: StepModel, s: Scratch, n: int, which: Head) -> None:
 
 
 def build(g: "Graph", m: StepModel, s: Scratch, n: int, which: Head) -> None:
-    """The whole forward of an n-token step (tokens, positions and PLE rows from the params buffer)."""
+    """The whole forward of an n-token step (tokens, positions and PLE rows from the params buffer).
+    Each Combine rides on the next Mix's norm (Pending)."""
     if not 1 <= n <= s.ub:
         raise ValueError(f"qwen4exp step of {n} tokens; the scratch holds 1..{s.ub}")
     hp, st = m.hp, m.state
     hc, d = hp.hc, hp.d
     R, x, a, u = Rows(s.R, n, hc * d), Rows(s.x, n, d), Rows(s.a, n, d), Rows(s.hy.u, n, d)
-    iota = Rows(s.iota, n, hc)
     n_slots = st.rec.slots_for(n)
     embed_tokens(g, m, x)  # (E1)
     for c in range(hc):  # (H0) hc identical copies
         E.scale(g, x, 1.0, Rows(s.R, n, d, c * d, hc * d), name=f"hc_copy.{c}")
+    pending: Pending | None = None
     for i in range(hp.L):
         b = f"blk.{i}."
-        if i == hp.ple_layer:  # (L1)
+        if i == hp.ple_layer:  # (L1) on the combined R
+            if pending is not None:
+                pending.apply(g, R)
+                pending = None
             ple_block(g, m, s, i, n, R, st.rec, n_slots)
-        hc_mixer(g, m, s, R, b + "hc_attn", u, iota, b + "hc_attn_mix")  # (L2)
+        iota = hc_mixer(g, m, s, R, b + "hc_attn", u, True, b + "hc_attn_mix", pending)  # (L2)
         if hp.is_gdn[i]:  # (L3)
             gdn_sublayer(g, m, s.hy, i, n, u, a, False, st.rec.gdn[i], n_slots, gdn.HeadMap.TILED, gdn.Gate.SIGMOID)
         else:
             qsa = (st.idx[i], st.qsa) if i in st.idx else None
             attention_sublayer(g, m, s.hy, i, n, u, a, False, qsa)
-        hc_combine(g, R, a, iota, name=b + "attn_residual")  # (L4)
-        hc_mixer(g, m, s, R, b + "hc_ffn", u, iota, b + "hc_ffn_mix")  # (L5)
+        assert iota is not None
+        pending = Pending(a, iota, b + "attn_residual")  # (L4)
+        iota = hc_mixer(g, m, s, R, b + "hc_ffn", u, True, b + "hc_ffn_mix", pending)  # (L5)
         moe_sublayer(g, m, s.hy, i, n, u, a, False)  # (L6)
-        hc_combine(g, R, a, iota, name=b + "l_out")  # (L7)
-    head(g, m, s, n, which)
+        assert iota is not None
+        pending = Pending(a, iota, b + "l_out")  # (L7)
+    assert pending is not None
+    head(g, m, s, n, which, pending)
