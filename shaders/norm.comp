@@ -9,8 +9,12 @@
 // in place (hc.comp COMBINE's formula), then the norm of the updated group; one dispatch for a
 // Combine and the next Mix's grouped RMSNorm. Each x element is updated and re-read by one
 // invocation (both loops walk i the same way).
+// ROPE (attention q/k, MODEL.md A2 then A3): the normalised row (a head vector; n_groups = 1) is
+// rotated by NeoX partial RoPE exactly as shaders/rope.comp (row r = t*n_heads + h at position
+// pos[pos_off + t]); outputs go through shared memory first, so y may alias x. Dh ≤ MAX_DH.
 // Buffers: 0 x (f32), 1 gamma (f32; any buffer when unused), 2 y (f32; may alias x, same view,
-// except with COMBINE), 3 iota, 4 b (f32; any buffer when not COMBINE).
+// except with COMBINE), 3 iota, 4 b (f32; any buffer when not COMBINE), 5 pos (int32; any
+// buffer when not ROPE).
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"
 #include "common/reduce.glsl"
@@ -18,18 +22,31 @@
 layout(constant_id = 1) const uint MODE = 0;
 layout(constant_id = 2) const bool HAS_GAMMA = false;
 layout(constant_id = 3) const bool COMBINE = false;
+layout(constant_id = 4) const bool ROPE = false;
+const uint MAX_DH = 512u;
 
 layout(std430, binding = 0) buffer X { float x[]; };
 layout(std430, binding = 1) readonly buffer G { float gamma[]; };
 layout(std430, binding = 2) buffer Y { float y[]; };
 layout(std430, binding = 3) readonly buffer Iota { float iota[]; };
 layout(std430, binding = 4) readonly buffer Bv { float bv[]; };
+layout(std430, binding = 5) readonly buffer Pos { int pos[]; };
 layout(push_constant) uniform P {
     uint n; uint n_groups; uint n_rows;
     uint x_off; uint x_stride; uint y_off; uint y_stride; uint g_off;
     uint eps_bits; uint post_bits;
     uint i_off; uint i_stride; uint b_off; uint b_stride;
+    uint n_heads; uint n_rot; uint pos_off; uint theta_bits;
 } p;
+
+shared float rotated[ROPE ? MAX_DH : 1u];
+
+// Element i of the normalised group at xb (scale s, gamma from g0).
+float normed(uint xb, uint g0, uint i, float s) {
+    float v = x[xb + i] * s;
+    if (HAS_GAMMA) v *= gamma[g0 + i];
+    return v;
+}
 
 void main() {
     float eps = uintBitsToFloat(p.eps_bits), post = uintBitsToFloat(p.post_bits);
@@ -49,10 +66,28 @@ void main() {
         for (uint i = gl_LocalInvocationID.x; i < p.n; i += gl_WorkGroupSize.x) ss += x[xb + i] * x[xb + i];
         ss = wg_sum(ss);
         float s = post / sqrt((MODE == 0 ? ss / float(p.n) : ss) + eps);
-        for (uint i = gl_LocalInvocationID.x; i < p.n; i += gl_WorkGroupSize.x) {
-            float v = x[xb + i] * s;
-            if (HAS_GAMMA) v *= gamma[p.g_off + c * p.n + i];
-            y[yb + i] = v;
+        uint g0 = p.g_off + c * p.n;
+        if (ROPE) {
+            uint half_rot = p.n_rot / 2u;
+            float theta = uintBitsToFloat(p.theta_bits);
+            float pt = float(pos[p.pos_off + r / p.n_heads]);
+            for (uint i = gl_LocalInvocationID.x; i < p.n; i += gl_WorkGroupSize.x) {
+                float v = normed(xb, g0, i, s);
+                if (i < p.n_rot) {
+                    uint j = i % half_rot;
+                    float phi = pt * pow(theta, -2.0 * float(j) / float(p.n_rot));
+                    float cs = cos(phi), sn = sin(phi);
+                    float x0 = i < half_rot ? v : normed(xb, g0, j, s);
+                    float x1 = i < half_rot ? normed(xb, g0, j + half_rot, s) : v;
+                    v = i < half_rot ? x0 * cs - x1 * sn : x1 * cs + x0 * sn;
+                }
+                rotated[i] = v;
+            }
+            barrier();
+            for (uint i = gl_LocalInvocationID.x; i < p.n; i += gl_WorkGroupSize.x) y[yb + i] = rotated[i];
+            barrier();  // rotated is reused by the next group
+        } else {
+            for (uint i = gl_LocalInvocationID.x; i < p.n; i += gl_WorkGroupSize.x) y[yb + i] = normed(xb, g0, i, s);
         }
     }
 }

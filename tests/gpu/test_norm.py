@@ -164,4 +164,9 @@ def test_validation(gpu):
         N.grouped_rms_norm(g, Rows(b, 2, 10), Rows(b, 2, 10, 50), 2, 1e-6, combine=(Rows(c, 2, 3), Rows(c, 2, 5)))
     with pytest.raises(ValueError, match="must not overlap"):
         N.grouped_rms_norm(g, Rows(b, 2, 10), Rows(b, 2, 10, 50), 2, 1e-6, combine=(Rows(c, 2, 2), Rows(b, 2, 5, 5)))
+    big, pos = gpu.buffer(4 * 1200, "big"), gpu.buffer(16, "pos")
+    with pytest.raises(ValueError, match="at most 512"):
+        N.rms_norm(g, Rows(big, 2, 600), Rows(big, 2, 600), 1e-6, rope=N.Rope(1, 64, 1e4, pos))
+    with pytest.raises(ValueError, match="n_rot must be even"):
+        N.rms_norm(g, Rows(b, 2, 10), Rows(b, 2, 10), 1e-6, rope=N.Rope(1, 3, 1e4, pos))
     assert not g.ops

@@ -113,3 +113,39 @@ def test_validation(gpu):
         R.imrope(g, v, v, 2, 16, 1e4, [0, 0, 0, 0], p)
     assert not g.ops
     assert R.check_sections([11, 11, 10, 0], 64) == (11, 11, 10, 0)
+
+
+@pytest.mark.parametrize("dh,n_rot", [(64, 16), (256, 64), (30, 30)])
+def test_norm_rope_fused_in_place(gpu, rng, dh, n_rot):
+    """rms_norm(..., rope=) in one dispatch, in place on strided q rows (q then gate per head):
+    equal to rms_norm then rope_neox within a few ulp, near the float64 oracle, gates untouched."""
+    from vkflash.gpu.ops.norm import Rope, rms_norm
+
+    T, H, theta, eps = int(rng.integers(1, 7)), int(rng.integers(1, 5)), float(rng.choice([1e4, 1e7])), 1e-6
+    qg = rng.standard_normal((T, H, 2, dh)).astype(np.float32) * np.exp(rng.uniform(-3, 3, (T, H, 1, 1)))
+    qg = qg.astype(np.float32)
+    gam = (1 + 0.2 * rng.standard_normal(dh)).astype(np.float32)
+    pos = rng.integers(0, 3000, T).astype(np.int32)
+    pb, gb = gpu.upload(pos, "pos"), gpu.upload(gam, "gamma")
+    out = {}
+    for fused in (True, False):
+        xb = gpu.upload(qg, "qg")
+        rows = Rows(xb, T * H, dh, 0, 2 * dh)
+        g = gpu.graph("norm_rope")
+        if fused:
+            rms_norm(g, rows, rows, eps, gb, rope=Rope(H, n_rot, theta, pb))
+            assert len(g.ops) == 1
+        else:
+            rms_norm(g, rows, rows, eps, gb)
+            R.rope_neox(g, rows, rows, H, n_rot, theta, pb)
+        g.run()
+        out[fused] = xb.read(np.float32).reshape(T, H, 2, dh)
+    np.testing.assert_array_equal(out[True][:, :, 1], qg[:, :, 1])  # gate halves untouched
+    q = qg[:, :, 0].astype(np.float64)
+    normed = q / np.sqrt((q**2).mean(-1, keepdims=True) + np.float32(eps)) * gam
+    want = _ref(normed, pos, n_rot, theta)
+    tol = _tol(normed, pos) + 2.0**-20 * np.abs(normed).max(axis=(1, 2), keepdims=True)
+    got = out[True][:, :, 0]
+    assert np.all(np.abs(got - want) <= tol), f"max err {np.abs(got - want).max():.3g}"
+    plain = out[False][:, :, 0]
+    assert np.abs(got - plain).max() <= 8 * 2.0**-23 * np.abs(plain).max()

@@ -28,7 +28,7 @@ from vkflash.gpu.ops.matmul import Epilogue, QWeight, matmul
 from vkflash.gpu.ops.moe import (TILES, ExpertStack, MoEPlan, RoutedExperts, moe_combine, moe_routed, moe_router,
                                  plan_words, split_gate_up, tile_width)
 from vkflash.gpu.ops.moe import DECODE_MAX_T as MOE_GEMV_MAX_T
-from vkflash.gpu.ops.norm import rms_norm
+from vkflash.gpu.ops.norm import Rope, rms_norm
 from vkflash.gpu.ops.qsa import qsa_pool, qsa_scores, qsa_select, qsa_union
 from vkflash.gpu.ops.rope import rope_neox
 from vkflash.gpu.ops.views import Rows
@@ -261,8 +261,7 @@ def _qsa_select(g: "Graph", m: StepModel, i: int, n: int, u: Rows, idx: IndexerC
     qI = Rows(qb.qI, n, n_I * D)
     matmul(g, w[b + "indexer.q_proj.weight"].matrix(), u, qI, name=b + "idx_q")
     heads = Rows(qb.qI, n * n_I, D)
-    rms_norm(g, heads, heads, hp.eps, w[b + "indexer.q_norm.weight"].buf, name=b + "idx_q_norm")
-    rope_neox(g, heads, heads, n_I, hp.n_rot, hp.theta, p.buf, p.pos, name=b + "idx_q_rope")
+    norm_rope(g, m, heads, n_I, w[b + "indexer.q_norm.weight"].buf, b + "idx_q_norm", b + "idx_q_rope")
     scores = Rows(qb.scores, n, qb.n_blocks)
     qsa_scores(g, p.buf, 0, qI, summary, scores, n_I=n_I, r=r, name=b + "idx_scores")
     if n == 1:
@@ -276,6 +275,18 @@ def _qsa_select(g: "Graph", m: StepModel, i: int, n: int, u: Rows, idx: IndexerC
     tiles = qsa_union(g, p.buf, 0, sel, qb.tile_gp, qb.tile_cells, qb.n_ctx, Rows(qb.slots, n, qb.mask_words),
                       tile=qb.tile, name=b + "qsa_union")
     return GatheredTiles(qb, tiles)
+
+
+def norm_rope(g: "Graph", m: StepModel, heads: Rows, n_heads: int, gamma: Buffer, norm_name: str,
+              rope_name: str) -> None:
+    """(A2)+(A3) in place on head rows: RMSNorm ⊙ γ then NeoX RoPE at the step's positions; one
+    dispatch named `rope_name` (two with VKFLASH_DISABLE_FUSION=1)."""
+    hp, p = m.hp, m.params
+    if current()["VKFLASH_DISABLE_FUSION"]:
+        rms_norm(g, heads, heads, hp.eps, gamma, name=norm_name)
+        rope_neox(g, heads, heads, n_heads, hp.n_rot, hp.theta, p.buf, p.pos, name=rope_name)
+        return
+    rms_norm(g, heads, heads, hp.eps, gamma, name=rope_name, rope=Rope(n_heads, hp.n_rot, hp.theta, p.buf, p.pos))
 
 
 def attention_sublayer(g: "Graph", m: StepModel, s: HybridScratch, i: int, n: int, u: Rows, out: Rows,
@@ -297,10 +308,8 @@ def attention_sublayer(g: "Graph", m: StepModel, s: HybridScratch, i: int, n: in
         matmul(g, w[b + "attn_k.weight"].matrix(), u, k, name=b + "attn_k")
         matmul(g, w[b + "attn_v.weight"].matrix(), u, v, name=b + "Vcur")
     q_rows, k_rows = Rows(s.qg, n * H, Dh, 0, 2 * Dh), Rows(s.k, n * H_kv, Dh)
-    rms_norm(g, q_rows, q_rows, hp.eps, w[b + "attn_q_norm.weight"].buf, name=b + "Qnorm")
-    rms_norm(g, k_rows, k_rows, hp.eps, w[b + "attn_k_norm.weight"].buf, name=b + "Knorm")
-    rope_neox(g, q_rows, q_rows, H, hp.n_rot, hp.theta, p.buf, p.pos, name=b + "Qcur")
-    rope_neox(g, k_rows, k_rows, H_kv, hp.n_rot, hp.theta, p.buf, p.pos, name=b + "Kcur")
+    norm_rope(g, m, q_rows, H, w[b + "attn_q_norm.weight"].buf, b + "Qnorm", b + "Qcur")
+    norm_rope(g, m, k_rows, H_kv, w[b + "attn_k_norm.weight"].buf, b + "Knorm", b + "Kcur")
     cache = m.kv[i]
     kv_append(g, p.buf, p.pos, Heads(k, H_kv, Dh), cache.k, name=b + "cache_k")
     kv_append(g, p.buf, p.pos, Heads(v, H_kv, Dh), cache.v, name=b + "cache_v")

@@ -6,17 +6,20 @@ shared-memory reduction of Σx². ε is passed as f32 bits; all statistics are f
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
 from vkflash.gpu.memory import Buffer
+from vkflash.gpu.ops.rope import check_neox
 from vkflash.gpu.ops.views import F32, Rows, check_alias, check_same_shape, f32_bits, grid
 from vkflash.gpu.registry import Kernel
 
 if TYPE_CHECKING:
     from vkflash.gpu.graph import Graph
 
-KERNELS = [Kernel("norm", "norm.comp", 5)]
+KERNELS = [Kernel("norm", "norm.comp", 6)]
+MAX_DH = 512  # norm.comp ROPE: longest head row
 MAX_GROUPS = 65535  # one workgroup per group; more groups loop
 
 
@@ -27,13 +30,29 @@ class Mode(IntEnum):
     L2 = 1
 
 
+@dataclass(frozen=True)
+class Rope:
+    """NeoX RoPE applied after a row norm (rope.rope_neox's parameters)."""
+
+    n_heads: int
+    n_rot: int
+    theta: float
+    pos: Buffer
+    pos_off: int = 0
+
+
 def _norm(g: "Graph", mode: Mode, x: Rows, y: Rows, eps: float, n_groups: int, gamma: Buffer | None,
-          gamma_off: int, post: float, name: str, combine: tuple[Rows, Rows] | None = None) -> None:
+          gamma_off: int, post: float, name: str, combine: tuple[Rows, Rows] | None = None,
+          rope: Rope | None = None) -> None:
     """Normalise each of the n_groups equal groups of every row of x into y (after the HC
-    combine x_c += 2σ(ι_c/n_groups)·b in place when `combine` = (ι, b))."""
+    combine x_c += 2σ(ι_c/n_groups)·b in place when `combine` = (ι, b); then RoPE'd by `rope`)."""
     check_same_shape(name, x=x, y=y)
     check_alias(name, y, x)
     iota, b = combine if combine is not None else (x, x)
+    if rope is not None:
+        check_neox(name, x, rope.n_heads, rope.n_rot, rope.theta, rope.pos, rope.pos_off)
+        if n_groups != 1 or combine is not None or x.n_cols > MAX_DH:
+            raise ValueError(f"{name}: norm+RoPE takes plain rows of at most {MAX_DH} (got {x.n_cols})")
     if combine is not None:
         if (iota.n_rows, iota.n_cols) != (x.n_rows, n_groups) or (b.n_rows, b.n_cols) != (x.n_rows, x.n_cols // n_groups):
             raise ValueError(f"{name}: ι must be {x.n_rows}x{n_groups} and b {x.n_rows}x{x.n_cols // n_groups}")
@@ -47,11 +66,13 @@ def _norm(g: "Graph", mode: Mode, x: Rows, y: Rows, eps: float, n_groups: int, g
         Rows(gamma, 1, x.n_cols, gamma_off)  # bounds check: gamma spans the whole row
     n = x.n_cols // n_groups
     total = x.n_rows * n_groups
-    g.dispatch("norm", [x.buf, gamma if gamma is not None else x.buf, y.buf, iota.buf, b.buf],
+    g.dispatch("norm", [x.buf, gamma if gamma is not None else x.buf, y.buf, iota.buf, b.buf,
+                        rope.pos if rope is not None else x.buf],
                [grid(total, 1, MAX_GROUPS)],
                push=[n, n_groups, x.n_rows, x.off, x.stride, y.off, y.stride, gamma_off, f32_bits(eps), f32_bits(post),
-                     iota.off, iota.stride, b.off, b.stride],
-               spec=[int(mode), int(gamma is not None), int(combine is not None)],
+                     iota.off, iota.stride, b.off, b.stride] + ([rope.n_heads, rope.n_rot, rope.pos_off,
+                                                                f32_bits(rope.theta)] if rope else [1, 2, 0, 0]),
+               spec=[int(mode), int(gamma is not None), int(combine is not None), int(rope is not None)],
                writes=[0, 2] if combine is not None else [2], name=name,
                desc=f"{mode.name} {x.n_rows}x{n_groups}x{n}{' +combine' if combine else ''}",
                nbytes=F32 * (x.size * ((3 if gamma is not None else 2) + 2 * (combine is not None))
@@ -59,9 +80,10 @@ def _norm(g: "Graph", mode: Mode, x: Rows, y: Rows, eps: float, n_groups: int, g
 
 
 def rms_norm(g: "Graph", x: Rows, y: Rows, eps: float, gamma: Buffer | None = None, gamma_off: int = 0,
-             name: str = "rms_norm") -> None:
-    """y = x/√(mean(x²)+ε) ⊙ γ per row (γ of n_cols elements at gamma_off, optional)."""
-    _norm(g, Mode.RMS, x, y, eps, 1, gamma, gamma_off, 1.0, name)
+             name: str = "rms_norm", rope: Rope | None = None) -> None:
+    """y = x/√(mean(x²)+ε) ⊙ γ per row (γ of n_cols elements at gamma_off, optional); with `rope`,
+    then NeoX RoPE of each head row in the same dispatch (attention q/k: A2 + A3)."""
+    _norm(g, Mode.RMS, x, y, eps, 1, gamma, gamma_off, 1.0, name, rope=rope)
 
 
 def grouped_rms_norm(g: "Graph", x: Rows, y: Rows, n_groups: int, eps: float, gamma: Buffer | None = None,

@@ -20,15 +20,8 @@ KERNELS = [Kernel("rope", "rope.comp", 3)]
 MAX_GROUPS = 4096  # grid-stride loop covers the rest
 
 
-def rope_neox(g: "Graph", x: Rows, y: Rows, n_heads: int, n_rot: int, theta: float, pos: Buffer,
-              pos_off: int = 0, name: str = "rope") -> None:
-    """Rotate the first n_rot dims of each head in NeoX pairs (i, i + n_rot/2) at φ_i = p·θ^{−2i/n_rot}.
-
-    Row r of x is head r mod n_heads of token r // n_heads (Dh = x.n_cols); token t's position is
-    pos[pos_off + t] (int32). Dims ≥ n_rot pass through. y may be x's exact view (in place).
-    """
-    check_same_shape(name, x=x, y=y)
-    check_alias(name, y, x)
+def check_neox(name: str, x: Rows, n_heads: int, n_rot: int, theta: float, pos: Buffer, pos_off: int) -> int:
+    """Validate a NeoX RoPE over x's head rows (also used by the fused norm+RoPE); the token count."""
     dh = x.n_cols
     if n_heads < 1 or x.n_rows % n_heads:
         raise ValueError(f"{name}: {x.n_rows} rows are not whole tokens of {n_heads} heads")
@@ -40,6 +33,20 @@ def rope_neox(g: "Graph", x: Rows, y: Rows, n_heads: int, n_rot: int, theta: flo
     if pos_off < 0 or 4 * (pos_off + n_tokens) > pos.nbytes:
         raise ValueError(f"{name}: {n_tokens} positions at {pos_off} overflow {pos.name or 'the positions'!r} "
                          f"of {pos.nbytes // 4}")
+    return n_tokens
+
+
+def rope_neox(g: "Graph", x: Rows, y: Rows, n_heads: int, n_rot: int, theta: float, pos: Buffer,
+              pos_off: int = 0, name: str = "rope") -> None:
+    """Rotate the first n_rot dims of each head in NeoX pairs (i, i + n_rot/2) at φ_i = p·θ^{−2i/n_rot}.
+
+    Row r of x is head r mod n_heads of token r // n_heads (Dh = x.n_cols); token t's position is
+    pos[pos_off + t] (int32). Dims ≥ n_rot pass through. y may be x's exact view (in place).
+    """
+    check_same_shape(name, x=x, y=y)
+    check_alias(name, y, x)
+    dh = x.n_cols
+    n_tokens = check_neox(name, x, n_heads, n_rot, theta, pos, pos_off)
     wg = kernel("rope").workgroup(g.gpu.caps)
     items = x.n_rows * (n_rot // 2 + dh - n_rot)
     g.dispatch("rope", [pos, x.buf, y.buf], [grid(items, wg, MAX_GROUPS)],
