@@ -2,9 +2,10 @@
 // Quantized GEMV for decode / MTP verify: y[n, r] = epilogue(Σ_k W[r, k] x[n, k]) for a few
 // token columns n (interface and buffers: common/mm.glsl; W decoders: common/quant.glsl, QTYPE
 // define). f32 accumulation.
-// Normal mode: a workgroup owns NDEC consecutive weight rows (workgroup id = x + y*groups_x) and
-// all NPLAIN = n_tok (1..8) columns. Transposed mode (tiny output, n_out <= 8, e.g. the HC
-// inject W_inj ∈ R^{4×10240}): a workgroup owns NPLAIN tokens and all NDEC = n_out weight rows.
+// Normal mode: a workgroup owns NDEC consecutive weight rows (workgroup id = x + y*groups_x; in
+// the fused modes below, M rows of each stacked block) and all NPLAIN = n_tok (1..8) columns.
+// Transposed mode (tiny output, n_out <= 8, e.g. the HC inject W_inj ∈ R^{4×10240}): a workgroup
+// owns NPLAIN tokens and all NDEC = n_out weight rows.
 // Columns are handled one after the other (a rolled loop: unrolled, lavapipe's LLVM takes seconds
 // per pipeline, and the accumulators stay registers indexed by the unrolled row loop only). For
 // each column every invocation walks 32-element slices u = tid, tid + WG, ... of the rows
@@ -18,6 +19,19 @@
 // gl_SubgroupSize is never assumed).
 // MoE: an expert stack {K, out, E} is addressed by w_row0 = e*out (push constant); a routed
 // variant can derive it from an expert-ids buffer with the same decoders and loop.
+// Fused modes (constant_id 6 MODE; normal GEMV only, EPILOGUE = 0): the weight is a stack of
+// NSTACK blocks of n_out rows (output row r of block c is weight row w_row0 + c*n_out + r) and a
+// workgroup owns M = NDEC / NSTACK output rows, decoding those rows of every block (all NDEC loads
+// in flight together); the block sums are combined in the store, with the `precise` ops in the
+// order of the plain multi-dispatch path, so both round alike.
+//   MODE 0 (plain): NSTACK = 1, y = epilogue(acc) (common/mm.glsl store_out).
+//   MODE 1 (GLU, NSTACK = 2): y[n, r] = silu(acc_gate) · acc_up, gate rows [0, F), up rows
+//     [F, 2F) of a stacked W (F = n_out); = matmul(gate, silu epilogue) then matmul(up, ⊙ y).
+//   MODE 2 (hyper-connection up + mix, NSTACK = HC = hc, constant_id 7): x = ℓ_pre, each loaded
+//     element becomes ℓ = silu(ℓ_pre / hc) (hc.comp PRE) before the dots, s_c = W_up[c·d + r]·ℓ
+//     (d = n_out), u[n, r] = (Σ_c σ(s_c) · X[n, c·d + r]) / hc (hc.comp MIX, streams in order).
+//     X comes through the mul binding (3) at X[n, j] = mul[mul_off + n*res_off + j]: res_off is
+//     X's row stride in this mode (res is unused).
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"
 #extension GL_EXT_control_flow_attributes : require
@@ -29,14 +43,46 @@ layout(constant_id = 2) const uint NDEC = 1;    // weight rows decoded by a work
 layout(constant_id = 3) const uint NPLAIN = 1;  // x columns dotted with each decoded row
 layout(constant_id = 4) const bool TRANSPOSED = false;
 layout(constant_id = 5) const uint SG_MIN = 1;
+layout(constant_id = 6) const uint MODE = 0;
+layout(constant_id = 7) const uint HC = 1;      // MODE 2: hc streams stacked in W_up
+const uint MODE_PLAIN = 0u, MODE_GLU = 1u, MODE_HC = 2u;
+const uint NSTACK = MODE == MODE_GLU ? 2u : (MODE == MODE_HC ? HC : 1u);  // weight blocks per output row
+const uint M = NDEC / NSTACK;                   // output rows of a workgroup (normal mode)
 
 shared float red[NDEC * (gl_WorkGroupSize.x / SG_MIN)];
+
+// Σ over the subgroups' partial sums of decoded row i.
+float row_sum(uint i) {
+    float s = 0.0;
+    for (uint sg = 0u; sg < gl_NumSubgroups; ++sg) s += red[sg * NDEC + i];
+    return s;
+}
+
+// Output (n, r) of the workgroup's output row i (block sums row_sum(c*M + i)), per MODE.
+void store(uint i, uint r, uint n) {
+    if (MODE == MODE_PLAIN) {
+        store_out(row_sum(i), r, n);
+    } else if (MODE == MODE_GLU) {
+        precise float v = silu(row_sum(i));
+        v *= row_sum(M + i);
+        y[p.y_off + n * p.y_stride + r] = v;
+    } else {
+        const float hcf = float(HC);
+        const uint xr = p.mul_off + n * p.res_off + r;
+        precise float u = 0.0;
+        for (uint c = 0u; c < HC; ++c) {
+            precise float gx = sigmoid(row_sum(c * M + i)) * mulv[xr + c * p.n_out];
+            u = c == 0u ? gx : u + gx;
+        }
+        y[p.y_off + n * p.y_stride + r] = u / hcf;  // mean, not sum
+    }
+}
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
     const uint wg = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
     const uint gpr = p.K / 32u;  // slices (32 elements) per row
-    const uint r0 = TRANSPOSED ? 0u : wg * NDEC;
+    const uint r0 = TRANSPOSED ? 0u : wg * M;
     const uint t0 = TRANSPOSED ? wg * NPLAIN : 0u;
     if (TRANSPOSED ? t0 >= p.n_tok : r0 >= p.n_out) return;  // uniform per workgroup
 
@@ -51,10 +97,19 @@ void main() {
                 xg[q] = xv[xb + runs.x + q];
                 xg[q + 4u] = xv[xb + runs.y + q];
             }
+            if (MODE == MODE_HC) {
+                for (uint q = 0u; q < 8u; ++q) {
+                    for (uint e = 0u; e < 4u; ++e) {
+                        const float a = xg[q][e] / float(HC);  // ℓ = silu(ℓ_pre / hc)
+                        xg[q][e] = a * sigmoid(a);
+                    }
+                }
+            }
             const vec4 one = vec4(1.0);
             const vec2 xs = vec2(dot(xg[0] + xg[1] + xg[2] + xg[3], one), dot(xg[4] + xg[5] + xg[6] + xg[7], one));
             Slice w[NDEC];  // all rows' loads first, so they are in flight together
-            for (uint i = 0u; i < NDEC; ++i) w[i] = slice_fetch((p.w_row0 + min(r0 + i, p.n_out - 1u)) * gpr + u);
+            for (uint i = 0u; i < NDEC; ++i)  // block i / M, output row r0 + i % M (a ragged tail repeats the last)
+                w[i] = slice_fetch((p.w_row0 + (i / M) * p.n_out + min(r0 + i % M, p.n_out - 1u)) * gpr + u);
             for (uint i = 0u; i < NDEC; ++i) acc[i] += slice_dot(w[i], xg, xs);
         }
         for (uint i = 0u; i < NDEC; ++i) {
@@ -62,11 +117,8 @@ void main() {
             if (subgroupElect()) red[gl_SubgroupID * NDEC + i] = s;
         }
         barrier();
-        for (uint i = tid; i < NDEC; i += gl_WorkGroupSize.x) {
-            float s = 0.0;
-            for (uint sg = 0u; sg < gl_NumSubgroups; ++sg) s += red[sg * NDEC + i];
-            if (r0 + i < p.n_out && t0 + j < p.n_tok) store_out(s, r0 + i, t0 + j);
-        }
+        for (uint i = tid; i < M; i += gl_WorkGroupSize.x)
+            if (r0 + i < p.n_out && t0 + j < p.n_tok) store(i, r0 + i, t0 + j);
         barrier();  // red is reused by the next column
     }
 }

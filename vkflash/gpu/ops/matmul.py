@@ -9,6 +9,9 @@ x and y are f32 row views (one row per token). `matmul()` picks the kernel from 
 The epilogue (scale, bias, sigmoid/silu, ⊙ tensor, + residual) is fused into the store; with
 VKFLASH_MM_TILE_EPILOG=0 (or VKFLASH_DISABLE_FUSION=1) it runs as separate eltwise dispatches.
 An expert stack {K, out, E} is addressed by QWeight.row0 = e·out (see shaders/mul_mat_vec.comp).
+Two fused decode GEMVs (n_tok ≤ 8) combine stacked row blocks in the store, one dispatch each:
+`glu_matmul` (silu(gate) ⊙ up of a stacked [gate; up] weight) and `hc_mix_matmul` (the
+hyper-connection up projection with hc_pre before it and hc_mix after it).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from vkflash import settings
 from vkflash.formats.quant_blocks import row_bytes
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops import eltwise
-from vkflash.gpu.ops.views import Rows, f32_bits
+from vkflash.gpu.ops.views import Rows, check_alias, f32_bits
 from vkflash.gpu.registry import Kernel, kernel
 
 if TYPE_CHECKING:
@@ -38,12 +41,14 @@ GEMV_ROWS: dict[Q, int] = {Q.F32: 2, Q.F16: 4, Q.BF16: 4}
 wide raw slices (F32: 32 registers a row); GEMV_ROWS_QUANT for every block-quantized type."""
 GEMV_ROWS_QUANT = 8
 GEMV_ROWS_CPU = 2  # CPU drivers (lavapipe): LLVM compile time grows with NDEC, speed is moot
+GEMV_STACK_ROWS_CPU = 4  # fused-mode GEMV rows there: 2 output rows per block (GLU, hc = 2) for the tests to cover
 GEMV_MAX_COLS = 8  # token columns of one GEMV (handled one after the other in the shader)
 TINY_OUT = 8  # outputs at most this many rows go through the transposed GEMV
 TINY_TOKENS = 8  # tokens per workgroup of the transposed GEMV
 TILE = 64  # GEMM tile: 64 weight rows × 64 tokens (scalar and coopmat)
 
 EP_SCALE, EP_BIAS, EP_SIGMOID, EP_SILU, EP_MUL, EP_RES = 1, 2, 4, 8, 16, 32
+GEMV_GLU, GEMV_HC = 1, 2  # fused modes of mul_mat_vec.comp (constant_id 6; 0 = plain)
 
 
 def _kernels() -> list[Kernel]:
@@ -226,3 +231,64 @@ def matmul(g: "Graph", w: QWeight, x: Rows, y: Rows, epilogue: Epilogue = PLAIN,
     tmp = Rows(g.gpu.buffer(4 * y.size, f"{name}.tmp"), y.n_rows, y.n_cols) if aliased else y
     _dispatch(g, w, x, tmp, PLAIN, cm, name)
     _plain_epilogue(g, tmp, y, epilogue, name)
+
+
+def _stacked_gemv(g: "Graph", w: QWeight, x: Rows, y: Rows, mode: int, name: str, nbytes: int,
+                  X: Rows | None = None, hc: int = 1) -> None:
+    """One fused-mode GEMV: y's n_cols output rows, each combining weight rows r + c·n_cols of the stacked blocks.
+
+    A workgroup owns m output rows and decodes n_stack·m weight rows, about the plain GEMV's (same
+    registers, same loads in flight); GEMV_STACK_ROWS_CPU on CPU drivers.
+    """
+    caps = g.gpu.caps
+    n, n_tok = y.n_cols, x.n_rows
+    n_stack = 2 if mode == GEMV_GLU else hc  # the shader's NSTACK
+    rows = GEMV_STACK_ROWS_CPU if caps.device_type == "cpu" else GEMV_ROWS.get(Q(w.qtype), GEMV_ROWS_QUANT)
+    m = max(1, rows // n_stack)  # output rows per workgroup
+    mul = X or x  # binding 3: X in GEMV_HC, unused (any buffer) in GEMV_GLU
+    push = [w.k, n, n_tok, w.row0, x.off, x.stride, y.off, y.stride, 0, mul.off, mul.stride, f32_bits(1.0)]
+    spec = [0, n_stack * m, n_tok, 0, max(1, caps.subgroup_min), mode, hc]
+    tag = "glu" if mode == GEMV_GLU else f"hc={hc}"
+    g.dispatch(f"mul_mat_vec_{w.type_name}", [w.buf, x.buf, x.buf, mul.buf, x.buf, y.buf], _grid(caps, -(-n // m)),
+               push, spec, name=name, desc=f"{w.type_name} {w.k}x{w.n_out} n={n_tok} {tag}",
+               nbytes=nbytes, flops=2 * w.k * w.n_out * n_tok)
+
+
+def glu_matmul(g: "Graph", w: QWeight, x: Rows, y: Rows, name: str = "glu", fuse: bool | None = None) -> None:
+    """y = silu(x W_gateᵀ) ⊙ (x W_upᵀ) for a stacked W = [gate; up] of 2F rows: one GEMV dispatch when fused.
+
+    Fused for n_tok ≤ GEMV_MAX_COLS when `fuse` (default: fuse_epilogue()) is on; otherwise two
+    matmuls (silu epilogue, then ⊙ y epilogue), which round identically.
+    """
+    if w.n_out % 2 or y.n_cols != w.n_out // 2:
+        raise ValueError(f"{name}: stacked weight has {w.n_out} rows, y {y.n_cols} columns: "
+                         "need 2F rows and F columns")
+    f = w.n_out // 2
+    gate, up = replace(w, n_out=f), replace(w, row0=w.row0 + f, n_out=f)
+    _check(gate, x, y, PLAIN)
+    if x.n_rows <= GEMV_MAX_COLS and (fuse_epilogue() if fuse is None else fuse):
+        _stacked_gemv(g, w, x, y, GEMV_GLU, name, w.nbytes + 4 * (x.size + y.size))
+        return
+    matmul(g, gate, x, y, Epilogue(act="silu"), name=f"{name}.gate", fuse=fuse)
+    matmul(g, up, x, y, Epilogue(mul=y), name=f"{name}.up", fuse=fuse)
+
+
+def hc_mix_matmul(g: "Graph", w_up: QWeight, ell_pre: Rows, X: Rows, u: Rows, hc: int, name: str = "hc_mix") -> None:
+    """u = (1/hc)·Σ_c σ(W_up,c silu(ℓ_pre/hc)) ⊙ X_c in one GEMV dispatch (hc_pre, the up matmul, hc_mix).
+
+    Decode only (T = ell_pre.n_rows ≤ GEMV_MAX_COLS); for longer batches the caller runs hc_pre, matmul, hc_mix.
+    W_up has hc·d rows (row c·d + i: stream c, position i) of lr = ell_pre.n_cols; X is T × hc·d, u T × d.
+    """
+    T, d = ell_pre.n_rows, u.n_cols
+    if T > GEMV_MAX_COLS:
+        raise ValueError(f"{name}: {T} tokens, the fused GEMV takes at most {GEMV_MAX_COLS}")
+    if hc < 1:
+        raise ValueError(f"{name}: hc must be ≥ 1, got {hc}")
+    if w_up.n_out != hc * d:
+        raise ValueError(f"{name}: W_up has {w_up.n_out} rows, expected hc·d = {hc}·{d}")
+    if (X.n_rows, X.n_cols) != (T, hc * d) or u.n_rows != T:
+        raise ValueError(f"{name}: X is {X.n_rows}x{X.n_cols} and u {u.n_rows}x{d}, "
+                         f"expected X {T}x{hc * d}, u {T}x{d}")
+    _check(replace(w_up, n_out=d), ell_pre, u, PLAIN)
+    check_alias(name, u, X)
+    _stacked_gemv(g, w_up, ell_pre, u, GEMV_HC, name, w_up.nbytes + 4 * (ell_pre.size + X.size + u.size), X, hc)

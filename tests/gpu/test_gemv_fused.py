@@ -1,0 +1,198 @@
+"""Fused GEMV modes of mul_mat_vec.comp vs float64 NumPy and vs the plain dispatches they replace.
+
+glu_matmul: y = silu(W_gate x) ⊙ (W_up x) of a stacked [gate; up] weight. hc_mix_matmul: hc_pre,
+the W_up GEMV and hc_mix in one dispatch. Both combine their row sums with the plain path's ops in
+its order, so fused and plain agree bit for bit (measured on lavapipe; asserted). Shapes are ragged
+(row counts not multiples of the workgroup's rows), views strided and offset, outputs NaN-poisoned.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from matmul_util import U32, dequant_rows, make_problem, outside_untouched, random_weight, read_view, tolerance
+from vkflash import settings
+from vkflash.gpu.ops.hc import hc_mix, hc_pre
+from vkflash.gpu.ops.matmul import GEMV_MAX_COLS, TYPES, Epilogue, QWeight, glu_matmul, hc_mix_matmul, matmul
+from vkflash.gpu.ops.views import Rows
+
+pytestmark = pytest.mark.gpu
+
+ULP = 2.0**-23  # σ and silu are within (10 + 2|x|) ulp (test_hc: exp, divide, the roundings of 1 + e^{−x})
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)
+
+
+def _sig(v: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-v))
+
+
+def _place(gpu, rng, a: np.ndarray, name: str, align: int = 1) -> Rows:
+    """a (T × n) in a NaN-poisoned buffer at a random offset and row stride (multiples of align)."""
+    T, n = a.shape
+    off = align * int(rng.integers(0, 4))
+    stride = -(-n // align) * align + align * int(rng.integers(0, 3))
+    buf = gpu.buffer(4 * (off + T * stride + int(rng.integers(1, 9))), name)
+    buf.fill(np.nan)
+    for t in range(T):
+        buf.write(a[t].astype(np.float32), 4 * (off + t * stride))
+    return Rows(buf, T, n, off, stride)
+
+
+def _out(gpu, rng, T: int, n: int, name: str, align: int = 1) -> Rows:
+    """A NaN-poisoned T × n output view at a random offset and stride (multiples of align)."""
+    return _place(gpu, rng, np.full((T, n), np.nan), name, align)
+
+
+def _k(q: Q, rng: np.random.Generator) -> int:
+    """A row length of whole blocks, a few hundred elements."""
+    step = 256 if q in K_QUANTS else 32
+    return step * int(rng.integers(max(1, 256 // step), 1200 // step + 1))
+
+
+def _glu_ref(p, F: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """silu(gate) ⊙ up in float64 and a bound on |gpu − ref|: the matmul bounds of both halves
+    propagated (|silu'| ≤ 1.1), silu's own ulps, the product's rounding; doubled for slack."""
+    x = p.x.astype(np.float64)
+    acc, bound = x @ p.wd.T, np.abs(x) @ np.abs(p.wd).T
+    gate, up = acc[:, :F], acc[:, F:]
+    tg, tu = tolerance(bound[:, :F], k, False), tolerance(bound[:, F:], k, False)
+    act = gate * _sig(gate)
+    want = act * up
+    err = 1.1 * tg * np.abs(up) + np.abs(act) * tu + ULP * (10 + 2 * np.abs(gate)) * np.abs(want) + U32 * np.abs(want)
+    return want, 2 * err
+
+
+@pytest.mark.parametrize("q", TYPES, ids=lambda q: q.name)
+def test_glu(gpu, rng, q):
+    """One dispatch; bit for bit the two matmuls (silu epilogue, then ⊙ y), fused-store and eltwise
+    epilogues alike; within the float64 bound; F odd, n_tok 1..8, an expert row offset."""
+    for n_tok in (1, int(rng.integers(2, GEMV_MAX_COLS + 1))):
+        F, k, e = 2 * int(rng.integers(1, 30)) + 1, _k(q, rng), int(rng.integers(0, 3))
+        p = make_problem(gpu, q, 2 * F, k, n_tok, rng, expert=e)
+        ys = {path: _out(gpu, rng, n_tok, F, path) for path in ("fused", "plain", "fused_epilogue")}
+        g = gpu.graph("glu")
+        glu_matmul(g, p.w, p.xv, ys["fused"], fuse=True)
+        assert len(g.ops) == 1 and g.ops[0].kernel.name.startswith("mul_mat_vec_"), "fused GLU: one GEMV dispatch"
+        glu_matmul(g, p.w, p.xv, ys["plain"], fuse=False)
+        gate, up = p.w.expert(0, F), p.w.expert(1, F)
+        matmul(g, gate, p.xv, ys["fused_epilogue"], Epilogue(act="silu"), fuse=True)
+        matmul(g, up, p.xv, ys["fused_epilogue"], Epilogue(mul=ys["fused_epilogue"]), fuse=True)
+        g.run()
+        got = {path: read_view(v) for path, v in ys.items()}
+        want, tol = _glu_ref(p, F, k)
+        tag = f"{q.name} F={F} k={k} n={n_tok} e={e}"
+        assert np.isfinite(got["fused"]).all(), f"{tag}: non-finite outputs (unwritten?)"
+        assert np.all(np.abs(got["fused"] - want) <= tol), f"{tag}: max err {np.max(np.abs(got['fused'] - want)):.3g}"
+        for path in ("plain", "fused_epilogue"):
+            assert np.array_equal(got["fused"], got[path]), f"{tag}: fused != {path}"
+        assert all(outside_untouched(v) for v in ys.values()), f"{tag}: writes outside the output view"
+
+
+@pytest.mark.parametrize("q", [Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
+def test_glu_many_tokens(gpu, rng, q):
+    """Past GEMV_MAX_COLS tokens (prefill) glu_matmul takes the two-matmul path through the GEMM."""
+    F, n_tok = 2 * int(rng.integers(5, 40)) + 1, int(rng.integers(GEMV_MAX_COLS + 1, 40))
+    k = _k(q, rng)
+    p = make_problem(gpu, q, 2 * F, k, n_tok, rng, expert=int(rng.integers(0, 2)))
+    y = _out(gpu, rng, n_tok, F, "y")
+    g = gpu.graph("glu")
+    glu_matmul(g, p.w, p.xv, y, fuse=True)
+    assert len(g.ops) == 2, "prefill GLU: gate and up matmuls"
+    g.run()
+    want, tol = _glu_ref(p, F, k)
+    got = read_view(y)
+    assert np.all(np.abs(got - want) <= tol), f"{q.name} F={F} n={n_tok}: max err {np.max(np.abs(got - want)):.3g}"
+    assert outside_untouched(y)
+
+
+def test_glu_knobs(gpu, rng, monkeypatch):
+    """fuse=None follows fuse_epilogue(): one dispatch by default, the plain path with either knob off."""
+    p = make_problem(gpu, Q.Q8_0, 10, 64, 3, rng)
+    y = Rows(gpu.buffer(4 * 15, "y"), 3, 5)
+    on = {"VKFLASH_MM_TILE_EPILOG": "1", "VKFLASH_DISABLE_FUSION": "0"}
+    for flip, fused in (({}, True), ({"VKFLASH_MM_TILE_EPILOG": "0"}, False), ({"VKFLASH_DISABLE_FUSION": "1"}, False)):
+        monkeypatch.setattr(settings, "_current", settings.load(env={**os.environ, **on, **flip}))
+        g = gpu.graph("glu")
+        glu_matmul(g, p.w, p.xv, y)
+        assert (len(g.ops) == 1) == fused, f"{flip}: {len(g.ops)} dispatches"
+
+
+def _hc_ref(W: np.ndarray, ell_pre: np.ndarray, X: np.ndarray, hc: int) -> tuple[np.ndarray, np.ndarray]:
+    """u = (1/hc)·Σ_c σ(W_c silu(ℓ_pre/hc)) X_c in float64 and a bound on |gpu − ref|: ℓ's ulps and
+    the matmul bound carried through σ (|σ'| = σ(1−σ)), σ's ulps, the products and the stream sum
+    (test_hc's mix bound); doubled for slack."""
+    T, d, lr = X.shape[0], X.shape[1] // hc, W.shape[1]
+    x = ell_pre.astype(np.float64) / hc
+    ell = x * _sig(x)
+    s = ell @ W.T
+    ds = tolerance(np.abs(ell) @ np.abs(W).T, lr, False) + (ULP * (11 + 2 * np.abs(x)) * np.abs(ell)) @ np.abs(W).T
+    sig = _sig(s)
+    prod = sig * X.astype(np.float64)
+    err = np.abs(X) * sig * (1 - sig) * ds + ULP * (10 + 2 * np.abs(s)) * np.abs(prod) + hc * ULP * np.abs(prod)
+    u = prod.reshape(T, hc, d).sum(axis=1) / hc
+    return u, 2 * err.reshape(T, hc, d).sum(axis=1) / hc
+
+
+@pytest.mark.parametrize("hc", [4, 3, 2])
+@pytest.mark.parametrize("q", [Q.F32, Q.F16, Q.Q5_0, Q.Q8_0], ids=lambda q: q.name)
+def test_hc_mix_matmul(gpu, rng, q, hc):
+    """One dispatch; bit for bit hc_pre → matmul → hc_mix (fused tails); within the float64 bound;
+    d ragged, lr ∈ {32, 64, 320}, T 1..8, an expert-style row offset of W_up."""
+    T, d, lr = int(rng.integers(1, GEMV_MAX_COLS + 1)), int(rng.integers(1, 60)), int(rng.choice([32, 64, 320]))
+    e = int(rng.integers(0, 2))
+    raw = random_weight(q, (e + 1) * hc * d, lr, rng)
+    W = dequant_rows(raw, q, (e + 1) * hc * d, lr)[e * hc * d:]
+    w = QWeight(gpu.upload(raw, "w_up"), int(q), lr, hc * d).expert(e, hc * d)
+    ell_pre = (rng.standard_normal((T, lr)) * 6).astype(np.float32)
+    X = (rng.standard_normal((T, hc * d)) * 2).astype(np.float32)
+    ev, xv = _place(gpu, rng, ell_pre, "ell_pre", align=4), _place(gpu, rng, X, "X")
+    uf, up = _out(gpu, rng, T, d, "u.fused"), _out(gpu, rng, T, d, "u.plain")
+    ell = _out(gpu, rng, T, lr, "ell", align=4)  # the plain path's scratch ℓ, read by its matmul
+    gpre = _out(gpu, rng, T, hc * d, "gpre")
+    g = gpu.graph("hc_mix")
+    hc_mix_matmul(g, w, ev, xv, uf, hc)
+    assert len(g.ops) == 1 and g.ops[0].kernel.name.startswith("mul_mat_vec_"), "fused HC mix: one GEMV dispatch"
+    hc_pre(g, ev, ell, hc, fuse=True)
+    matmul(g, w, ell, gpre)
+    hc_mix(g, gpre, xv, up, hc, fuse=True)
+    g.run()
+    got, plain = read_view(uf), read_view(up)
+    want, tol = _hc_ref(W, ell_pre, X, hc)
+    tag = f"{q.name} hc={hc} T={T} d={d} lr={lr} e={e}"
+    assert np.isfinite(got).all(), f"{tag}: non-finite outputs (unwritten?)"
+    assert np.all(np.abs(got - want) <= tol), f"{tag}: max err {np.max(np.abs(got - want)):.3g}"
+    assert np.array_equal(got, plain), f"{tag}: fused != plain, max diff {np.max(np.abs(got - plain)):.3g}"
+    assert outside_untouched(uf) and outside_untouched(up), f"{tag}: writes outside the output view"
+    assert np.array_equal(read_view(ev), ell_pre) and np.array_equal(read_view(xv), X), "inputs are only read"
+
+
+def test_shape_checks(gpu):
+    """Mis-shaped calls are refused before anything is dispatched."""
+    buf = gpu.buffer(4 * 4096, "buf")
+    w = QWeight(gpu.upload(np.zeros(12 * 64, np.float32), "w"), int(Q.F32), 64, 12)
+    g = gpu.graph("bad")
+    x = Rows(buf, 2, 64)
+    with pytest.raises(ValueError, match="2F rows"):
+        glu_matmul(g, QWeight(w.buf, w.qtype, 64, 11), x, Rows(buf, 2, 5, 200))
+    with pytest.raises(ValueError, match="2F rows"):
+        glu_matmul(g, w, x, Rows(buf, 2, 5, 200))
+    with pytest.raises(ValueError, match="overlaps"):
+        glu_matmul(g, w, x, Rows(buf, 2, 6, 100))
+    X, u = Rows(buf, 2, 12, 300), Rows(buf, 2, 3, 400)
+    with pytest.raises(ValueError, match="at most"):
+        hc_mix_matmul(g, w, Rows(buf, GEMV_MAX_COLS + 1, 64), X, Rows(buf, GEMV_MAX_COLS + 1, 3, 1000), 4)
+    with pytest.raises(ValueError, match="hc·d"):
+        hc_mix_matmul(g, w, x, X, u, 3)
+    with pytest.raises(ValueError, match="X is"):
+        hc_mix_matmul(g, w, x, Rows(buf, 2, 13, 300), u, 4)
+    with pytest.raises(ValueError, match="weight expects"):
+        hc_mix_matmul(g, w, Rows(buf, 2, 32), X, u, 4)
+    with pytest.raises(ValueError, match="multiples of 4"):
+        hc_mix_matmul(g, w, Rows(buf, 2, 64, 2, 64), X, u, 4)
+    with pytest.raises(ValueError):
+        hc_mix_matmul(g, w, x, X, Rows(buf, 2, 3, 305), 4)  # u inside X
+    assert not g.ops
