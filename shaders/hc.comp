@@ -7,13 +7,14 @@
 //   COMBINE (H6)  y[t, c·d+i] += 2σ(a[t, c] / hc) · b[t, i]                     i < n (= d)
 //           a = ι = W_inj X, b = block output, y = the un-normalised residual R (in place).
 //   ROW_AXPY      y[t, c·d+i] += a[t, c] · b[t, i]   (the unfused combine's last step: a = gate)
+//   BROADCAST (H0) y[t, c·d+i] = b[t, i] for every stream c   (a unused)
 // Buffers: 0 a, 1 b, 2 y (f32). Push: n, n_rows, hc, then off/stride (elements) of a, b, y.
 // In COMBINE/ROW_AXPY each y element is read and written by one invocation; PRE may be in place.
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"
 
 layout(constant_id = 1) const uint MODE = 0;
-const uint MODE_PRE = 0, MODE_MIX = 1, MODE_COMBINE = 2, MODE_ROW_AXPY = 3;
+const uint MODE_PRE = 0, MODE_MIX = 1, MODE_COMBINE = 2, MODE_ROW_AXPY = 3, MODE_BROADCAST = 4;
 
 layout(std430, binding = 0) buffer A { float a[]; };
 layout(std430, binding = 1) buffer B { float b[]; };
@@ -41,6 +42,9 @@ void main() {
                 u = c == 0 ? gx : u + gx;
             }
             y[yr + i] = u / hcf;  // mean, not sum
+        } else if (MODE == MODE_BROADCAST) {
+            float bi = b[br + i];
+            for (uint c = 0; c < p.hc; ++c) y[yr + c * p.n + i] = bi;
         } else {
             float bi = b[br + i];
             for (uint c = 0; c < p.hc; ++c) {

@@ -130,6 +130,22 @@ def test_hc_combine(gpu, rng, fuse):
     assert np.isnan(outside).all()
 
 
+@PATHS
+def test_hc_broadcast(gpu, rng, fuse):
+    """(H0) every stream of a strided, poisoned R becomes an exact copy of x; nothing else written."""
+    T, d = _shape(rng)
+    x = rng.standard_normal((T, d)).astype(np.float32)
+    xv, _, _ = _place(gpu, rng, x, "x")
+    rv, _, _ = _place(gpu, rng, np.full((T, HC * d), np.nan), "R")
+    g = gpu.graph("hc_broadcast")
+    H.hc_broadcast(g, xv, rv, HC, fuse=fuse)
+    assert len(g.ops) == (1 if fuse else HC)
+    g.run()
+    got, outside = _take(rv)
+    assert np.array_equal(got, np.tile(x, (1, HC)))
+    assert np.isnan(outside).all()
+
+
 def test_knob_selects_plain_path_and_paths_agree(gpu, rng, monkeypatch):
     """VKFLASH_HC_FUSE=0 gives the multi-dispatch eltwise path; both paths give the same u and R."""
     T, d = _shape(rng)

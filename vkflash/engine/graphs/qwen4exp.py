@@ -37,7 +37,7 @@ from vkflash.gpu.ops import argmax as argmax_op
 from vkflash.gpu.ops import eltwise as E
 from vkflash.gpu.ops import gdn
 from vkflash.gpu.ops.attention import CacheType
-from vkflash.gpu.ops.hc import fuse_hc, hc_combine, hc_mix, hc_pre
+from vkflash.gpu.ops.hc import fuse_hc, hc_broadcast, hc_combine, hc_mix, hc_pre
 from vkflash.gpu.ops.matmul import matmul
 from vkflash.gpu.ops.norm import grouped_rms_norm
 from vkflash.gpu.ops.ple import ple_gate
@@ -122,6 +122,9 @@ def weight_stacks(gf: GGUFFile, hp: HParams) -> list[Stack]:
         for X in ("attn", "ffn"):
             p = f"blk.{i}.hc_{X}_"
             out.append(Stack(p + "down+inject", (p + "down.weight", p + "inject.weight")))
+    if hp.has_ple:
+        b = f"blk.{hp.ple_layer}."
+        out.append(Stack(b + "ple_key+value", (b + "ple_key.weight", b + "ple_value.weight")))
     return out
 
 
@@ -189,8 +192,7 @@ class Scratch:
     X: Buffer  # grouped-normed R, [ub, hc·d]
     ell: Buffer  # [ℓ (lr_padded) | ι (hc)] per token: W_dn X and W_inj X side by side
     gpre: Buffer  # W_up ℓ, [ub, hc·d]
-    kp: Buffer  # PLE K̃ (k_p normalised in place), [ub, hc·d]
-    vp: Buffer  # [ub, d]
+    kvp: Buffer  # PLE [k_p (normalised in place to K̃), hc·d | v_p, d]
     qt: Buffer  # PLE Q̃, [ub, hc·d]
     lam: Buffer  # λ, [ub, hc]
     V: Buffer  # [ub, hc·d]
@@ -207,7 +209,7 @@ class Scratch:
 
         ple = 1 if hp.has_ple else 0
         return cls(ub, buf(wide, "R"), buf(d, "x"), buf(d, "a"), buf(wide, "hc.X"), buf(lr_padded(hp) + hp.hc, "hc.ell"),
-                   buf(wide, "hc.gpre"), buf(wide * ple or 1, "ple.k"), buf(d * ple or 1, "ple.v"),
+                   buf(wide, "hc.gpre"), buf((wide + d) * ple or 1, "ple.kv"),
                    buf(wide * ple or 1, "ple.q"), buf(hp.hc * ple or 1, "ple.gate"), buf(wide * ple or 1, "ple.V"),
                    buf(wide * ple or 1, "ple.Vt"), buf(wide * ple or 1, "ple.y"),
                    HybridScratch.allocate(gpu, hp, ub, n_split))
@@ -267,9 +269,10 @@ def ple_block(g: "Graph", m: StepModel, s: Scratch, i: int, n: int, R: Rows, st:
     hc, d = hp.hc, hp.d
     b = f"blk.{i}."
     e = Rows(p.buf, n, d, p.extra)
-    kp, vp = Rows(s.kp, n, hc * d), Rows(s.vp, n, d)
-    matmul(g, w[b + "ple_key.weight"].matrix(), e, kp, name=b + "ple_key")  # (P5)
-    matmul(g, w[b + "ple_value.weight"].matrix(), e, vp, name=b + "ple_value")
+    width = hc * d + d  # [k_p | v_p] per token: both read e (one matmul when stacked)
+    kp, vp = Rows(s.kvp, n, hc * d, 0, width), Rows(s.kvp, n, d, hc * d, width)
+    projections(g, w, e, Rows(s.kvp, n, width), [(b + "ple_key.weight", b + "ple_key"),
+                                                 (b + "ple_value.weight", b + "ple_value")])  # (P5)
     grouped_rms_norm(g, kp, kp, hc, hp.eps, w[b + "ple_norm_key.weight"].buf, name=b + "ple_norm_key")  # (P6)
     qt = Rows(s.qt, n, hc * d)
     grouped_rms_norm(g, R, qt, hc, hp.eps, w[b + "ple_norm_query.weight"].buf, name=b + "ple_norm_query")
@@ -314,8 +317,7 @@ def build(g: "Graph", m: StepModel, s: Scratch, n: int, which: Head) -> None:
     R, x, a, u = Rows(s.R, n, hc * d), Rows(s.x, n, d), Rows(s.a, n, d), Rows(s.hy.u, n, d)
     n_slots = st.rec.slots_for(n)
     embed_tokens(g, m, x)  # (E1)
-    for c in range(hc):  # (H0) hc identical copies
-        E.scale(g, x, 1.0, Rows(s.R, n, d, c * d, hc * d), name=f"hc_copy.{c}")
+    hc_broadcast(g, x, R, hc, name="hc_copy")  # (H0) hc identical copies
     pending: Pending | None = None
     for i in range(hp.L):
         b = f"blk.{i}."

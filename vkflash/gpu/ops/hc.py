@@ -1,4 +1,5 @@
-"""Hyper-connection elementwise tails (MODEL.md §5.2 H2, H3+H4, H6) around the HC matmuls.
+"""Hyper-connection elementwise tails (MODEL.md §5.2 H2, H3+H4, H6) around the HC matmuls, and
+the stream copies of H0.
 
 Fused (default): one dispatch each of shaders/hc.comp. VKFLASH_HC_FUSE=0 (or
 VKFLASH_DISABLE_FUSION=1) selects the plain path of eltwise ops, same op order, for A/B tests;
@@ -29,6 +30,7 @@ class Mode(IntEnum):
     MIX = 1
     COMBINE = 2
     ROW_AXPY = 3
+    BROADCAST = 4
 
 
 def fuse_hc() -> bool:
@@ -113,3 +115,17 @@ def hc_combine(g: "Graph", R: Rows, b: Rows, iota: Rows, fuse: bool | None = Non
     E.sigmoid(g, iota, iota, name=f"{name}.sigmoid")
     E.scale(g, iota, 2.0, iota, name=f"{name}.double")
     _dispatch(g, Mode.ROW_AXPY, iota, b, R, d, hc, f"{name}.axpy", nbytes)
+
+
+def hc_broadcast(g: "Graph", x: Rows, R: Rows, hc: int, fuse: bool | None = None, name: str = "hc_copy") -> None:
+    """(H0) R = [x; …; x]: each of the hc streams of R (T × hc·d) a copy of x (T × d); the plain
+    path copies stream by stream (dispatches `name.c`)."""
+    d = x.n_cols
+    _check(name, hc, x=(x, d), R=(R, hc * d))
+    if R.overlaps(x):
+        raise ValueError(f"{name}: R overlaps x")
+    if fuse_hc() if fuse is None else fuse:
+        _dispatch(g, Mode.BROADCAST, x, x, R, d, hc, name, (hc + 1) * F32 * x.size)
+        return
+    for c in range(hc):
+        E.scale(g, x, 1.0, Rows(R.buf, R.n_rows, d, R.off + c * d, R.stride), name=f"{name}.{c}")
