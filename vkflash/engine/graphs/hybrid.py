@@ -24,7 +24,7 @@ from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops import eltwise as E
 from vkflash.gpu.ops import gdn
 from vkflash.gpu.ops.attention import CellList, CellMask, Heads, attention, kv_append, q_and_gate
-from vkflash.gpu.ops.matmul import Epilogue, QWeight, matmul
+from vkflash.gpu.ops.matmul import Epilogue, QWeight, glu_matmul, matmul
 from vkflash.gpu.ops.moe import (TILES, ExpertStack, MoEPlan, RoutedExperts, moe_combine, moe_routed, moe_router,
                                  plan_words, split_gate_up, tile_width)
 from vkflash.gpu.ops.moe import DECODE_MAX_T as MOE_GEMV_MAX_T
@@ -264,6 +264,7 @@ def _qsa_select(g: "Graph", m: StepModel, i: int, n: int, u: Rows, idx: IndexerC
     norm_rope(g, m, heads, n_I, w[b + "indexer.q_norm.weight"].buf, b + "idx_q_norm", b + "idx_q_rope")
     scores = Rows(qb.scores, n, qb.n_blocks)
     qsa_scores(g, p.buf, 0, qI, summary, scores, n_I=n_I, r=r, name=b + "idx_scores")
+    g.expose(b + "idx_scores", qb.scores, 0, n, qb.n_blocks, qb.n_blocks)
     if n == 1:
         qsa_select(g, p.buf, 0, scores, Rows(qb.cells, 1, qb.W), r=r, B=hp.B, cell=cfg.cell, gather_params=qb.gp,
                    name=b + "qsa_select")
@@ -370,8 +371,12 @@ def moe_sublayer(g: "Graph", m: StepModel, s: HybridScratch, i: int, n: int, u: 
     ys = Rows(s.ys, n * k, d)
     moe_routed(g, u, ids, wts, _experts(m, b), Rows(s.h, n * k, F), ys, plan, name=b + "ffn_moe")
     gs, hs, sh = Rows(s.sh_gate, n, F_s), Rows(s.sh_h, n, F_s), Rows(s.sh_out, n, d)
-    matmul(g, w[b + "ffn_gate_shexp.weight"].matrix(), u, gs, Epilogue(act="silu"), name=b + "ffn_shexp_gate")
-    matmul(g, w[b + "ffn_up_shexp.weight"].matrix(), u, hs, Epilogue(mul=gs), name=b + "ffn_shexp_up")
+    sg_w, su_w = w[b + "ffn_gate_shexp.weight"].matrix(), w[b + "ffn_up_shexp.weight"].matrix()
+    if su_w.buf is sg_w.buf and su_w.row0 == sg_w.row0 + F_s:  # stacked: silu(gate) ⊙ up in one pass
+        glu_matmul(g, QWeight(sg_w.buf, sg_w.qtype, sg_w.k, 2 * F_s, sg_w.row0), u, hs, name=b + "ffn_shexp_glu")
+    else:
+        matmul(g, sg_w, u, gs, Epilogue(act="silu"), name=b + "ffn_shexp_gate")
+        matmul(g, su_w, u, hs, Epilogue(mul=gs), name=b + "ffn_shexp_up")
     matmul(g, w[b + "ffn_down_shexp.weight"].matrix(), hs, sh, name=b + "ffn_shexp_out")
     f = Rows(s.f, n, d) if residual else out
     moe_combine(g, ys, f, k, shared=sh, gate=sg, name=b + "ffn_out")  # (M4)

@@ -38,7 +38,7 @@ from vkflash.gpu.ops import eltwise as E
 from vkflash.gpu.ops import gdn
 from vkflash.gpu.ops.attention import CacheType
 from vkflash.gpu.ops.hc import fuse_hc, hc_broadcast, hc_combine, hc_mix, hc_pre
-from vkflash.gpu.ops.matmul import matmul
+from vkflash.gpu.ops.matmul import GEMV_MAX_COLS, hc_mix_matmul, matmul
 from vkflash.gpu.ops.norm import grouped_rms_norm
 from vkflash.gpu.ops.ple import ple_gate
 from vkflash.gpu.ops.views import Rows
@@ -208,7 +208,7 @@ class Scratch:
             return gpu.buffer(4 * ub * cols, name)
 
         ple = 1 if hp.has_ple else 0
-        return cls(ub, buf(wide, "R"), buf(d, "x"), buf(d, "a"), buf(wide, "hc.X"), buf(lr_padded(hp) + hp.hc, "hc.ell"),
+        return cls(ub, buf(wide, "R"), buf(d, "x"), buf(d, "a"), buf(wide, "hc.X"), buf(lr_padded(hp) + -(-hp.hc // 4) * 4, "hc.ell"),
                    buf(wide, "hc.gpre"), buf((wide + d) * ple or 1, "ple.kv"),
                    buf(wide * ple or 1, "ple.q"), buf(hp.hc * ple or 1, "ple.gate"), buf(wide * ple or 1, "ple.V"),
                    buf(wide * ple or 1, "ple.Vt"), buf(wide * ple or 1, "ple.y"),
@@ -250,16 +250,19 @@ def hc_mixer(g: "Graph", m: StepModel, s: Scratch, R: Rows, prefix: str, u: Rows
         if pending is not None:
             pending.apply(g, R)
         grouped_rms_norm(g, R, X, hc, hp.eps, gamma, name=f"{name}.norm")
-    width = lr + hc
+    width = lr + -(-hc // 4) * 4  # ℓ rows stay 16-byte aligned for the vec4 loads of the up matmul
     parts = [(prefix + "_down.weight", f"{name}.down")]
     if inject:  # named after its weight, not as a part of `name`: u is the mix's output, ι a second one
         parts.append((prefix + "_inject.weight", f"{prefix}_inject"))
     projections(g, w, X, Rows(s.ell, n, lr + hc * inject, 0, width), parts)
-    ell = Rows(s.ell, n, lr, 0, width)
-    hc_pre(g, ell, ell, hc, name=f"{name}.pre")
-    gpre = Rows(s.gpre, n, hc * d)
-    matmul(g, w[prefix + "_up.weight"].matrix(), ell, gpre, name=f"{name}.up")
-    hc_mix(g, gpre, X, u, hc, name=name)
+    ell, up = Rows(s.ell, n, lr, 0, width), w[prefix + "_up.weight"].matrix()
+    if n <= GEMV_MAX_COLS and fuse_hc():  # decode: silu, W_up and the mix in one GEMV
+        hc_mix_matmul(g, up, ell, X, u, hc, name=name)
+    else:
+        hc_pre(g, ell, ell, hc, name=f"{name}.pre")
+        gpre = Rows(s.gpre, n, hc * d)
+        matmul(g, up, ell, gpre, name=f"{name}.up")
+        hc_mix(g, gpre, X, u, hc, name=name)
     return Rows(s.ell, n, hc, lr, width) if inject else None
 
 
