@@ -5,13 +5,15 @@ router logits differ by up to ~4e-5), and one flipped expert moves the logits fa
 1e-3·std. §7.10 says to report such near-ties, not fail on them. Short runs draw a new model and
 prompt when they meet one (`redraw_if_ill_conditioned`); teacher-forced runs read the device's
 router logits and let the reference take the device's experts where the two differ only inside a
-near-tie (`device_logits` + `reference_logits(router=...)`), which long prompts need: a 648-token
-prompt meets about three near-ties."""
+near-tie, and the device's QSA block scores where the selection boundary is a near-tie
+(`device_logits` + `reference_logits(seen=...)`), which long prompts need: a 648-token prompt
+meets about three router near-ties, and one in ~25 draws a QSA one."""
 
 from __future__ import annotations
 
 import functools
 from collections import defaultdict
+from dataclasses import dataclass
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -69,20 +71,37 @@ def rel(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(got - ref).max() / ref.std())
 
 
-class FollowDevice:
-    """A reference `route` hook: where the device's top-k (from its router logits, T rows per layer
-    in feeding order) differs from the reference's only by experts within TIE of the reference's
-    k-th probability, use the device's experts; any other difference is left for the test to fail."""
+QSA_TIE = 1e-4  # relative gap of the kb-th and (kb+1)-th visible block scores treated as a tie
 
-    def __init__(self, router: dict[int, np.ndarray]) -> None:
-        self.router = router
-        self.fed: defaultdict[int, int] = defaultdict(int)
+
+@dataclass
+class Device:
+    """What teacher-forced device steps saw, rows in feeding order: each MoE layer's router logits
+    (T, E) and each QSA layer's block scores (T, n_blocks; only the visible ones are meaningful)."""
+
+    router: dict[int, np.ndarray]
+    scores: dict[int, np.ndarray]
+
+
+class FollowDevice:
+    """Reference hooks that take the device's side of near-ties, and only there: `route` uses the
+    device's experts (from its router logits) where they differ from the reference's only by
+    experts within TIE of the k-th probability; `select` (block mode) uses the device's block scores
+    for a query whose kb-th and (kb+1)-th visible scores are within QSA_TIE. Any other difference
+    is left for the test to fail on."""
+
+    def __init__(self, seen: Device, r: tuple[int, ...], kb: dict[int, int]) -> None:
+        self.seen, self.r, self.kb = seen, r, kb
+        self.fed: defaultdict[tuple[str, int], int] = defaultdict(int)
         self.followed = 0
 
-    def __call__(self, i: int, p: np.ndarray, I: np.ndarray) -> np.ndarray:
-        t0, k = self.fed[i], I.shape[1]
-        self.fed[i] += len(p)
-        J = np.argsort(-self.router[i][t0:t0 + len(p)], axis=1, kind="stable")[:, :k]
+    def _rows(self, kind: str, i: int, T: int, table: dict[int, np.ndarray]) -> np.ndarray:
+        t0 = self.fed[kind, i]
+        self.fed[kind, i] += T
+        return table[i][t0:t0 + T]
+
+    def route(self, i: int, p: np.ndarray, I: np.ndarray) -> np.ndarray:
+        J = np.argsort(-self._rows("route", i, len(p), self.seen.router), axis=1, kind="stable")[:, :I.shape[1]]
         out = I.copy()
         for t in range(len(p)):
             differ = set(I[t].tolist()) ^ set(J[t].tolist())
@@ -92,29 +111,50 @@ class FollowDevice:
                 self.followed += 1
         return out
 
+    def select(self, i: int, pos: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        dev = self._rows("select", i, len(pos), self.seen.scores)
+        r, kb = self.r[i], self.kb[i]
+        out = scores.copy()
+        for t, p in enumerate(pos):
+            nb = (int(p) + 1) // r
+            if nb <= kb:
+                continue
+            q = np.sort(scores[t, :nb])[::-1]
+            if q[kb - 1] - q[kb] <= QSA_TIE * abs(q[kb - 1]):
+                out[t, :nb] = dev[t, :nb]
+                self.followed += 1
+        return out
 
-def device_logits(fwd: Any, toks: np.ndarray) -> tuple[np.ndarray, dict[int, np.ndarray]]:
-    """Teacher-forced logits (T, V) of toks fed in the forward's ubatch steps, and each MoE layer's
-    router logits (T, E) read from the same steps."""
+
+def device_logits(fwd: Any, toks: np.ndarray, seen: Device | None = None) -> np.ndarray:
+    """Teacher-forced logits (T, V) of toks fed in the forward's ubatch steps; the router logits
+    and QSA block scores of the same steps are appended to `seen` when given."""
     hp = fwd.hp
-    names = {f"blk.{i}.ffn_moe_logits": i for i in range(hp.L)}
-    logits, router = [], defaultdict(list)
+    names = {f"blk.{i}.ffn_moe_logits": ("router", i) for i in range(hp.L)}
+    names.update({f"blk.{i}.idx_scores": ("scores", i) for i in range(hp.L)})
+    logits = []
     for start, n in steps(len(toks), min(fwd.ub, fwd.model.head.rows)):
         taps = fwd.dump_step(toks[start:start + n], names)
         logits.append(fwd.model.head.logits.read(np.float32, n * fwd.n_vocab).reshape(n, -1))
+        if seen is None:
+            continue
         for name, z in taps.items():
-            router[names[name]].append(z[:n * hp.E].reshape(n, hp.E))
-    return np.vstack(logits), {i: np.vstack(z) for i, z in router.items()}
+            kind, i = names[name]
+            table = getattr(seen, kind)
+            rows = z.reshape(n, -1)
+            table[i] = rows if i not in table else np.vstack([table[i], rows])
+    return np.vstack(logits)
 
 
-def reference_logits(path: Path, toks: np.ndarray, router: dict[int, np.ndarray] | None = None,
-                     **opts: Any) -> np.ndarray:
-    """Reference logits (T, V) in float64 with f32 caches. With the device's router logits it
-    follows the device through near-ties; without, IllConditioned on a near-tie."""
+def reference_logits(path: Path, toks: np.ndarray, seen: Device | None = None, **opts: Any) -> np.ndarray:
+    """Reference logits (T, V) in float64 with f32 caches. With what the device saw it follows the
+    device through near-ties; without, IllConditioned on a routing near-tie."""
     w = load_model(path, np.float64)
-    if router is not None:
-        return reference.prefill(toks, reference.new_state(w, cache_dtype=np.float32,
-                                                           route=FollowDevice(router), **opts))
+    if seen is not None:
+        hp = w.hp
+        follow = FollowDevice(seen, hp.r, {i: hp.B // r for i, r in enumerate(hp.r) if r})
+        return reference.prefill(toks, reference.new_state(w, cache_dtype=np.float32, route=follow.route,
+                                                           select=follow.select, **opts))
     guard = RoutingGuard(w.hp.k)
     logits = reference.prefill(toks, reference.new_state(w, cache_dtype=np.float32, dump=guard, **opts))
     guard.check()
@@ -154,7 +194,8 @@ def check_logits_at_every_position(fwd: Any, path: Path, toks: np.ndarray) -> No
     """Teacher-forced logits of every position (prefill in the forward's ubatch steps, output
     buffer poisoned first) match the reference, which follows the device through router near-ties."""
     fwd.model.head.logits.fill(np.nan)
-    got, router = device_logits(fwd, toks)
-    ref = reference_logits(path, toks, router)
+    seen = Device({}, {})
+    got = device_logits(fwd, toks, seen)
+    ref = reference_logits(path, toks, seen)
     assert np.isfinite(got).all()
     assert rel(got, ref) <= EXACT, f"max|Δ| = {rel(got, ref):.2e}·std"

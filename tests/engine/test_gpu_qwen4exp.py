@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hybrid_ref import (EXACT, check_logits_at_every_position, check_prefill_decode_greedy, device_logits,
-                        redraw_if_ill_conditioned, reference_logits, rel)
+from hybrid_ref import (EXACT, Device, check_logits_at_every_position, check_prefill_decode_greedy,
+                        device_logits, redraw_if_ill_conditioned, reference_logits, rel)
 from vkflash.engine.gpu_forward import GpuForward
 from vkflash.engine.graphs.common import Head
 from vkflash.model.make_model import make_model
@@ -91,12 +91,12 @@ def test_decode_graph_is_one_submission(gpu, rng, tmp_path):
 def test_long_prompt_sparse_selection(gpu, rng, tmp_path):
     """A 640-token prompt (150+ blocks, 8 kept: QSA sparse almost everywhere) in ubatches of 64,
     then 8 one-token steps (gathered decode), match the reference at every position; the reference
-    follows the device through the router near-ties such a prompt meets. ~20 s on lavapipe."""
+    follows the device through the router and QSA near-ties such a prompt meets. ~20 s on lavapipe."""
     path = _model(tmp_path, rng)
     toks = _prompt(rng, 648)
     fwd = GpuForward(path, ctx=700, ub=64, kv="f32", gpu=gpu, logits_rows=64)
-    parts = [device_logits(fwd, toks[:640])] + [device_logits(fwd, toks[t:t + 1]) for t in range(640, 648)]
-    got = np.vstack([z for z, _ in parts])
-    router = {i: np.vstack([r[i] for _, r in parts]) for i in parts[0][1]}
-    ref = reference_logits(path, toks, router)
+    seen = Device({}, {})
+    got = np.vstack([device_logits(fwd, toks[:640], seen)] + [device_logits(fwd, toks[t:t + 1], seen)
+                                                              for t in range(640, 648)])
+    ref = reference_logits(path, toks, seen)
     assert rel(got, ref) <= EXACT, f"max|Δ| = {rel(got, ref):.2e}·std"

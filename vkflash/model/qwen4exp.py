@@ -93,6 +93,8 @@ def attn_layer(u: np.ndarray, pos: np.ndarray, w: AttnW, hp: HParams, st: AttnSt
     qI = indexer_queries(u, pos, w.indexer, hp)  # (Q4)
     emit(opts, i, "idx_q", qI)
     scores = block_scores(qI, st.idx.summary)  # (Q5)
+    if opts.select is not None:
+        scores = opts.select(i, pos, scores)
     if opts.dump is not None:
         visible = np.arange(scores.shape[1])[None, :] < ((pos + 1) // r)[:, None]
         emit(opts, i, "idx_scores", np.where(visible, scores, -np.inf))

@@ -11,6 +11,7 @@ from vkflash.model.reference import check_global, layer_name
 
 Dump = Callable[[str, np.ndarray], None]
 Route = Callable[[int, np.ndarray, np.ndarray], np.ndarray]  # (layer, probs (T, E), top-k (T, k)) → top-k
+Select = Callable[[int, np.ndarray, np.ndarray], np.ndarray]  # (layer, positions (T,), block scores) → scores
 
 
 @dataclass
@@ -27,6 +28,7 @@ class RefOptions:
     keep_hidden: bool = False  # keep h_nextn of every position (MTP drafting)
     dump: Dump | None = None
     route: Route | None = None  # resolves router near-ties as another engine did (comparisons, §7.10)
+    select: Select | None = None  # the QSA block scores selection uses, likewise for selection near-ties
 
     def __post_init__(self) -> None:
         if self.qsa_mode not in ("block", "cell"):
