@@ -12,6 +12,9 @@
 // Buffers (f32): 0 c [T rows, stride c_stride: q (n_k·S) | k (n_k·S) | v (n_v·S)], 1 beta and
 // 2 g [T rows × n_v], 3 state [n_v, S, S] from st_off (read, then written in place), 4 o [T rows ×
 // n_v·S], 5 slots [n_slots, n_v, S, S] from sl_off. Offsets and strides in elements.
+// RAW_GATES: buffers 1 and 2 hold the raw projections b, a instead, and β = σ(b), g =
+// softplus(a + dt_bias[j])·ssm_a[j] (G2, G3, as shaders/gdn_gates.comp) are computed where read,
+// with 6 dt_bias [n_v] from dt_off and 7 ssm_a [n_v] from sa_off (any buffers otherwise).
 // Shared memory is one array of SH floats (host-computed per mode), carved into regions below.
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"
@@ -23,6 +26,7 @@ layout(constant_id = 4) const uint BW = 32;   // value columns per workgroup; di
 layout(constant_id = 5) const uint CH = 64;   // chunk size (MODE 1)
 layout(constant_id = 6) const uint ROWS = 4;  // state rows per invocation (MODE 0): S·BW/WG
 layout(constant_id = 7) const uint SH = 1;    // shared floats
+layout(constant_id = 8) const bool RAW_GATES = false;
 
 layout(std430, binding = 0) readonly buffer Cb { float c[]; };
 layout(std430, binding = 1) readonly buffer Bb { float beta[]; };
@@ -30,10 +34,13 @@ layout(std430, binding = 2) readonly buffer Gb { float gg[]; };
 layout(std430, binding = 3) buffer St { float st[]; };
 layout(std430, binding = 4) buffer Ob { float o[]; };
 layout(std430, binding = 5) writeonly buffer Sl { float sl[]; };
+layout(std430, binding = 6) readonly buffer Dt { float dt_bias[]; };
+layout(std430, binding = 7) readonly buffer Sa { float ssm_a[]; };
 layout(push_constant) uniform P {
     uint n_k; uint n_v; uint T;
     uint c_off; uint c_stride; uint beta_off; uint beta_stride; uint g_off; uint g_stride;
     uint st_off; uint o_off; uint o_stride; uint sl_off; uint n_slots; uint eps_bits;
+    uint dt_off; uint sa_off;
 } p;
 
 shared float sh[SH];
@@ -45,6 +52,18 @@ uint q_col(uint a) { return p.c_off + kh * S + a; }
 uint k_col(uint a) { return p.c_off + (p.n_k + kh) * S + a; }
 uint v_col(uint b) { return p.c_off + 2 * p.n_k * S + j * S + b0 + b; }
 uint st_idx(uint a, uint b) { return p.st_off + (j * S + a) * S + b0 + b; }
+
+// β and g of token t for head j: as stored, or from the raw projections (RAW_GATES).
+float beta_at(uint t) {
+    float v = beta[p.beta_off + t * p.beta_stride + j];
+    return RAW_GATES ? sigmoid(v) : v;
+}
+float g_at(uint t) {
+    float v = gg[p.g_off + t * p.g_stride + j];
+    if (!RAW_GATES) return v;
+    float x = v + dt_bias[p.dt_off + j];
+    return softplus(x) * ssm_a[p.sa_off + j];
+}
 
 // MODE 0. Invocation (pp, b) of P = WG/BW owns rows a = pp + P·r (r < ROWS) of column b.
 // Shared: ks [S] | qs [S] | part1 [WG] | part2 [WG] | 3 sums per subgroup [3·WG].
@@ -102,8 +121,8 @@ void step_mode() {
             r1 += sh[P1 + i * BW + b];
             r2 += sh[P2 + i * BW + b];
         }
-        float alpha = exp(gg[p.g_off + t * p.g_stride + j]);
-        float delta = beta[p.beta_off + t * p.beta_stride + j] * (c[v_col(b) + row] - alpha * r1);
+        float alpha = exp(g_at(t));
+        float delta = beta_at(t) * (c[v_col(b) + row] - alpha * r1);
         if (pp == 0) o[p.o_off + t * p.o_stride + j * S + b0 + b] = alpha * r2 + delta * kq_hat;
         for (uint r = 0; r < ROWS; ++r) s[r] = alpha * s[r] + sh[KS + pp + NP * r] * rk * delta;
         uint slot = p.T - 1 - t;
@@ -135,8 +154,8 @@ void chunk_mode() {
         }
         for (uint e = tid; e < n * BW; e += WG) sh[VR + e] = c[v_col(e % BW) + (t0 + e / BW) * p.c_stride];
         for (uint i = tid; i < n; i += WG) {
-            sh[GR + i] = gg[p.g_off + (t0 + i) * p.g_stride + j];
-            sh[BR + i] = beta[p.beta_off + (t0 + i) * p.beta_stride + j];
+            sh[GR + i] = g_at(t0 + i);
+            sh[BR + i] = beta_at(t0 + i);
         }
         barrier();
         // (G6) row norms: invocation i < n scales K row i, n ≤ i < 2n scales Q row i-n; the

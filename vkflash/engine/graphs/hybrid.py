@@ -162,13 +162,18 @@ def gdn_sublayer(g: "Graph", m: StepModel, s: HybridScratch, i: int, n: int, u: 
     c = Rows(s.conv, n, C)
     gdn.conv(g, Rows(s.proj, n, C, 0, W), Rows(conv_w.buf, C, hp.K_c), st.conv.view(), c,
              st.conv.slot_view(n_slots) if n_slots else None, name=b + "gdn_conv")
-    beta, gate = Rows(s.gates, n, n_v, 0, 2 * n_v), Rows(s.gates, n, n_v, n_v, 2 * n_v)
-    gdn.gates(g, Rows(s.proj, n, n_v, C + Z, W), Rows(s.proj, n, n_v, C + Z + n_v, W),
-              w[b + "ssm_dt.bias"].vector(), w[b + "ssm_a"].vector(), beta, gate, name=b + "gdn_gates")
+    raw_b, raw_a = Rows(s.proj, n, n_v, C + Z, W), Rows(s.proj, n, n_v, C + Z + n_v, W)
+    dt_bias, ssm_a = w[b + "ssm_dt.bias"].vector(), w[b + "ssm_a"].vector()
+    if current()["VKFLASH_DISABLE_FUSION"]:  # (G2, G3) as their own dispatch
+        beta, gate = Rows(s.gates, n, n_v, 0, 2 * n_v), Rows(s.gates, n, n_v, n_v, 2 * n_v)
+        gdn.gates(g, raw_b, raw_a, dt_bias, ssm_a, beta, gate, name=b + "gdn_gates")
+        raw = None
+    else:  # computed where the delta rule reads them
+        beta, gate, raw = raw_b, raw_a, (dt_bias, ssm_a)
     o = Rows(s.o, n, Z)
     gdn.delta(g, c, beta, gate, st.ssm.view(), o, gdn.GDNShape(hp.n_k, n_v, hp.S, head_map), hp.eps,
               variant=gdn.Variant.STEP if n_slots else None, slots=st.ssm.slot_view(n_slots) if n_slots else None,
-              name=b + "gdn_o")
+              raw_gates=raw, name=b + "gdn_o")
     gdn.gated_norm(g, o, Rows(s.proj, n, Z, C, W), w[b + "ssm_norm.weight"].vector(), o, hp.S, hp.eps, act,
                    name=b + "gdn_gated")
     matmul(g, w[b + "ssm_out.weight"].matrix(), o, out, Epilogue(res=out) if residual else Epilogue(),

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 KERNELS = [
     Kernel("gdn_conv", "gdn_conv.comp", 5, local_size=256),
     Kernel("gdn_gates", "gdn_gates.comp", 6, local_size=256),
-    Kernel("gdn_delta", "gdn_delta.comp", 6, local_size=256),
+    Kernel("gdn_delta", "gdn_delta.comp", 8, local_size=256),
     Kernel("gdn_norm", "gdn_norm.comp", 4, local_size=64),
 ]
 CONV_TOKENS = 32  # tokens per conv invocation (≥ K_c − 1: only the first token block touches the state)
@@ -180,10 +180,12 @@ def plan_delta(g: "Graph", shape: GDNShape, T: int, variant: Variant | None = No
 
 def delta(g: "Graph", c: Rows, beta: Rows, gate: Rows, state: Rows, o: Rows, shape: GDNShape, eps: float,
           variant: Variant | None = None, slots: Rows | None = None, chunk: int | None = None,
-          name: str = "gdn_delta") -> DeltaPlan:
+          raw_gates: tuple[Rows, Rows] | None = None, name: str = "gdn_delta") -> DeltaPlan:
     """(G6–G8, GC1–GC6) o = gated delta rule over the T rows of c (= conv output q | k | v) with
     β, g (T × n_v); state [n_v, S·S] (row = key index) is updated in place. slots (step variant
-    only; n_slots·n_v rows of S·S, n_slots ≤ T) get the state s tokens before the batch end."""
+    only; n_slots·n_v rows of S·S, n_slots ≤ T) get the state s tokens before the batch end.
+    With raw_gates = (dt_bias, ssm_a), `beta` and `gate` are the raw projections b, a and the
+    gates of `gates()` are computed in the kernel (one dispatch fewer)."""
     T, S, n_v = c.n_rows, shape.S, shape.n_v
     if c.n_cols != shape.C:
         raise ValueError(f"{name}: conv rows have {c.n_cols} values, need 2·n_k·S + n_v·S = {shape.C}")
@@ -210,11 +212,18 @@ def delta(g: "Graph", c: Rows, beta: Rows, gate: Rows, state: Rows, o: Rows, sha
         check_alias(name, slots, c, beta, gate, state, o)
     check_alias(name, o, c, beta, gate, state)
     check_alias(name, state, c, beta, gate)
+    if raw_gates is not None:
+        for k, v in zip(("dt_bias", "ssm_a"), raw_gates):
+            if (v.n_rows, v.n_cols) != (1, n_v):
+                raise ValueError(f"{name}: {k} is {v.n_rows}x{v.n_cols}, needs 1x{n_v}")
+    dt, sa = raw_gates if raw_gates is not None else (beta, beta)
     sl = slots if slots is not None else state
-    g.dispatch("gdn_delta", [c.buf, beta.buf, gate.buf, state.buf, o.buf, sl.buf], [n_v * (S // plan.cols)],
+    g.dispatch("gdn_delta", [c.buf, beta.buf, gate.buf, state.buf, o.buf, sl.buf, dt.buf, sa.buf],
+               [n_v * (S // plan.cols)],
                push=[shape.n_k, n_v, T, c.off, c.stride, beta.off, beta.stride, gate.off, gate.stride,
-                     state.off, o.off, o.stride, sl.off, n_slots, f32_bits(eps)],
-               spec=[int(plan.variant), S, int(shape.head_map), *plan.spec_tail], name=name, writes=[3, 4, 5],
+                     state.off, o.off, o.stride, sl.off, n_slots, f32_bits(eps), dt.off, sa.off],
+               spec=[int(plan.variant), S, int(shape.head_map), *plan.spec_tail, int(raw_gates is not None)],
+               name=name, writes=[3, 4, 5],
                desc=f"{plan.variant.name.lower()} {T}x{n_v}x{S} cols {plan.cols} chunk {plan.chunk} slots {n_slots}",
                nbytes=F32 * (T * (shape.C + 2 * n_v + n_v * S) + (2 + n_slots) * n_v * S * S),
                flops=6 * T * n_v * S * S)
