@@ -32,6 +32,11 @@
 //     (d = n_out), u[n, r] = (Σ_c σ(s_c) · X[n, c·d + r]) / hc (hc.comp MIX, streams in order).
 //     X comes through the mul binding (3) at X[n, j] = mul[mul_off + n*res_off + j]: res_off is
 //     X's row stride in this mode (res is unused).
+//   MODE 3 (MoE output, NSTACK = 1, TOPK = k at constant_id 8): W is the shared expert's down
+//     projection and the store is moe_combine.comp's (M4): y[n, r] = Σ_{j<k} ys[n·k + j, r] (slot
+//     order) + σ(g[n])·acc, with ys through the res binding (4) at res_off + row·y_stride and
+//     the shared gate logit g through the bias binding (2) at bias_off + n·mul_off (mul_off is
+//     g's row stride in this mode; mul is unused).
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"
 #extension GL_EXT_control_flow_attributes : require
@@ -45,7 +50,8 @@ layout(constant_id = 4) const bool TRANSPOSED = false;
 layout(constant_id = 5) const uint SG_MIN = 1;
 layout(constant_id = 6) const uint MODE = 0;
 layout(constant_id = 7) const uint HC = 1;      // MODE 2: hc streams stacked in W_up
-const uint MODE_PLAIN = 0u, MODE_GLU = 1u, MODE_HC = 2u;
+layout(constant_id = 8) const uint TOPK = 1;    // MODE 3: routed slots per token
+const uint MODE_PLAIN = 0u, MODE_GLU = 1u, MODE_HC = 2u, MODE_MOE = 3u;
 const uint NSTACK = MODE == MODE_GLU ? 2u : (MODE == MODE_HC ? HC : 1u);  // weight blocks per output row
 const uint M = NDEC / NSTACK;                   // output rows of a workgroup (normal mode)
 
@@ -65,6 +71,11 @@ void store(uint i, uint r, uint n) {
     } else if (MODE == MODE_GLU) {
         precise float v = silu(row_sum(i));
         v *= row_sum(M + i);
+        y[p.y_off + n * p.y_stride + r] = v;
+    } else if (MODE == MODE_MOE) {
+        precise float v = 0.0;
+        for (uint j = 0u; j < TOPK; ++j) v += res[p.res_off + (n * TOPK + j) * p.y_stride + r];
+        v += sigmoid(bias[p.bias_off + n * p.mul_off]) * row_sum(i);
         y[p.y_off + n * p.y_stride + r] = v;
     } else {
         const float hcf = float(HC);

@@ -196,3 +196,40 @@ def test_shape_checks(gpu):
     with pytest.raises(ValueError):
         hc_mix_matmul(g, w, x, X, Rows(buf, 2, 3, 305), 4)  # u inside X
     assert not g.ops
+
+
+@pytest.mark.parametrize("q", [Q.F32, Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
+def test_shared_out_combine(gpu, rng, q, monkeypatch):
+    """shared_out_combine: the shared expert's down GEMV with the MoE combine as its store equals
+    the matmul + moe_combine path bit for bit (T ≤ 8), and f ≈ Σ_j ys + σ(g)·W h in float64."""
+    from vkflash.gpu.ops.moe import shared_out_combine
+
+    T, k = int(rng.integers(1, GEMV_MAX_COLS + 1)), int(rng.integers(1, 11))
+    d, K = int(rng.integers(1, 70)) * 2 + 1, _k(q, rng)
+    raw = random_weight(q, d, K, rng)
+    W = QWeight(gpu.upload(raw, "w_ds"), int(q), K, d)
+    h = rng.standard_normal((T, K)).astype(np.float32)
+    ys = rng.standard_normal((T * k, d)).astype(np.float32)
+    gl = (rng.standard_normal((T, 1)) * 4).astype(np.float32)
+    hv = _place(gpu, rng, h, "h", align=4)
+    gv = _place(gpu, rng, gl, "g")
+    out = {}
+    for fused in ("0", "1"):
+        monkeypatch.setattr(settings, "_current", settings.load(env=dict(os.environ, VKFLASH_DISABLE_FUSION=
+                                                                          "0" if fused == "1" else "1")))
+        f = _out(gpu, rng, T, d, "f")
+        ysv = Rows(gpu.upload(np.hstack([ys, np.zeros((T * k, f.stride - d), np.float32)]), "ys"), T * k, d, 0,
+                   f.stride)
+        sh = _out(gpu, rng, T, d, "shared")
+        g = gpu.graph("moe_out")
+        shared_out_combine(g, W, hv, ysv, gv, f, k, sh)
+        assert len(g.ops) == (1 if fused == "1" else 2)
+        g.run()
+        out[fused] = read_view(f)
+        assert outside_untouched(f)
+    assert np.array_equal(out["0"], out["1"])
+    acc = h.astype(np.float64) @ dequant_rows(raw, q, d, K).T
+    want = ys.astype(np.float64).reshape(T, k, d).sum(1) + _sig(gl.astype(np.float64)) * acc
+    bound = (np.abs(h).astype(np.float64) @ np.abs(dequant_rows(raw, q, d, K)).T) * K * U32 * 2 \
+        + np.abs(ys).reshape(T, k, d).sum(1) * (k + 2) * U32 + np.abs(acc) * 20 * U32
+    assert np.all(np.abs(out["1"] - want) <= bound)

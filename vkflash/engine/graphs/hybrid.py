@@ -25,7 +25,7 @@ from vkflash.gpu.ops import eltwise as E
 from vkflash.gpu.ops import gdn
 from vkflash.gpu.ops.attention import CellList, CellMask, Heads, attention, kv_append, q_and_gate
 from vkflash.gpu.ops.matmul import Epilogue, QWeight, glu_matmul, matmul
-from vkflash.gpu.ops.moe import (TILES, ExpertStack, MoEPlan, RoutedExperts, moe_combine, moe_routed, moe_router,
+from vkflash.gpu.ops.moe import (TILES, ExpertStack, MoEPlan, RoutedExperts, moe_routed, moe_router, shared_out_combine,
                                  plan_words, split_gate_up, tile_width)
 from vkflash.gpu.ops.moe import DECODE_MAX_T as MOE_GEMV_MAX_T
 from vkflash.gpu.ops.norm import Rope, rms_norm
@@ -382,8 +382,7 @@ def moe_sublayer(g: "Graph", m: StepModel, s: HybridScratch, i: int, n: int, u: 
     else:
         matmul(g, sg_w, u, gs, Epilogue(act="silu"), name=b + "ffn_shexp_gate")
         matmul(g, su_w, u, hs, Epilogue(mul=gs), name=b + "ffn_shexp_up")
-    matmul(g, w[b + "ffn_down_shexp.weight"].matrix(), hs, sh, name=b + "ffn_shexp_out")
     f = Rows(s.f, n, d) if residual else out
-    moe_combine(g, ys, f, k, shared=sh, gate=sg, name=b + "ffn_out")  # (M4)
+    shared_out_combine(g, w[b + "ffn_down_shexp.weight"].matrix(), hs, ys, sg, f, k, sh, name=b + "ffn_out")  # (M4)
     if residual:
         E.add(g, out, f, out, name=b + "l_out")

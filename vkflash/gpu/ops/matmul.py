@@ -48,7 +48,7 @@ TINY_TOKENS = 8  # tokens per workgroup of the transposed GEMV
 TILE = 64  # GEMM tile: 64 weight rows × 64 tokens (scalar and coopmat)
 
 EP_SCALE, EP_BIAS, EP_SIGMOID, EP_SILU, EP_MUL, EP_RES = 1, 2, 4, 8, 16, 32
-GEMV_GLU, GEMV_HC = 1, 2  # fused modes of mul_mat_vec.comp (constant_id 6; 0 = plain)
+GEMV_GLU, GEMV_HC, GEMV_MOE = 1, 2, 3  # fused modes of mul_mat_vec.comp (constant_id 6; 0 = plain)
 
 
 def _kernels() -> list[Kernel]:
@@ -233,23 +233,28 @@ def matmul(g: "Graph", w: QWeight, x: Rows, y: Rows, epilogue: Epilogue = PLAIN,
     _plain_epilogue(g, tmp, y, epilogue, name)
 
 
-def _stacked_gemv(g: "Graph", w: QWeight, x: Rows, y: Rows, mode: int, name: str, nbytes: int,
-                  X: Rows | None = None, hc: int = 1) -> None:
-    """One fused-mode GEMV: y's n_cols output rows, each combining weight rows r + c·n_cols of the stacked blocks.
+def stacked_gemv(g: "Graph", w: QWeight, x: Rows, y: Rows, mode: int, name: str, nbytes: int,
+                 X: Rows | None = None, hc: int = 1, moe: tuple[Rows, Rows, int] | None = None) -> None:
+    """One fused-mode GEMV: y's n_cols output rows, each combining weight rows r + c·n_cols of the stacked blocks
+    (GEMV_MOE: moe = (ys, gate, k) feed the store; the caller checks their shapes).
 
     A workgroup owns m output rows and decodes n_stack·m weight rows, about the plain GEMV's (same
     registers, same loads in flight); GEMV_STACK_ROWS_CPU on CPU drivers.
     """
     caps = g.gpu.caps
     n, n_tok = y.n_cols, x.n_rows
-    n_stack = 2 if mode == GEMV_GLU else hc  # the shader's NSTACK
+    n_stack = 2 if mode == GEMV_GLU else (hc if mode == GEMV_HC else 1)  # the shader's NSTACK
     rows = GEMV_STACK_ROWS_CPU if caps.device_type == "cpu" else GEMV_ROWS.get(Q(w.qtype), GEMV_ROWS_QUANT)
     m = max(1, rows // n_stack)  # output rows per workgroup
     mul = X or x  # binding 3: X in GEMV_HC, unused (any buffer) in GEMV_GLU
     push = [w.k, n, n_tok, w.row0, x.off, x.stride, y.off, y.stride, 0, mul.off, mul.stride, f32_bits(1.0)]
-    spec = [0, n_stack * m, n_tok, 0, max(1, caps.subgroup_min), mode, hc]
-    tag = "glu" if mode == GEMV_GLU else f"hc={hc}"
-    g.dispatch(f"mul_mat_vec_{w.type_name}", [w.buf, x.buf, x.buf, mul.buf, x.buf, y.buf], _grid(caps, -(-n // m)),
+    bias, res, k = x, x, 1
+    if moe is not None:  # bias = the shared gate (row stride in the mul_off slot), res = ys
+        res, bias, k = moe
+        push[8:11] = [bias.off, bias.stride, res.off]
+    spec = [0, n_stack * m, n_tok, 0, max(1, caps.subgroup_min), mode, hc, k]
+    tag = {GEMV_GLU: "glu", GEMV_HC: f"hc={hc}", GEMV_MOE: f"moe k={k}"}[mode]
+    g.dispatch(f"mul_mat_vec_{w.type_name}", [w.buf, x.buf, bias.buf, mul.buf, res.buf, y.buf], _grid(caps, -(-n // m)),
                push, spec, name=name, desc=f"{w.type_name} {w.k}x{w.n_out} n={n_tok} {tag}",
                nbytes=nbytes, flops=2 * w.k * w.n_out * n_tok)
 
@@ -267,7 +272,7 @@ def glu_matmul(g: "Graph", w: QWeight, x: Rows, y: Rows, name: str = "glu", fuse
     gate, up = replace(w, n_out=f), replace(w, row0=w.row0 + f, n_out=f)
     _check(gate, x, y, PLAIN)
     if x.n_rows <= GEMV_MAX_COLS and (fuse_epilogue() if fuse is None else fuse):
-        _stacked_gemv(g, w, x, y, GEMV_GLU, name, w.nbytes + 4 * (x.size + y.size))
+        stacked_gemv(g, w, x, y, GEMV_GLU, name, w.nbytes + 4 * (x.size + y.size))
         return
     matmul(g, gate, x, y, Epilogue(act="silu"), name=f"{name}.gate", fuse=fuse)
     matmul(g, up, x, y, Epilogue(mul=y), name=f"{name}.up", fuse=fuse)
@@ -291,4 +296,4 @@ def hc_mix_matmul(g: "Graph", w_up: QWeight, ell_pre: Rows, X: Rows, u: Rows, hc
                          f"expected X {T}x{hc * d}, u {T}x{d}")
     _check(replace(w_up, n_out=d), ell_pre, u, PLAIN)
     check_alias(name, u, X)
-    _stacked_gemv(g, w_up, ell_pre, u, GEMV_HC, name, w_up.nbytes + 4 * (ell_pre.size + X.size + u.size), X, hc)
+    stacked_gemv(g, w_up, ell_pre, u, GEMV_HC, name, w_up.nbytes + 4 * (ell_pre.size + X.size + u.size), X, hc)

@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as Q
 from vkflash import settings
 from vkflash.formats.quant_blocks import row_bytes
 from vkflash.gpu.memory import Buffer
-from vkflash.gpu.ops.matmul import TYPES, Epilogue, QWeight, matmul
+from vkflash.gpu.ops.matmul import GEMV_MAX_COLS, GEMV_MOE, TYPES, Epilogue, QWeight, matmul, stacked_gemv
 from vkflash.gpu.ops.views import F32, Rows, grid
 from vkflash.gpu.registry import Kernel, kernel
 
@@ -360,6 +360,29 @@ def moe_combine(g: "Graph", ys: Rows, f: Rows, k: int, shared: Rows | None = Non
                push=[T, d, k, ys.off, ys.stride, s.off, s.stride, gl.off, gl.stride, f.off, f.stride],
                spec=[int(shared is not None)], name=name, desc=f"T={T} d={d} k={k}",
                nbytes=4 * (T * d * (k + 2 if shared is not None else k + 1)))
+
+
+def shared_out_combine(g: "Graph", w_down: QWeight, h: Rows, ys: Rows, gate: Rows, f: Rows, k: int, shared: Rows,
+                       name: str = "moe_out") -> None:
+    """f[t] = Σ_j ys[t·k + j] + σ(gate[t])·(W_d^s h[t]): the shared expert's down projection and
+    the MoE combine (M4). Decode (T ≤ 8, fusion on): one GEMV whose store is the combine; else the
+    matmul into `shared` (scratch, T × d) and moe_combine, which round alike."""
+    T, d = h.n_rows, f.n_cols
+    if (ys.n_rows, ys.n_cols) != (T * k, d) or (gate.n_rows, gate.n_cols) != (T, 1) or f.n_rows != T:
+        raise ValueError(f"{name}: ys {ys.n_rows}x{ys.n_cols}, gate {gate.n_rows}x{gate.n_cols}, f {f.n_rows}x{d} "
+                         f"do not fit T={T}, k={k}")
+    if (w_down.k, w_down.n_out) != (h.n_cols, d):
+        raise ValueError(f"{name}: W_d^s is {w_down.n_out}x{w_down.k}, expected {d}x{h.n_cols}")
+    fused = T <= GEMV_MAX_COLS and not settings.current()["VKFLASH_DISABLE_FUSION"] and ys.stride == f.stride
+    if not fused:
+        matmul(g, w_down, h, shared, name=f"{name}.shared")
+        moe_combine(g, ys, f, k, shared=shared, gate=gate, name=name)
+        return
+    for v in (ys, gate, h):
+        if v.overlaps(f):
+            raise ValueError(f"{name}: f overlaps an input")
+    stacked_gemv(g, w_down, h, f, GEMV_MOE, name, w_down.nbytes + 4 * (h.size + ys.size + f.size + T),
+                 moe=(ys, gate, k))
 
 
 # ---- the whole MoE FFN (M1–M4) ----------------------------------------------------------------
