@@ -174,10 +174,11 @@ def run_cmd(
     """Run one prompt (-p) or chat interactively: streamed text, then prefill and decode tok/s."""
     try:
         from vkflash import run as runner
+        from vkflash.model.default_model import resolve_model
 
         err = Console(stderr=True)
         params = runner.sampling(temperature, top_k, top_p, min_p, seed, max_tokens)
-        session = runner.open_session(runner.resolve_model(model), err, ctx, ub, kv)
+        session = runner.open_session(resolve_model(model), err, ctx, ub, kv)
         if prompt is not None:
             runner.run_prompt(session, prompt, params, sys.stdout, err, raw=raw, system=system)
         else:
@@ -247,7 +248,7 @@ def bench_model(
     """pp512/pp2048/tg128, windows and rates at depths, dispatches and host µs per decode token, roofline."""
     try:
         from vkflash.bench.model import run as run_bench
-        from vkflash.run import resolve_model
+        from vkflash.model.default_model import resolve_model
 
         try:
             depths = None if depth is None else [int(d) for d in depth.split(",") if d.strip()]

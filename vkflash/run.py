@@ -37,18 +37,6 @@ class Session:
     ubatch: int
 
 
-def resolve_model(model: str | None) -> Path:
-    """The GGUF to run: `model` if given (it must exist), else the embedded default model."""
-    if model:
-        p = Path(model).expanduser()
-        if not p.is_file():
-            raise ConfigError(f"{model}: no such model file")
-        return p
-    from vkflash.model.default_model import ensure_default_model
-
-    return ensure_default_model()
-
-
 def open_session(path: Path, console: "Console", ctx: int | None = None, ub: int | None = None,
                  kv: str | None = None) -> Session:
     """Read the tokenizer and template, then upload the weights behind a progress bar."""

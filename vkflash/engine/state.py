@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vkflash.gpu.memory import Buffer
+from vkflash.settings import current
 from vkflash.gpu.ops.gdn import STEP_MAX_T
 from vkflash.gpu.ops.views import Rows
 from vkflash.model.hparams import HParams
@@ -22,6 +23,12 @@ from vkflash.model.hparams import HParams
 if TYPE_CHECKING:
     from vkflash.engine.step_params import StepParams
     from vkflash.gpu.context import Gpu
+
+
+def n_draft() -> int:
+    """Draft tokens a verify step may carry (DRAFT knob; 0 means 6, the longest default draft),
+    sizing the checkpoint slots."""
+    return int(current()["DRAFT"]) or 6
 
 
 @dataclass(frozen=True)

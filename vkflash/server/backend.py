@@ -10,6 +10,7 @@ from vkflash.engine.api import EngineInfo, Forward
 from vkflash.engine.reference_backend import ReferenceForward
 from vkflash.errors import ConfigError, ModelError
 from vkflash.model.chat import QWEN3_THINKING_TEMPLATE
+from vkflash.model.default_model import resolve_model
 from vkflash.model.tokenizer import Tokenizer, read_tokenizer_meta
 from vkflash.model.hparams import HParams, hparams_from_gguf
 from vkflash.model.weights import load_model
@@ -49,14 +50,7 @@ def _forward(settings: Settings, path: Path, hp: HParams, n_ctx: int) -> tuple[F
 
 def model_path(settings: Settings) -> Path:
     """MODEL if set (it must exist), else the embedded default model (fetched once, cached)."""
-    if settings["MODEL"]:
-        p = Path(settings["MODEL"]).expanduser()
-        if not p.is_file():
-            raise ConfigError(f"MODEL={settings['MODEL']!r}: no such file")
-        return p
-    from vkflash.model.default_model import ensure_default_model
-
-    return ensure_default_model()
+    return resolve_model(settings["MODEL"] or None, "MODEL")
 
 
 def load(settings: Settings) -> Loaded:

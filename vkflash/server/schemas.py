@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from vkflash.server.logprobs import MAX_TOP
+
 
 class _Strict(BaseModel):
     """Strict types, extra fields allowed."""
@@ -65,7 +67,7 @@ class ChatRequest(SamplingFields):
         default=None, description="function tools; `<tool_call>` blocks in the output become tool_calls")
     tool_choice: str | dict[str, Any] | None = Field(default=None, description="\"none\": no tool_calls parsing")
     logprobs: bool = Field(default=False, description="report each output token's log-probability")
-    top_logprobs: int | None = Field(default=None, ge=0, le=20, description="alternatives per token (needs logprobs)")
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP, description="alternatives per token (needs logprobs)")
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     reasoning_format: Literal["auto", "none"] = Field(
         default="auto", description="auto: <think> output goes to reasoning_content; none: all of it in content")
@@ -77,7 +79,7 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[int] | list[str]
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20,
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP,
                                  description="report each token's log-probability and this many alternatives")
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from vkflash.engine.graphs.common import Head, StepModel, embed_tokens, lm_head
 from vkflash.engine.graphs.hybrid import (HybridScratch, attention_sublayer, moe_sublayer, gdn_sublayer,
                                           hybrid_stacks, hybrid_transforms)
-from vkflash.engine.state import RecurrentState
+from vkflash.engine.state import RecurrentState, n_draft
 from vkflash.engine.weights_gpu import Stack, Transform
 from vkflash.formats.gguf_file import GGUFFile
 from vkflash.gpu.memory import Buffer
@@ -28,7 +28,6 @@ from vkflash.gpu.ops.gdn import Gate, HeadMap
 from vkflash.gpu.ops.norm import rms_norm
 from vkflash.gpu.ops.views import Rows
 from vkflash.model.hparams import HParams
-from vkflash.settings import current
 
 if TYPE_CHECKING:
     from vkflash.gpu.context import Gpu
@@ -48,11 +47,6 @@ def weight_transforms(gf: GGUFFile, hp: HParams) -> dict[str, Transform]:
 def weight_stacks(gf: GGUFFile, hp: HParams) -> list[Stack]:
     """GDN input projections, router + shared gate, shared and routed gate/up (hybrid_stacks)."""
     return hybrid_stacks(gf, hp)
-
-
-def n_draft() -> int:
-    """Draft tokens a verify step may carry (DRAFT knob; 0 means 6), sizing the checkpoint slots."""
-    return int(current()["DRAFT"]) or 6
 
 
 def allocate_state(gpu: "Gpu", gf: GGUFFile, hp: HParams, n_ctx: int, kv: CacheType, ub: int) -> RecurrentState:

@@ -27,7 +27,7 @@ from vkflash.engine.caches import IndexerCache, allocate_indexer
 from vkflash.engine.graphs.common import Head, StepModel, embed_tokens, projections
 from vkflash.engine.graphs.hybrid import (HybridScratch, QSABuffers, QSAConfig, attention_sublayer, moe_sublayer,
                                           gdn_sublayer, hybrid_stacks, hybrid_transforms)
-from vkflash.engine.state import RecurrentState
+from vkflash.engine.state import RecurrentState, n_draft
 from vkflash.engine.step_params import StepParams
 from vkflash.engine.weights_gpu import Stack, Stored, Transform, as_f32, host_row_gather
 from vkflash.formats.gguf_file import GGUFFile, TensorInfo
@@ -44,7 +44,6 @@ from vkflash.gpu.ops.ple import ple_gate
 from vkflash.gpu.ops.views import Rows
 from vkflash.model.hparams import HParams
 from vkflash.model.ple_hash import PleHashParams, ple_rows
-from vkflash.settings import current
 
 if TYPE_CHECKING:
     from vkflash.gpu.context import Gpu
@@ -172,7 +171,7 @@ class Qwen4State:
 def allocate_state(gpu: "Gpu", gf: GGUFFile, hp: HParams, n_ctx: int, kv: CacheType, ub: int) -> Qwen4State:
     """Recurrent rows with n_draft+1 slots, indexer caches and QSA scratch (for the QSA knobs in
     effect now: BLKTOPK, GP, POOLED), PLE host side."""
-    rec = RecurrentState.allocate(gpu, hp, int(current()["DRAFT"]) or 6, ple_taps(hp) - 1 if hp.has_ple else 0)
+    rec = RecurrentState.allocate(gpu, hp, n_draft(), ple_taps(hp) - 1 if hp.has_ple else 0)
     idx = allocate_indexer(gpu, hp, n_ctx, kv)
     qsa = QSABuffers.allocate(gpu, hp, ub, n_ctx, min(c.r for c in idx.values()), QSAConfig.from_settings()) \
         if idx else None
