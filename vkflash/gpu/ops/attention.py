@@ -212,11 +212,13 @@ def attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v:
     push = [T, G, H_kv, k.n_ctx, q.off, q.rows.stride, q.head_stride, gv.off, gv.rows.stride, gv.head_stride,
             out.off, out.rows.stride, out.head_stride, param_off, mask.off if mask else 0, mask.stride if mask else 0,
             cells.off if cells else 0, n_split, f32_bits(1.0 / np.sqrt(Dh) if scale is None else scale)]
-    kv_bytes = 2 * k.n_ctx * H_kv * k.type.row_bytes(Dh)
+    # a graph is recorded once for every position, so its cost is sized for the most keys it may see
+    n_keys = cells.capacity if cells is not None else k.n_ctx
+    kv_bytes = 2 * n_keys * H_kv * k.type.row_bytes(Dh)
     g.dispatch(kname, bufs, [-(-T * G // br), H_kv, n_split], push=push, spec=[Dh, br, bc, flags], name=name,
                desc=f"T={T} H={H}/{H_kv} Dh={Dh} {k.type.value} split={n_split}"
                + (" gated" * (gate is not None)) + (" masked" * (mask is not None)) + (" gather" * (cells is not None)),
-               nbytes=kv_bytes)
+               nbytes=kv_bytes, flops=4 * T * H * Dh * n_keys)
     if split:
         g.dispatch("attn_combine", [partial, gv.rows.buf, out.rows.buf], [H, T],
                    push=[T, H, n_split, gv.off, gv.rows.stride, gv.head_stride,
