@@ -161,21 +161,31 @@ def reference_logits(path: Path, toks: np.ndarray, seen: Device | None = None, *
     return logits
 
 
-def reference_greedy(path: Path, prompt: np.ndarray, n: int) -> list[int]:
-    """n greedy tokens after `prompt` from the reference; IllConditioned on a routing near-tie."""
-    w = load_model(path, np.float64)
-    guard = RoutingGuard(w.hp.k)
-    st = reference.new_state(w, cache_dtype=np.float32, dump=guard)
-    want = [int(np.argmax(reference.prefill(prompt, st)[-1]))]
+def check_greedy(fwd: Any, path: Path, prompt: np.ndarray, n: int = 64) -> None:
+    """n greedy tokens from the device argmax (prefill, then decode steps) are the reference's:
+    teacher-forced on the device's own continuation (the reference following it through near-ties),
+    the reference's argmax picks each next token, except where its top two logits lie within the
+    2·EXACT·std the two forwards may differ by."""
+    fwd.reset()
+    got = [fwd.prefill_argmax(prompt)]
     for _ in range(n - 1):
-        want.append(int(np.argmax(reference.prefill([want[-1]], st)[-1])))
-    guard.check()
-    return want
+        got.append(fwd.decode_argmax(got[-1]))
+    toks = np.concatenate([prompt, got[:-1]])
+    fwd.reset()
+    seen = Device({}, {})
+    dev = device_logits(fwd, toks, seen)[len(prompt) - 1:]
+    ref = reference_logits(path, toks, seen)[len(prompt) - 1:]
+    assert rel(dev, ref) <= EXACT
+    top2 = -np.sort(-ref, axis=1)[:, :2]
+    near = (top2[:, 0] - top2[:, 1]) <= 2 * EXACT * ref.std()
+    want = ref.argmax(axis=1)
+    bad = [i for i in range(n) if want[i] != got[i] and not near[i]]
+    assert not bad, f"greedy token {bad[0]}: device {got[bad[0]]}, reference {want[bad[0]]}"
 
 
 def check_prefill_decode_greedy(fwd: Any, path: Path, toks: np.ndarray, cut: int, prompt: int) -> None:
-    """prefill(toks[:cut]) + decodes = one prefill of toks = the reference; then 16 greedy tokens
-    after toks[:prompt] from the device argmax equal the reference's."""
+    """prefill(toks[:cut]) + decodes = one prefill of toks = the reference; then 64 greedy tokens
+    after toks[:prompt] from the device argmax are the reference's (check_greedy)."""
     whole = fwd.prefill_logits(toks)
     fwd.reset()
     steps = np.stack([fwd.prefill(toks[:cut])] + [fwd.decode(int(t)) for t in toks[cut:]])
@@ -183,11 +193,7 @@ def check_prefill_decode_greedy(fwd: Any, path: Path, toks: np.ndarray, cut: int
     assert rel(whole, ref) <= EXACT
     assert rel(steps, ref[cut - 1:]) <= EXACT
     assert rel(steps, whole[cut - 1:]) <= EXACT  # both paths agree as closely as each with the reference
-    fwd.reset()
-    got = [fwd.prefill_argmax(toks[:prompt])]
-    for _ in range(15):
-        got.append(fwd.decode_argmax(got[-1]))
-    assert got == reference_greedy(path, toks[:prompt], 16)
+    check_greedy(fwd, path, toks[:prompt])
 
 
 def check_logits_at_every_position(fwd: Any, path: Path, toks: np.ndarray) -> None:

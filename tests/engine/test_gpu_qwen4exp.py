@@ -52,7 +52,7 @@ def test_logits_at_every_position(gpu, rng, tmp_path, variant):
 @redraw_if_ill_conditioned
 def test_prefill_then_decode_and_greedy(gpu, rng, tmp_path):
     """prefill(33) + 17 decodes crossing the dense → sparse boundary (t+1 = 35, 36: gathered decode)
-    = one 50-token prefill = the reference; then 16 greedy tokens equal the reference's."""
+    = one 50-token prefill = the reference; then 64 greedy tokens are the reference's."""
     path = _model(tmp_path, rng)
     toks = _prompt(rng, 50)
     fwd = GpuForward(path, ctx=600, ub=32, kv="f32", gpu=gpu)
