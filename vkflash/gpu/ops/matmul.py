@@ -5,7 +5,10 @@ x and y are f32 row views (one row per token). `matmul()` picks the kernel from 
   n_out ≤ 8 and n_tok > 8 → GEMV over the tokens (transposed; the HC inject projection W_inj),
   n_tok ≤ 8              → GEMV (decode, MTP verify), NDEC weight rows per workgroup,
   otherwise              → tiled GEMM: cooperative-matrix (f16 in, f32 accumulate) when the device
-                           offers it and VKFLASH_DISABLE_COOPMAT is off, else scalar f32.
+                           offers it and VKFLASH_DISABLE_COOPMAT is off, else scalar f32. F32
+                           weights always take the scalar GEMM: rounding them (and x) to f16 would
+                           undo what F32 storage is for (routers, MODEL.md §7.4) and moves router
+                           logits by ~1e-3, enough to flip near-tied experts.
 The epilogue (scale, bias, sigmoid/silu, ⊙ tensor, + residual) is fused into the store; with
 VKFLASH_MM_TILE_EPILOG=0 (or VKFLASH_DISABLE_FUSION=1) it runs as separate eltwise dispatches.
 An expert stack {K, out, E} is addressed by QWeight.row0 = e·out (see shaders/mul_mat_vec.comp).
@@ -34,6 +37,8 @@ if TYPE_CHECKING:
 
 TYPES: tuple[Q, ...] = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)
 """Weight types every matmul kernel decodes (one #define variant each)."""
+COOPMAT_TYPES: tuple[Q, ...] = tuple(t for t in TYPES if t != Q.F32)
+"""Weight types with a cooperative-matrix GEMM (see the module docstring for F32)."""
 
 GEMV_WG = 64  # invocations of a GEMV workgroup
 GEMV_ROWS: dict[Q, int] = {Q.F32: 2, Q.F16: 4, Q.BF16: 4}
@@ -57,8 +62,9 @@ def _kernels() -> list[Kernel]:
         d = (("QTYPE", int(t)),)
         out.append(Kernel(f"mul_mat_vec_{t.name.lower()}", "mul_mat_vec.comp", 6, d, local_size=GEMV_WG))
         out.append(Kernel(f"mul_mat_{t.name.lower()}", "mul_mat.comp", 6, d, local_size=256))
-        out.append(Kernel(f"mul_mat_cm_{t.name.lower()}", "mul_mat_cm.comp", 6, d, local_size=128,
-                          needs=frozenset({"coopmat_f16"})))
+        if t in COOPMAT_TYPES:
+            out.append(Kernel(f"mul_mat_cm_{t.name.lower()}", "mul_mat_cm.comp", 6, d, local_size=128,
+                              needs=frozenset({"coopmat_f16"})))
     return out
 
 
@@ -123,7 +129,9 @@ PLAIN = Epilogue()
 
 
 def use_coopmat(caps: "Capabilities", qtype: int) -> bool:
-    """Whether GEMMs of this weight type run on cooperative matrices here."""
+    """Whether GEMMs of this weight type run on cooperative matrices here (never F32 weights)."""
+    if Q(qtype) not in COOPMAT_TYPES:
+        return False
     k = kernel(f"mul_mat_cm_{Q(qtype).name.lower()}")
     return k.usable(caps) and not settings.current()["VKFLASH_DISABLE_COOPMAT"]
 
@@ -221,6 +229,8 @@ def matmul(g: "Graph", w: QWeight, x: Rows, y: Rows, epilogue: Epilogue = PLAIN,
     """
     _check(w, x, y, epilogue)
     cm = use_coopmat(g.gpu.caps, w.qtype) if coopmat is None else coopmat
+    if cm and Q(w.qtype) not in COOPMAT_TYPES:
+        raise ValueError(f"matmul: {Q(w.qtype).name} weights have no cooperative-matrix GEMM")
     if cm and not kernel(f"mul_mat_cm_{w.type_name}").usable(g.gpu.caps):
         raise ValueError(f"matmul: {g.gpu.caps.name} offers no f16 cooperative matrix")
     if epilogue.flags == 0 or (fuse_epilogue() if fuse is None else fuse):
