@@ -145,7 +145,7 @@ KNOBS: tuple[Knob, ...] = (
        "estimated GPU time one prefill submission may hold (decode is always one submission)",
        "backend"),
     _k("VKFLASH_DISABLE_COOPMAT", _bool, True,
-       "1: scalar f32 GEMMs (default until coopmat GEMMs match the reference on hybrid models); 0: coopmat",
+       "1: scalar f32 GEMMs (default until the coopmat path is re-checked on a GPU); 0: coopmat for non-F32 weights",
        "backend",
        "GGML_VK_DISABLE_COOPMAT"),
     _k("VKFLASH_DISABLE_FUSION", _bool, False, "never use fused kernels", "backend", "GGML_VK_DISABLE_FUSION"),
