@@ -205,3 +205,15 @@ def check_logits_at_every_position(fwd: Any, path: Path, toks: np.ndarray) -> No
     ref = reference_logits(path, toks, seen)
     assert np.isfinite(got).all()
     assert rel(got, ref) <= EXACT, f"max|Δ| = {rel(got, ref):.2e}·std"
+
+
+def check_prompt_then_steps(fwd: Any, path: Path, toks: np.ndarray, n_steps: int) -> None:
+    """toks[:-n_steps] teacher-forced in the forward's ubatch steps, then the last n_steps tokens one
+    step each (decode graphs): logits at every position match the reference, which follows the
+    device through the near-ties a long prompt meets."""
+    cut = len(toks) - n_steps
+    seen = Device({}, {})
+    got = np.vstack([device_logits(fwd, toks[:cut], seen)] + [device_logits(fwd, toks[t:t + 1], seen)
+                                                              for t in range(cut, len(toks))])
+    ref = reference_logits(path, toks, seen)
+    assert rel(got, ref) <= EXACT, f"max|Δ| = {rel(got, ref):.2e}·std"

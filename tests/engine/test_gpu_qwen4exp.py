@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hybrid_ref import (EXACT, Device, check_logits_at_every_position, check_prefill_decode_greedy,
-                        device_logits, redraw_if_ill_conditioned, reference_logits, rel)
+from hybrid_ref import (EXACT, check_logits_at_every_position, check_prefill_decode_greedy,
+                        check_prompt_then_steps, redraw_if_ill_conditioned, reference_logits, rel)
 from vkflash.engine.gpu_forward import GpuForward
 from vkflash.engine.graphs.common import Head
 from vkflash.model.make_model import make_model
@@ -95,8 +95,4 @@ def test_long_prompt_sparse_selection(gpu, rng, tmp_path):
     path = _model(tmp_path, rng)
     toks = _prompt(rng, 648)
     fwd = GpuForward(path, ctx=700, ub=64, kv="f32", gpu=gpu, logits_rows=64)
-    seen = Device({}, {})
-    got = np.vstack([device_logits(fwd, toks[:640], seen)] + [device_logits(fwd, toks[t:t + 1], seen)
-                                                              for t in range(640, 648)])
-    ref = reference_logits(path, toks, seen)
-    assert rel(got, ref) <= EXACT, f"max|Δ| = {rel(got, ref):.2e}·std"
+    check_prompt_then_steps(fwd, path, toks, 8)
