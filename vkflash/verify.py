@@ -7,6 +7,11 @@ residual stream, 1e-3 for logits, and the greedy token must agree; those decide 
 intermediates get 1e-3 (a peaked attention, layer 0 of real Qwen models, differs by ~2e-4 in f32)
 and locate a failure: the earliest op over tolerance in the first failing layer is named, which
 is where a wrong kernel or a corrupt weight first shows.
+
+The GPU computes in f32. With a float64 reference (models up to F64_LIMIT) the reference also runs
+in float32, and a value's bound is at least F32_FACTOR × that f32 run's own error: some models
+amplify f32 rounding past MODEL.md's bounds whoever computes them (qwen3next-tiny's GDN layers,
+~10× per layer, reach 2e-4 at layer 7 in NumPy f32), and a GPU as good as NumPy f32 is correct.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ RESIDUALS = frozenset({"inp_embd", "attn_residual", "l_out", "ple_out"})
 LOGITS = "result_output"
 F64_LIMIT = 1 << 30
 """Reference weights are float64 up to this many bytes (tiny models), float32 above."""
+F32_FACTOR = 4.0
+"""How much worse than the float32 reference (vs float64) the GPU may be before its f32 floor fails."""
 _BLK = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -105,16 +112,20 @@ def tolerance(name: str) -> float:
     return RESIDUAL_TOL if name.rsplit(".", 1)[-1] in RESIDUALS else OP_TOL
 
 
-def compare(phase: str, gpu: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> list[OpError]:
+def compare(phase: str, gpu: dict[str, np.ndarray], ref: dict[str, np.ndarray],
+            ref32: dict[str, np.ndarray] | None = None) -> list[OpError]:
     """OpErrors for the names both sides produced, in the reference's (execution) order. A GPU
     buffer holds its op's output in its leading elements (rows at offset 0); a buffer smaller
-    than the reference value cannot hold it and is reported as a failure."""
+    than the reference value cannot hold it and is reported as a failure. With the float32
+    reference `ref32`, a bound is at least F32_FACTOR × its error."""
     rows = []
     for name, want in ref.items():
         if name not in gpu:
             continue
         flat = gpu[name]
         tol = tolerance(name)
+        if ref32 is not None and name in ref32:
+            tol = max(tol, F32_FACTOR * relative_error(name, ref32[name], want))
         if flat.size < want.size:
             rows.append(OpError(phase, name, float("inf"), tol))
             continue
@@ -168,13 +179,15 @@ def verify(path: Path, tokens: Sequence[int], fwd: "GpuForward | None" = None, c
     fwd = fwd or open_forward(path, len(toks), ctx)
     fwd.reset()
     steps = [toks[:-1], toks[-1:]]
-    weights = load_model(path, reference_dtype(path))
+    dtype = reference_dtype(path)
+    weights = load_model(path, dtype)
     refs = reference_steps(weights, steps)
+    refs32 = reference_steps(load_model(path, np.float32), steps) if dtype is np.float64 else [None, None]
     names = [*GLOBAL_NAMES, *(f"blk.{i}.{op}" for i in range(weights.hp.L) for op in LAYER_OPS)]
     report = Report(len(toks))
-    for phase, ids, ref in zip(("prefill", "decode"), steps, refs):
+    for phase, ids, ref, ref32 in zip(("prefill", "decode"), steps, refs, refs32):
         got = fwd.dump_step(ids, names)
-        report.rows += compare(phase, got, ref)
+        report.rows += compare(phase, got, ref, ref32)
         if LOGITS in got and LOGITS in ref:
             n, V = ref[LOGITS].shape
             gpu_logits = got[LOGITS][:n * V].reshape(n, V)

@@ -158,7 +158,9 @@ def test_ssm_in_and_ba_layouts_are_the_same_weights(tmp_path):
 
 @pytest.mark.oracle
 def test_llama_cpp_loads_and_reads_layouts_alike(tmp_path, llama_oracle):
-    """llama.cpp loads tiny F32 files of both archs; equivalent layouts give identical logprobs."""
+    """llama.cpp loads tiny F32 files of both archs; equivalent layouts give identical logprobs.
+    (llama-server merges the steps of tokens that end inside a UTF-8 character, so 4 generated
+    tokens may come back as fewer entries.)"""
     prompt = [int(x) for x in np.random.default_rng().integers(0, 500, 12)]
 
     def run(path):
@@ -167,10 +169,10 @@ def test_llama_cpp_loads_and_reads_layouts_alike(tmp_path, llama_oracle):
 
     a = run(mm.make_model("qwen3next", "tiny", None, SEED, tmp_path / "n.gguf")[0])
     b = run(mm.make_model("qwen3next", "tiny", None, SEED, tmp_path / "o.gguf", variant="ssm_in")[0])
-    assert a == b and len(a) >= 2
+    assert a == b and len(a) >= 1
     c = run(mm.make_model("qwen4exp", "tiny", None, SEED, tmp_path / "f.gguf")[0])
     d = run(mm.make_model("qwen4exp", "tiny", None, SEED, tmp_path / "w.gguf", variant="hc_norm_2d,f_array")[0])
-    assert c == d and len(c) >= 2
+    assert c == d and len(c) >= 1
 
 
 def test_shape8l_sizes_and_types():
