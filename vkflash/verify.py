@@ -93,10 +93,17 @@ class Report:
 
 
 def relative_error(name: str, got: np.ndarray, ref: np.ndarray) -> float:
-    """max|got − ref| / RMS(ref), or / std(ref) for the logits (a zero scale counts as 1)."""
+    """max|got − ref| / RMS(ref), or / std(ref) for the logits (a zero scale counts as 1), over the
+    reference's finite entries (−inf marks don't-care ones, e.g. invisible QSA blocks); a
+    non-finite GPU value there is an infinite error."""
     ref = np.asarray(ref, np.float64)
-    diff = float(np.max(np.abs(np.asarray(got, np.float64) - ref)))
-    scale = float(ref.std() if name == LOGITS else np.sqrt(np.mean(ref * ref)))
+    keep = np.isfinite(ref)
+    if not keep.any():
+        return 0.0
+    d = np.abs(np.asarray(got, np.float64)[keep] - ref[keep])
+    diff = float(d.max()) if np.isfinite(d).all() else float("inf")
+    r = ref[keep]
+    scale = float(r.std() if name == LOGITS else np.sqrt(np.mean(r * r)))
     return diff / (scale or 1.0)
 
 
