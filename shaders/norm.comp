@@ -12,9 +12,12 @@
 // ROPE (attention q/k, MODEL.md A2 then A3): the normalised row (a head vector; n_groups = 1) is
 // rotated by NeoX partial RoPE exactly as shaders/rope.comp (row r = t*n_heads + h at position
 // pos[pos_off + t]); outputs go through shared memory first, so y may alias x. Dh ≤ MAX_DH.
+// INJECT (HC H5, decode): one workgroup per row normalises its groups in turn and also computes
+// ι[r, c'] = Σ_j w_inj[c', j] · y[r, j] (c' < n_groups ≤ MAX_HC; w_inj f32, n_groups rows of the
+// whole row) from the values it writes, so the Mix's inject projection needs no GEMV of its own.
 // Buffers: 0 x (f32), 1 gamma (f32; any buffer when unused), 2 y (f32; may alias x, same view,
 // except with COMBINE), 3 iota, 4 b (f32; any buffer when not COMBINE), 5 pos (int32; any
-// buffer when not ROPE).
+// buffer when not ROPE), 6 w_inj from w_off, 7 ι out at o_off + r*o_stride (any when not INJECT).
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"
 #include "common/reduce.glsl"
@@ -23,7 +26,8 @@ layout(constant_id = 1) const uint MODE = 0;
 layout(constant_id = 2) const bool HAS_GAMMA = false;
 layout(constant_id = 3) const bool COMBINE = false;
 layout(constant_id = 4) const bool ROPE = false;
-const uint MAX_DH = 512u;
+layout(constant_id = 5) const bool INJECT = false;
+const uint MAX_DH = 512u, MAX_HC = 8u;
 
 layout(std430, binding = 0) buffer X { float x[]; };
 layout(std430, binding = 1) readonly buffer G { float gamma[]; };
@@ -31,12 +35,15 @@ layout(std430, binding = 2) buffer Y { float y[]; };
 layout(std430, binding = 3) readonly buffer Iota { float iota[]; };
 layout(std430, binding = 4) readonly buffer Bv { float bv[]; };
 layout(std430, binding = 5) readonly buffer Pos { int pos[]; };
+layout(std430, binding = 6) readonly buffer Wi { float w_inj[]; };
+layout(std430, binding = 7) writeonly buffer Io { float iota_out[]; };
 layout(push_constant) uniform P {
     uint n; uint n_groups; uint n_rows;
     uint x_off; uint x_stride; uint y_off; uint y_stride; uint g_off;
     uint eps_bits; uint post_bits;
     uint i_off; uint i_stride; uint b_off; uint b_stride;
     uint n_heads; uint n_rot; uint pos_off; uint theta_bits;
+    uint w_off; uint o_off; uint o_stride;
 } p;
 
 shared float rotated[ROPE ? MAX_DH : 1u];
@@ -48,46 +55,71 @@ float normed(uint xb, uint g0, uint i, float s) {
     return v;
 }
 
-void main() {
+// Group c of row r: the optional Combine, the norm, the optional RoPE; with INJECT, each written
+// value also feeds the inject partial sums inj[c'].
+void norm_group(uint r, uint c, inout float inj[MAX_HC]) {
     float eps = uintBitsToFloat(p.eps_bits), post = uintBitsToFloat(p.post_bits);
+    uint xb = p.x_off + r * p.x_stride + c * p.n, yb = p.y_off + r * p.y_stride + c * p.n;
+    float ss = 0.0;
+    if (COMBINE) {
+        precise float s = 2.0 * sigmoid(iota[p.i_off + r * p.i_stride + c] / float(p.n_groups));
+        uint bb = p.b_off + r * p.b_stride;
+        for (uint i = gl_LocalInvocationID.x; i < p.n; i += gl_WorkGroupSize.x) {
+            precise float v = s * bv[bb + i];
+            x[xb + i] += v;
+        }
+    }
+    for (uint i = gl_LocalInvocationID.x; i < p.n; i += gl_WorkGroupSize.x) ss += x[xb + i] * x[xb + i];
+    ss = wg_sum(ss);
+    float s = post / sqrt((MODE == 0 ? ss / float(p.n) : ss) + eps);
+    uint g0 = p.g_off + c * p.n;
+    if (ROPE) {
+        uint half_rot = p.n_rot / 2u;
+        float theta = uintBitsToFloat(p.theta_bits);
+        float pt = float(pos[p.pos_off + r / p.n_heads]);
+        for (uint i = gl_LocalInvocationID.x; i < p.n; i += gl_WorkGroupSize.x) {
+            float v = normed(xb, g0, i, s);
+            if (i < p.n_rot) {
+                uint j = i % half_rot;
+                float phi = pt * pow(theta, -2.0 * float(j) / float(p.n_rot));
+                float cs = cos(phi), sn = sin(phi);
+                float x0 = i < half_rot ? v : normed(xb, g0, j, s);
+                float x1 = i < half_rot ? normed(xb, g0, j + half_rot, s) : v;
+                v = i < half_rot ? x0 * cs - x1 * sn : x1 * cs + x0 * sn;
+            }
+            rotated[i] = v;
+        }
+        barrier();
+        for (uint i = gl_LocalInvocationID.x; i < p.n; i += gl_WorkGroupSize.x) y[yb + i] = rotated[i];
+        barrier();  // rotated is reused by the next group
+    } else {
+        uint row = p.n_groups * p.n;
+        for (uint i = gl_LocalInvocationID.x; i < p.n; i += gl_WorkGroupSize.x) {
+            float v = normed(xb, g0, i, s);
+            y[yb + i] = v;
+            if (INJECT) {
+                for (uint o = 0u; o < p.n_groups; ++o) inj[o] += w_inj[p.w_off + o * row + c * p.n + i] * v;
+            }
+        }
+    }
+}
+
+void main() {
+    float inj[MAX_HC];
+    if (INJECT) {  // a row per workgroup: its groups in turn, then ι
+        for (uint r = gl_WorkGroupID.x; r < p.n_rows; r += gl_NumWorkGroups.x) {
+            for (uint o = 0u; o < MAX_HC; ++o) inj[o] = 0.0;
+            for (uint c = 0u; c < p.n_groups; ++c) norm_group(r, c, inj);
+            for (uint o = 0u; o < p.n_groups; ++o) {
+                float t = wg_sum(inj[o]);
+                if (gl_LocalInvocationID.x == 0u) iota_out[p.o_off + r * p.o_stride + o] = t;
+            }
+        }
+        return;
+    }
     uint total = p.n_rows * p.n_groups;
     for (uint k = gl_WorkGroupID.x; k < total; k += gl_NumWorkGroups.x) {
-        uint r = k / p.n_groups, c = k - r * p.n_groups;
-        uint xb = p.x_off + r * p.x_stride + c * p.n, yb = p.y_off + r * p.y_stride + c * p.n;
-        float ss = 0.0;
-        if (COMBINE) {
-            precise float s = 2.0 * sigmoid(iota[p.i_off + r * p.i_stride + c] / float(p.n_groups));
-            uint bb = p.b_off + r * p.b_stride;
-            for (uint i = gl_LocalInvocationID.x; i < p.n; i += gl_WorkGroupSize.x) {
-                precise float v = s * bv[bb + i];
-                x[xb + i] += v;
-            }
-        }
-        for (uint i = gl_LocalInvocationID.x; i < p.n; i += gl_WorkGroupSize.x) ss += x[xb + i] * x[xb + i];
-        ss = wg_sum(ss);
-        float s = post / sqrt((MODE == 0 ? ss / float(p.n) : ss) + eps);
-        uint g0 = p.g_off + c * p.n;
-        if (ROPE) {
-            uint half_rot = p.n_rot / 2u;
-            float theta = uintBitsToFloat(p.theta_bits);
-            float pt = float(pos[p.pos_off + r / p.n_heads]);
-            for (uint i = gl_LocalInvocationID.x; i < p.n; i += gl_WorkGroupSize.x) {
-                float v = normed(xb, g0, i, s);
-                if (i < p.n_rot) {
-                    uint j = i % half_rot;
-                    float phi = pt * pow(theta, -2.0 * float(j) / float(p.n_rot));
-                    float cs = cos(phi), sn = sin(phi);
-                    float x0 = i < half_rot ? v : normed(xb, g0, j, s);
-                    float x1 = i < half_rot ? normed(xb, g0, j + half_rot, s) : v;
-                    v = i < half_rot ? x0 * cs - x1 * sn : x1 * cs + x0 * sn;
-                }
-                rotated[i] = v;
-            }
-            barrier();
-            for (uint i = gl_LocalInvocationID.x; i < p.n; i += gl_WorkGroupSize.x) y[yb + i] = rotated[i];
-            barrier();  // rotated is reused by the next group
-        } else {
-            for (uint i = gl_LocalInvocationID.x; i < p.n; i += gl_WorkGroupSize.x) y[yb + i] = normed(xb, g0, i, s);
-        }
+        uint r = k / p.n_groups;
+        norm_group(r, k - r * p.n_groups, inj);
     }
 }

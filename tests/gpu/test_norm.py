@@ -120,6 +120,48 @@ def test_combine_then_grouped_norm(gpu, rng):
     _check(out[True][1], _rms(out[True][0], eps, hc) * gam, d)
 
 
+@pytest.mark.parametrize("combine", [True, False])
+def test_grouped_norm_with_inject(gpu, rng, combine):
+    """inject=(W_inj, ι): one workgroup per row also computes ι = X W_injᵀ from the X it writes;
+    X equals the plain norm's bit for bit, ι the inject matmul's to f32 rounding (another order)."""
+    from vkflash.gpu.ops.matmul import QWeight, matmul
+
+    hc, d, T = int(rng.integers(2, 5)), int(rng.integers(1, 20)) * 32, int(rng.integers(1, 9))
+    R = _rows(rng, T, hc * d)
+    b = rng.standard_normal((T, d)).astype(np.float32)
+    iota = (rng.standard_normal((T, hc)) * 8).astype(np.float32)
+    gam = rng.standard_normal(hc * d).astype(np.float32)
+    W = (rng.standard_normal((hc, hc * d)) / np.sqrt(hc * d)).astype(np.float32)
+    out = {}
+    for fused in (True, False):
+        rb, xb, gb = gpu.upload(R, "R"), gpu.buffer(R.nbytes, "X"), gpu.upload(gam, "gamma")
+        ib, bb, wb = gpu.upload(iota, "iota"), gpu.upload(b, "b"), gpu.upload(W, "w_inj")
+        ob = gpu.buffer(4 * (T * 8 + 5), "iota_out")
+        xb.fill(np.nan)
+        ob.fill(np.nan)
+        Rv, Xv, ov = Rows(rb, T, hc * d), Rows(xb, T, hc * d), Rows(ob, T, hc, 5, 8)
+        cmb = (Rows(ib, T, hc), Rows(bb, T, d)) if combine else None
+        g = gpu.graph("norm_inject")
+        if fused:
+            N.grouped_rms_norm(g, Rv, Xv, hc, 1e-6, gb, combine=cmb, inject=(Rows(wb, hc, hc * d), ov))
+            assert len(g.ops) == 1
+        else:
+            N.grouped_rms_norm(g, Rv, Xv, hc, 1e-6, gb, combine=cmb)
+            matmul(g, QWeight(wb, 0, hc * d, hc), Xv, ov)
+        g.run()
+        o = ob.read(np.float32)
+        out[fused] = xb.read(np.float32).reshape(T, hc * d), o[5:].reshape(T, 8)[:, :hc], o
+    assert np.array_equal(out[True][0], out[False][0])
+    X = out[True][0].astype(np.float64)
+    want = X @ W.T.astype(np.float64)
+    bound = 2.0**-20 * (np.abs(X) @ np.abs(W.T).astype(np.float64))
+    for got in (out[True][1], out[False][1]):
+        assert np.all(np.abs(got - want) <= bound)
+    untouched = np.ones(out[True][2].size, bool)
+    untouched[5:].reshape(T, 8)[:, :hc] = False
+    assert np.isnan(out[True][2][untouched]).all()
+
+
 def test_l2_norm_scaled(gpu, rng):
     """q̂ = q/√(Σq²+ε)·(1/√S) per head, heads read with a stride (G6)."""
     heads, S = int(rng.integers(2, 9)), int(rng.integers(16, 200))

@@ -39,7 +39,7 @@ from vkflash.gpu.ops import gdn
 from vkflash.gpu.ops.attention import CacheType
 from vkflash.gpu.ops.hc import fuse_hc, hc_broadcast, hc_combine, hc_mix, hc_pre
 from vkflash.gpu.ops.matmul import GEMV_MAX_COLS, hc_mix_matmul, matmul
-from vkflash.gpu.ops.norm import grouped_rms_norm
+from vkflash.gpu.ops.norm import MAX_HC, grouped_rms_norm
 from vkflash.gpu.ops.ple import ple_gate
 from vkflash.gpu.ops.views import Rows
 from vkflash.model.hparams import HParams
@@ -237,32 +237,43 @@ class Pending:
 def hc_mixer(g: "Graph", m: StepModel, s: Scratch, R: Rows, prefix: str, u: Rows, inject: bool,
              name: str, pending: Pending | None = None) -> Rows | None:
     """(H1)–(H5): u = Mix(R) after the pending Combine; for block mixers also ι = W_inj X, returned
-    as a view (W_dn and W_inj read the same X: one matmul when the two are stacked)."""
+    as a view. W_dn and W_inj read the same X: one matmul when the two are stacked; in decode an
+    unstacked f32 W_inj (as real files store it) rides on the norm instead."""
     hp, w = m.hp, m.weights
     n, hc, d, lr = R.n_rows, hp.hc, hp.d, lr_padded(hp)
     X = Rows(s.X, n, hc * d)
+    width = lr + -(-hc // 4) * 4  # ℓ rows stay 16-byte aligned for the vec4 loads of the up matmul
+    iota = Rows(s.ell, n, hc, lr, width) if inject else None
+    down, inj = w[prefix + "_down.weight"], w.get(prefix + "_inject.weight") if inject else None
+    fuse = fuse_hc()
+    in_norm = (inj is not None and iota is not None and fuse and n <= GEMV_MAX_COLS and inj.qtype is Q.F32
+               and inj.buf is not down.buf and hc <= MAX_HC)
+    norm_inject = (Rows(inj.buf, hc, hc * d), iota) if in_norm and inj is not None and iota is not None else None
     gamma = w[prefix + "_norm.weight"].buf
-    if pending is not None and fuse_hc():
-        grouped_rms_norm(g, R, X, hc, hp.eps, gamma, name=pending.name, combine=(pending.iota, pending.b))
+    norm_name = pending.name if pending is not None and fuse else f"{name}.norm"
+    if pending is not None and fuse:
+        grouped_rms_norm(g, R, X, hc, hp.eps, gamma, name=norm_name, combine=(pending.iota, pending.b),
+                         inject=norm_inject)
         g.expose(pending.name, R.buf, R.off, R.n_rows, R.n_cols, R.stride)  # R after the Combine
     else:
         if pending is not None:
             pending.apply(g, R)
-        grouped_rms_norm(g, R, X, hc, hp.eps, gamma, name=f"{name}.norm")
-    width = lr + -(-hc // 4) * 4  # ℓ rows stay 16-byte aligned for the vec4 loads of the up matmul
+        grouped_rms_norm(g, R, X, hc, hp.eps, gamma, name=norm_name, inject=norm_inject)
     parts = [(prefix + "_down.weight", f"{name}.down")]
-    if inject:  # named after its weight, not as a part of `name`: u is the mix's output, ι a second one
+    if norm_inject is not None:
+        g.expose(f"{prefix}_inject", s.ell, lr, n, hc, width, after=norm_name)
+    elif inject:  # named after its weight, not as a part of `name`: u is the mix's output, ι a second one
         parts.append((prefix + "_inject.weight", f"{prefix}_inject"))
-    projections(g, w, X, Rows(s.ell, n, lr + hc * inject, 0, width), parts)
+    projections(g, w, X, Rows(s.ell, n, lr + hc * (len(parts) > 1), 0, width), parts)
     ell, up = Rows(s.ell, n, lr, 0, width), w[prefix + "_up.weight"].matrix()
-    if n <= GEMV_MAX_COLS and fuse_hc():  # decode: silu, W_up and the mix in one GEMV
+    if n <= GEMV_MAX_COLS and fuse:  # decode: silu, W_up and the mix in one GEMV
         hc_mix_matmul(g, up, ell, X, u, hc, name=name)
     else:
         hc_pre(g, ell, ell, hc, name=f"{name}.pre")
         gpre = Rows(s.gpre, n, hc * d)
         matmul(g, up, ell, gpre, name=f"{name}.up")
         hc_mix(g, gpre, X, u, hc, name=name)
-    return Rows(s.ell, n, hc, lr, width) if inject else None
+    return iota
 
 
 def ple_block(g: "Graph", m: StepModel, s: Scratch, i: int, n: int, R: Rows, st: RecurrentState, n_slots: int) -> None:

@@ -18,8 +18,9 @@ from vkflash.gpu.registry import Kernel
 if TYPE_CHECKING:
     from vkflash.gpu.graph import Graph
 
-KERNELS = [Kernel("norm", "norm.comp", 6)]
+KERNELS = [Kernel("norm", "norm.comp", 8)]
 MAX_DH = 512  # norm.comp ROPE: longest head row
+MAX_HC = 8  # norm.comp INJECT: most groups (hyper-connection streams)
 MAX_GROUPS = 65535  # one workgroup per group; more groups loop
 
 
@@ -43,12 +44,21 @@ class Rope:
 
 def _norm(g: "Graph", mode: Mode, x: Rows, y: Rows, eps: float, n_groups: int, gamma: Buffer | None,
           gamma_off: int, post: float, name: str, combine: tuple[Rows, Rows] | None = None,
-          rope: Rope | None = None) -> None:
+          rope: Rope | None = None, inject: tuple[Rows, Rows] | None = None) -> None:
     """Normalise each of the n_groups equal groups of every row of x into y (after the HC
-    combine x_c += 2σ(ι_c/n_groups)·b in place when `combine` = (ι, b); then RoPE'd by `rope`)."""
+    combine x_c += 2σ(ι_c/n_groups)·b in place when `combine` = (ι, b); then RoPE'd by `rope`;
+    with inject = (W_inj, ι_out), also ι_out = y W_injᵀ per row)."""
     check_same_shape(name, x=x, y=y)
     check_alias(name, y, x)
     iota, b = combine if combine is not None else (x, x)
+    w_inj, i_out = inject if inject is not None else (x, x)
+    if inject is not None:
+        if rope is not None or not 1 <= n_groups <= MAX_HC:
+            raise ValueError(f"{name}: the inject projection needs 1..{MAX_HC} groups and no RoPE")
+        if (w_inj.n_rows, w_inj.n_cols, w_inj.stride) != (n_groups, x.n_cols, x.n_cols):
+            raise ValueError(f"{name}: W_inj must be {n_groups} dense rows of {x.n_cols}")
+        if (i_out.n_rows, i_out.n_cols) != (x.n_rows, n_groups) or i_out.overlaps(x) or i_out.overlaps(y):
+            raise ValueError(f"{name}: ι out must be {x.n_rows}x{n_groups}, apart from x and y")
     if rope is not None:
         check_neox(name, x, rope.n_heads, rope.n_rot, rope.theta, rope.pos, rope.pos_off)
         if n_groups != 1 or combine is not None or x.n_cols > MAX_DH:
@@ -66,17 +76,20 @@ def _norm(g: "Graph", mode: Mode, x: Rows, y: Rows, eps: float, n_groups: int, g
         Rows(gamma, 1, x.n_cols, gamma_off)  # bounds check: gamma spans the whole row
     n = x.n_cols // n_groups
     total = x.n_rows * n_groups
+    writes = [2] + [0] * (combine is not None) + [7] * (inject is not None)
     g.dispatch("norm", [x.buf, gamma if gamma is not None else x.buf, y.buf, iota.buf, b.buf,
-                        rope.pos if rope is not None else x.buf],
-               [grid(total, 1, MAX_GROUPS)],
+                        rope.pos if rope is not None else x.buf, w_inj.buf, i_out.buf],
+               [grid(x.n_rows if inject is not None else total, 1, MAX_GROUPS)],
                push=[n, n_groups, x.n_rows, x.off, x.stride, y.off, y.stride, gamma_off, f32_bits(eps), f32_bits(post),
                      iota.off, iota.stride, b.off, b.stride] + ([rope.n_heads, rope.n_rot, rope.pos_off,
-                                                                f32_bits(rope.theta)] if rope else [1, 2, 0, 0]),
-               spec=[int(mode), int(gamma is not None), int(combine is not None), int(rope is not None)],
-               writes=[0, 2] if combine is not None else [2], name=name,
+                                                                f32_bits(rope.theta)] if rope else [1, 2, 0, 0])
+               + [w_inj.off, i_out.off, i_out.stride],
+               spec=[int(mode), int(gamma is not None), int(combine is not None), int(rope is not None),
+                     int(inject is not None)],
+               writes=sorted(writes), name=name,
                desc=f"{mode.name} {x.n_rows}x{n_groups}x{n}{' +combine' if combine else ''}",
                nbytes=F32 * (x.size * ((3 if gamma is not None else 2) + 2 * (combine is not None))
-                             + (b.size if combine is not None else 0)))
+                             + (b.size if combine is not None else 0) + (w_inj.size if inject is not None else 0)))
 
 
 def rms_norm(g: "Graph", x: Rows, y: Rows, eps: float, gamma: Buffer | None = None, gamma_off: int = 0,
@@ -88,10 +101,12 @@ def rms_norm(g: "Graph", x: Rows, y: Rows, eps: float, gamma: Buffer | None = No
 
 def grouped_rms_norm(g: "Graph", x: Rows, y: Rows, n_groups: int, eps: float, gamma: Buffer | None = None,
                      gamma_off: int = 0, name: str = "grouped_rms_norm",
-                     combine: tuple[Rows, Rows] | None = None) -> None:
+                     combine: tuple[Rows, Rows] | None = None, inject: tuple[Rows, Rows] | None = None) -> None:
     """Each row of hc·d values is hc = n_groups streams of d, each RMS-normalised; then ⊙ γ ∈ R^{hc·d}.
-    With combine = (ι, b), first x_c += 2σ(ι_c/hc)·b in place (HC H6; x is then the residual R)."""
-    _norm(g, Mode.RMS, x, y, eps, n_groups, gamma, gamma_off, 1.0, name, combine)
+    With combine = (ι, b), first x_c += 2σ(ι_c/hc)·b in place (HC H6; x is then the residual R);
+    with inject = (W_inj f32 hc × hc·d, ι_out), also ι_out = y W_injᵀ (HC H5; one workgroup per
+    row, so meant for decode)."""
+    _norm(g, Mode.RMS, x, y, eps, n_groups, gamma, gamma_off, 1.0, name, combine, inject=inject)
 
 
 def l2_norm(g: "Graph", x: Rows, y: Rows, eps: float, scale: float = 1.0, name: str = "l2_norm") -> None:
