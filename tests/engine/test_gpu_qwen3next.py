@@ -78,7 +78,7 @@ def test_decode_graph_is_one_submission(gpu, rng, tmp_path):
     stats = fwd.graph_stats(1, Head.LAST)
     assert stats.submissions == 1
     names = {op.name for op in fwd.graph(1, Head.LAST).ops}
-    assert {"inp_embd", "blk.0.gdn_o", "blk.3.kqv_out", "blk.7.ffn_out", "result_output"} <= names
+    assert {"inp_embd", "blk.0.gdn_o", "blk.3.attn_gated", "blk.7.ffn_out", "result_output"} <= names
 
 
 @pytest.mark.slow

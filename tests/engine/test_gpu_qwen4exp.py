@@ -84,7 +84,7 @@ def test_decode_graph_is_one_submission(gpu, rng, tmp_path):
     stats = fwd.graph_stats(1, Head.LAST)
     assert stats.submissions == 1
     names = {op.name for op in fwd.graph(1, Head.LAST).ops}
-    assert {"inp_embd", "blk.1.ple_gate", "blk.3.qsa_select", "blk.7.kqv_out", "result_output"} <= names
+    assert {"inp_embd", "blk.1.ple_gate", "blk.3.qsa_select", "blk.7.attn_gated", "result_output"} <= names
 
 
 @pytest.mark.slow

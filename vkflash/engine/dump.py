@@ -77,13 +77,13 @@ def tapped(g: "Graph", names: Iterable[str]) -> tuple["Graph", dict[str, Tap]]:
 
 
 def read_taps(taps: dict[str, Tap]) -> dict[str, np.ndarray]:
-    """Every tap as flat float32: the exposed view's rows when the graph declared one, else the
-    whole buffer (the caller takes the leading elements it compares)."""
+    """Every tap as float32: the exposed view as (rows, columns) when the graph declared one, else
+    the whole buffer flat (the caller takes the leading elements it compares)."""
     out = {}
     for name, (buf, view) in taps.items():
         a = buf.read(np.float32)
         if view is not None:
-            a = np.concatenate([a[view.off + r * view.stride:view.off + r * view.stride + view.n_cols]
-                                for r in range(view.n_rows)])
+            a = np.stack([a[view.off + r * view.stride:view.off + r * view.stride + view.n_cols]
+                          for r in range(view.n_rows)])
         out[name] = a
     return out

@@ -149,6 +149,12 @@ class HybridScratch:
 # ------------------------------------------------------------------ GDN
 
 
+def _out_name(residual: bool) -> str:
+    """A sublayer's output projection is named after what it stores: the residual stream after the
+    add (fused into the store) or the sublayer output alone, as the reference names them."""
+    return "attn_residual" if residual else "attn_out"
+
+
 def gdn_sublayer(g: "Graph", m: StepModel, s: HybridScratch, i: int, n: int, u: Rows, out: Rows,
                  residual: bool, st: GDNLayerState, n_slots: int, head_map: gdn.HeadMap, act: gdn.Gate) -> None:
     """(G1)–(G10) on n tokens: out (+)= W_o gated_norm(delta(conv(W_qkv u)), W_z u); states in place,
@@ -177,7 +183,7 @@ def gdn_sublayer(g: "Graph", m: StepModel, s: HybridScratch, i: int, n: int, u: 
     gdn.gated_norm(g, o, Rows(s.proj, n, Z, C, W), w[b + "ssm_norm.weight"].vector(), o, hp.S, hp.eps, act,
                    name=b + "gdn_gated")
     matmul(g, w[b + "ssm_out.weight"].matrix(), o, out, Epilogue(res=out) if residual else Epilogue(),
-           name=b + "attn_out")
+           name=b + _out_name(residual))
 
 
 # ------------------------------------------------------------------ attention
@@ -267,6 +273,7 @@ def _qsa_select(g: "Graph", m: StepModel, i: int, n: int, u: Rows, idx: IndexerC
     matmul(g, w[b + "indexer.q_proj.weight"].matrix(), u, qI, name=b + "idx_q")
     heads = Rows(qb.qI, n * n_I, D)
     norm_rope(g, m, heads, n_I, w[b + "indexer.q_norm.weight"].buf, b + "idx_q_norm", b + "idx_q_rope")
+    g.expose(b + "idx_q", qb.qI, 0, n, n_I * D, n_I * D, after=b + "idx_q_rope")  # final after norm + RoPE
     scores = Rows(qb.scores, n, qb.n_blocks)
     qsa_scores(g, p.buf, 0, qI, summary, scores, n_I=n_I, r=r, name=b + "idx_scores")
     g.expose(b + "idx_scores", qb.scores, 0, n, qb.n_blocks, qb.n_blocks)
@@ -315,6 +322,7 @@ def attention_sublayer(g: "Graph", m: StepModel, s: HybridScratch, i: int, n: in
         matmul(g, w[b + "attn_v.weight"].matrix(), u, v, name=b + "Vcur")
     q_rows, k_rows = Rows(s.qg, n * H, Dh, 0, 2 * Dh), Rows(s.k, n * H_kv, Dh)
     norm_rope(g, m, q_rows, H, w[b + "attn_q_norm.weight"].buf, b + "Qnorm", b + "Qcur")
+    g.expose(b + "Qcur", s.qg, 0, n * H, Dh, 2 * Dh)  # q rows between the gate rows
     norm_rope(g, m, k_rows, H_kv, w[b + "attn_k_norm.weight"].buf, b + "Knorm", b + "Kcur")
     cache = m.kv[i]
     kv_append(g, p.buf, p.pos, Heads(k, H_kv, Dh), cache.k, name=b + "cache_k")
@@ -323,6 +331,8 @@ def attention_sublayer(g: "Graph", m: StepModel, s: HybridScratch, i: int, n: in
     o = Rows(s.o, n, H * Dh)
     n_split = m.splits(n)
     partial = s.partial if n_split > 1 else None
+    # (A5)–(A7) with the gate applied in the attention kernel: "attn_gated", not the reference's
+    # pre-gate "kqv_out"
     if isinstance(sel, GatheredTiles):  # (S3) one gathered, slot-masked attention per query tile
         qb, words = sel.qb, sel.qb.mask_words
         for k in range(sel.n_tiles):
@@ -332,15 +342,15 @@ def attention_sublayer(g: "Graph", m: StepModel, s: HybridScratch, i: int, n: in
             attention(g, qb.tile_gp, 2 * k, q, cache.k, cache.v, Heads(Rows(s.o, nt, H * Dh, t0 * H * Dh), H, Dh),
                       gate=gate, mask=CellMask(qb.slots, words, t0 * words),
                       cells=CellList(qb.tile_cells, qb.n_ctx, k * qb.n_ctx), n_split=n_split, partial=partial,
-                      name=b + "kqv_out" + (f".{k}" if sel.n_tiles > 1 else ""))
+                      name=b + "attn_gated" + (f".{k}" if sel.n_tiles > 1 else ""))
     else:
         q, gate = q_and_gate(qg, H, Dh)
         params = qsa[1].gp if qsa is not None and isinstance(sel, CellList) else p.buf
         attention(g, params, 0, q, cache.k, cache.v, Heads(o, H, Dh), gate=gate,
                   mask=sel if isinstance(sel, CellMask) else None, cells=sel if isinstance(sel, CellList) else None,
-                  n_split=n_split, partial=partial, name=b + "kqv_out")
+                  n_split=n_split, partial=partial, name=b + "attn_gated")
     matmul(g, w[b + "attn_output.weight"].matrix(), o, out, Epilogue(res=out) if residual else Epilogue(),
-           name=b + "attn_out")
+           name=b + _out_name(residual))
 
 
 # ------------------------------------------------------------------ MoE
