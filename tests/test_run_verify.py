@@ -213,12 +213,15 @@ def test_verify_needs_two_tokens(gpu, f32_model):
 
 @pytest.mark.slow
 def test_verify_real_default_model(gpu):
-    """The default Qwen2.5-Coder-0.5B (quantized weights, f32 reference) passes verify on a text
-    prompt: every residual within 1e-4·RMS, logits within 1e-3·std. ~2 min on lavapipe (2 cores)."""
+    """The default Qwen2.5-Coder-0.5B (quantized weights, float32 reference, so bounds × 8: the
+    reference carries f32 error of its own) passes verify on a text prompt and on random tokens.
+    ~2 min on lavapipe (2 cores)."""
     from vkflash.model.default_model import FILE_NAME, cache_dir
 
     path = cache_dir() / FILE_NAME
     if not path.is_file():
         pytest.skip("default qwen2 model not in the cache (vkflash fetches it on first run)")
-    rep = verify.verify(path, verify.prompt_tokens(path, "def fibonacci(n):", 0, np.random.default_rng()), ctx=64)
-    assert rep.passed, rep.first_bad
+    rng = np.random.default_rng()
+    for toks in (verify.prompt_tokens(path, "def fibonacci(n):", 0, rng), verify.prompt_tokens(path, None, 16, rng)):
+        rep = verify.verify(path, toks, ctx=64)
+        assert rep.passed, rep.first_bad

@@ -12,6 +12,9 @@ The GPU computes in f32. With a float64 reference (models up to F64_LIMIT) the r
 in float32, and a value's bound is at least F32_FACTOR × that f32 run's own error: some models
 amplify f32 rounding past MODEL.md's bounds whoever computes them (qwen3next-tiny's GDN layers,
 ~10× per layer, reach 2e-4 at layer 7 in NumPy f32), and a GPU as good as NumPy f32 is correct.
+Larger models get a float32 reference, itself that far off, and every bound × F32_REF_FACTOR
+(Qwen2.5-Coder-0.5B: NumPy f32 vs float64 up to 1.4e-4 on the residual stream, GPU vs NumPy f32
+up to 3.7e-4 on 16 random tokens; a corrupt weight is off by ≫ 1e-2).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ F64_LIMIT = 1 << 30
 """Reference weights are float64 up to this many bytes (tiny models), float32 above."""
 F32_FACTOR = 4.0
 """How much worse than the float32 reference (vs float64) the GPU may be before its f32 floor fails."""
+F32_REF_FACTOR = 8.0
+"""Every bound's factor when the reference itself is float32 (models above F64_LIMIT)."""
 _BLK = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -120,11 +125,11 @@ def tolerance(name: str) -> float:
 
 
 def compare(phase: str, gpu: dict[str, np.ndarray], ref: dict[str, np.ndarray],
-            ref32: dict[str, np.ndarray] | None = None) -> list[OpError]:
+            ref32: dict[str, np.ndarray] | None = None, scale: float = 1.0) -> list[OpError]:
     """OpErrors for the names both sides produced, in the reference's (execution) order. A GPU
     buffer holds its op's output in its leading elements (rows at offset 0); a buffer smaller
     than the reference value cannot hold it and is reported as a failure; a 2-D view wider than
-the reference's rows is cut to them. With the float32
+the reference's rows is cut to them. Bounds are × `scale`; with the float32
     reference `ref32`, a bound is at least F32_FACTOR × its error."""
     rows = []
     for name, want in ref.items():
@@ -134,7 +139,7 @@ the reference's rows is cut to them. With the float32
         if flat.ndim == 2 and want.ndim == 2 and flat.shape[0] >= want.shape[0] and flat.shape[1] > want.shape[1]:
             flat = flat[:want.shape[0], :want.shape[1]]  # a view sized for the most columns (QSA blocks)
         flat = flat.reshape(-1)
-        tol = tolerance(name)
+        tol = scale * tolerance(name)
         if ref32 is not None and name in ref32:
             tol = max(tol, F32_FACTOR * relative_error(name, ref32[name], want))
         if flat.size < want.size:
@@ -198,7 +203,7 @@ def verify(path: Path, tokens: Sequence[int], fwd: "GpuForward | None" = None, c
     report = Report(len(toks))
     for phase, ids, ref, ref32 in zip(("prefill", "decode"), steps, refs, refs32):
         got = fwd.dump_step(ids, names)
-        report.rows += compare(phase, got, ref, ref32)
+        report.rows += compare(phase, got, ref, ref32, 1.0 if dtype is np.float64 else F32_REF_FACTOR)
         if LOGITS in got and LOGITS in ref:
             n, V = ref[LOGITS].shape
             gpu_logits = got[LOGITS][:n * V].reshape(n, V)
