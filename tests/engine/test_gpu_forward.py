@@ -61,16 +61,12 @@ def _reference(path: Path, toks: np.ndarray, cache: type = np.float32) -> np.nda
     return reference.prefill(toks, reference.new_state(w, cache_dtype=cache))
 
 
-def test_coopmat_prefill_close(gpu, rng, tmp_path, monkeypatch):
-    """Where the device has coopmat (knob turned on here), prefill GEMMs of Q8_0 weights round
-    activations to f16 (relative 2^-11 each): through two layers the logits stay within 2e-2·std
-    and the argmax agrees at ≥ 95% of positions."""
-    import os
-
-    from vkflash import settings
+def test_coopmat_prefill_close(gpu, rng, tmp_path):
+    """Where the device has coopmat (the fixture turns it on for this test), prefill GEMMs of Q8_0
+    weights round activations to f16 (relative 2^-11 each): through two layers the logits stay
+    within 2e-2·std and the argmax agrees at ≥ 95% of positions."""
     from vkflash.gpu.ops.matmul import use_coopmat
 
-    monkeypatch.setattr(settings, "_current", settings.load(env=dict(os.environ, VKFLASH_DISABLE_COOPMAT="0")))
     if not use_coopmat(gpu.caps, Q.Q8_0):
         pytest.skip("no cooperative matrices on this device")
     path = _model(tmp_path, rng, Q.Q8_0)
@@ -183,15 +179,31 @@ def test_context_end_and_truncate(gpu, rng, tmp_path):
     assert _rel(got, ref[-1]) <= EXACT
 
 
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=lambda q: q.name)
+def test_stacked_weights_equal_plain(gpu, rng, tmp_path, monkeypatch, qtype):
+    """VKFLASH_STACK_WEIGHTS=0 (W_q, W_k and gate/up each their own matmul) gives the logits of the
+    stacked default (one matmul for q+k with both biases, one GLU GEMV in decode)."""
+    path = _model(tmp_path, rng, qtype)
+    toks = rng.integers(0, GEO.V, 40)
+    out = {}
+    for stack in ("1", "0"):
+        monkeypatch.setattr(settings, "_current", settings.load(env=dict(os.environ, VKFLASH_STACK_WEIGHTS=stack)))
+        fwd = GpuForward(path, ctx=64, ub=16, kv="f32", gpu=gpu)
+        w = fwd.model.weights
+        assert (w["blk.0.attn_k.weight"].buf is w["blk.0.attn_q.weight"].buf) == (stack == "1")
+        out[stack] = np.vstack([fwd.prefill_logits(toks[:39]), fwd.decode(int(toks[39]))[None]])
+    assert _rel(out["1"], out["0"]) <= 1e-5
+
+
 def test_decode_graph_is_one_submission(gpu, rng, tmp_path):
-    """Decode replays one recorded submission; its dispatches are the embedding, 13 per layer
-    (+1 flash-decode combine, +7 eltwise epilogues when fusion is off), and the head (norm, LM
-    head, argmax in two passes)."""
+    """Decode replays one recorded submission; its dispatches are the embedding, 11 per layer
+    (W_q+W_k and gate/up stacked; +1 flash-decode combine, +7 eltwise epilogues when fusion is
+    off), and the head (norm, LM head, argmax in two passes)."""
     path = _model(tmp_path, rng, Q.F32)
     fwd = GpuForward(path, ctx=1000, ub=32, kv="f16", gpu=gpu)
     stats = fwd.graph_stats(1, Head.LAST)
     assert stats.submissions == 1
-    per_layer = 13 + (fwd.model.n_split > 1) + (0 if fuse_epilogue() else 7)
+    per_layer = 11 + (fwd.model.n_split > 1) + (0 if fuse_epilogue() else 7)
     assert stats.dispatches == 1 + GEO.L * per_layer + 4
     names = {op.name for op in fwd.graph(1, Head.LAST).ops}
     assert {"inp_embd", "blk.0.attn_norm", f"blk.{GEO.L - 1}.l_out", "result_output"} <= names

@@ -42,7 +42,7 @@ class GpuTensor:
     buf: Buffer
     qtype: Q
     ne: tuple[int, ...]
-    row0: int = 0
+    row0: int = 0  # a vector's first element
     expert_rows: int = -1  # -1: ne1 (the tensor's own rows, not a stack)
 
     def matrix(self) -> QWeight:
@@ -55,10 +55,10 @@ class GpuTensor:
             raise ModelError(f"tensor {self.name}: {e}") from None
 
     def vector(self) -> Rows:
-        """A 1-D f32 tensor as one row (a gain or a bias)."""
+        """A 1-D f32 tensor as one row (a gain or a bias; a stack member from element row0)."""
         if self.qtype is not Q.F32 or len(self.ne) != 1:
             raise ModelError(f"tensor {self.name} is {self.qtype.name} {self.ne}, expected a 1-D f32 vector")
-        return Rows(self.buf, 1, self.ne[0])
+        return Rows(self.buf, 1, self.ne[0], self.row0)
 
 
 @dataclass
@@ -151,14 +151,26 @@ def _rows(st: Stored) -> tuple[int, int]:
 
 
 def _stackable(parts: Sequence[Stored]) -> bool:
-    """Same type and row length, the same expert count, at most 3-D, and raw bytes of whole rows."""
+    """Same type and row length, the same expert count, at most 3-D, and raw bytes of whole rows;
+    or all f32 vectors (biases), which are concatenated."""
     first = parts[0]
+    if all(len(p.ne) == 1 and p.qtype is Q.F32 for p in parts):
+        return True
     return all(p.qtype == first.qtype and p.ne[0] == first.ne[0] and _rows(p)[1] == _rows(first)[1]
-               and len(p.ne) <= 3 for p in parts)
+               and 2 <= len(p.ne) <= 3 for p in parts)
 
 
 def _upload_stack(gpu: "Gpu", w: GpuWeights, stack: Stack, parts: Sequence[Stored]) -> None:
-    """One buffer holding the members' rows per expert in order; each member registered as its rows."""
+    """One buffer holding the members' rows per expert in order (vectors: their values in order);
+    each member registered as its rows (vectors: row0 counts elements)."""
+    if len(parts[0].ne) == 1:
+        buf = gpu.upload(np.concatenate([np.asarray(p.data, np.float32).reshape(-1) for p in parts]), stack.name)
+        w.tensors[stack.name] = GpuTensor(stack.name, buf, Q.F32, (sum(p.ne[0] for p in parts),))
+        off = 0
+        for name, p in zip(stack.members, parts):
+            w.tensors[name] = GpuTensor(name, buf, Q.F32, p.ne, off)
+            off += p.ne[0]
+        return
     E = _rows(parts[0])[1]
     blocks = [np.ascontiguousarray(p.data).view(np.uint8).reshape(E, _rows(p)[0], -1) for p in parts]
     total = sum(b.shape[1] for b in blocks)

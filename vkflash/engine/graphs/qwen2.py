@@ -6,8 +6,10 @@
                        u = rms(x) ⊙ ffn_norm;  x += W_down (silu(W_gate u) ⊙ W_up u)
     logits = W_out (rms(x) ⊙ output_norm) for the rows the head asks for, and their argmax.
 
-q and k share one row buffer ([q heads | k heads] per token) so one RoPE dispatch rotates both;
-the FFN gate's silu, the up-projection's product and both residual adds are matmul epilogues.
+q and k share one row buffer ([q heads | k heads] per token) so one RoPE dispatch rotates both,
+and W_q, W_k (stacked at upload when their types agree) fill it in one matmul; the FFN gate's
+silu, the up-projection's product and both residual adds are matmul epilogues (one fused GEMV
+for a stacked gate/up in decode).
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vkflash.engine.graphs.common import SPLIT_MAX_TOKENS, Head, StepModel, embed_tokens, lm_head
+from vkflash.engine.weights_gpu import Stack
+from vkflash.formats.gguf_file import GGUFFile
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops.attention import Heads, attention, kv_append, partial_bytes
-from vkflash.gpu.ops.matmul import Epilogue, matmul
+from vkflash.gpu.ops.matmul import Epilogue, QWeight, glu_matmul, matmul
 from vkflash.gpu.ops.norm import rms_norm
 from vkflash.gpu.ops.rope import rope_neox
 from vkflash.gpu.ops.views import Rows
@@ -32,6 +36,17 @@ if TYPE_CHECKING:
 def attention_layers(hp: HParams) -> list[int]:
     """Every qwen2 layer has attention."""
     return list(range(hp.L))
+
+
+def weight_stacks(gf: GGUFFile, hp: HParams) -> list[Stack]:
+    """Per layer: W_q with W_k (and their biases: q and k share a row buffer) and W_gate with W_up."""
+    out = []
+    for i in range(hp.L):
+        b = f"blk.{i}."
+        for names in (("attn_q.weight", "attn_k.weight"), ("attn_q.bias", "attn_k.bias"),
+                      ("ffn_gate.weight", "ffn_up.weight")):
+            out.append(Stack(b + "+".join(names), tuple(b + t for t in names)))
+    return out
 
 
 @dataclass
@@ -71,8 +86,15 @@ def _attention(g: "Graph", m: StepModel, s: Scratch, i: int, n: int) -> None:
     q = Rows(s.qk, n, H * Dh, 0, qk_cols)
     k = Rows(s.qk, n, H_kv * Dh, H * Dh, qk_cols)
     v = Rows(s.v, n, H_kv * Dh)
-    matmul(g, w[b + "attn_q.weight"].matrix(), u, q, Epilogue(bias=w[b + "attn_q.bias"].vector()), name=b + "attn_q")
-    matmul(g, w[b + "attn_k.weight"].matrix(), u, k, Epilogue(bias=w[b + "attn_k.bias"].vector()), name=b + "attn_k")
+    wq, wk = w[b + "attn_q.weight"].matrix(), w[b + "attn_k.weight"].matrix()
+    bq, bk = w[b + "attn_q.bias"].vector(), w[b + "attn_k.bias"].vector()
+    if wk.buf is wq.buf and wk.row0 == wq.row0 + wq.n_out and bk.buf is bq.buf:  # stacked: one matmul, both biases
+        wqk = QWeight(wq.buf, wq.qtype, wq.k, wq.n_out + wk.n_out, wq.row0)
+        bqk = Rows(bq.buf, 1, qk_cols, bq.off)
+        matmul(g, wqk, u, Rows(s.qk, n, qk_cols), Epilogue(bias=bqk), name=b + "attn_q+attn_k")
+    else:
+        matmul(g, wq, u, q, Epilogue(bias=bq), name=b + "attn_q")
+        matmul(g, wk, u, k, Epilogue(bias=bk), name=b + "attn_k")
     matmul(g, w[b + "attn_v.weight"].matrix(), u, v, Epilogue(bias=w[b + "attn_v.bias"].vector()), name=b + "Vcur")
     heads = Rows(s.qk, n * (H + H_kv), Dh)
     rope_neox(g, heads, heads, H + H_kv, hp.n_rot, hp.theta, p.buf, p.pos, name=b + "Qcur+Kcur")
@@ -94,8 +116,12 @@ def _ffn(g: "Graph", m: StepModel, s: Scratch, i: int, n: int) -> None:
     x, u = Rows(s.x, n, hp.d), Rows(s.u, n, hp.d)
     gate, h = Rows(s.gate, n, hp.F_dense), Rows(s.ffn, n, hp.F_dense)
     rms_norm(g, x, u, hp.eps, w[b + "ffn_norm.weight"].buf, name=b + "ffn_norm")
-    matmul(g, w[b + "ffn_gate.weight"].matrix(), u, gate, Epilogue(act="silu"), name=b + "ffn_gate")
-    matmul(g, w[b + "ffn_up.weight"].matrix(), u, h, Epilogue(mul=gate), name=b + "ffn_up")
+    wg, wu = w[b + "ffn_gate.weight"].matrix(), w[b + "ffn_up.weight"].matrix()
+    if wu.buf is wg.buf and wu.row0 == wg.row0 + wg.n_out:  # stacked: silu(gate) ⊙ up in one decode pass
+        glu_matmul(g, QWeight(wg.buf, wg.qtype, wg.k, 2 * wg.n_out, wg.row0), u, h, name=b + "ffn_glu")
+    else:
+        matmul(g, wg, u, gate, Epilogue(act="silu"), name=b + "ffn_gate")
+        matmul(g, wu, u, h, Epilogue(mul=gate), name=b + "ffn_up")
     matmul(g, w[b + "ffn_down.weight"].matrix(), h, x, Epilogue(res=x), name=b + "l_out")
 
 
