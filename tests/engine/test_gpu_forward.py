@@ -196,14 +196,16 @@ def test_stacked_weights_equal_plain(gpu, rng, tmp_path, monkeypatch, qtype):
 
 
 def test_decode_graph_is_one_submission(gpu, rng, tmp_path):
-    """Decode replays one recorded submission; its dispatches are the embedding, 11 per layer
-    (W_q+W_k and gate/up stacked; +1 flash-decode combine, +7 eltwise epilogues when fusion is
-    off), and the head (norm, LM head, argmax in two passes)."""
+    """Decode replays one recorded submission; its dispatches are the embedding, 10 per layer
+    (W_q+W_k and gate/up stacked, K and V appended together; +1 flash-decode combine, +7 eltwise
+    epilogues without fused epilogues, +1 K/V append with VKFLASH_DISABLE_FUSION=1), and the head
+    (norm, LM head, argmax in two passes)."""
     path = _model(tmp_path, rng, Q.F32)
     fwd = GpuForward(path, ctx=1000, ub=32, kv="f16", gpu=gpu)
     stats = fwd.graph_stats(1, Head.LAST)
     assert stats.submissions == 1
-    per_layer = 11 + (fwd.model.n_split > 1) + (0 if fuse_epilogue() else 7)
+    per_layer = (10 + (fwd.model.n_split > 1) + (0 if fuse_epilogue() else 7)
+                 + int(settings.current()["VKFLASH_DISABLE_FUSION"]))
     assert stats.dispatches == 1 + GEO.L * per_layer + 4
     names = {op.name for op in fwd.graph(1, Head.LAST).ops}
     assert {"inp_embd", "blk.0.attn_norm", f"blk.{GEO.L - 1}.l_out", "result_output"} <= names

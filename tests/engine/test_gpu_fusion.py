@@ -44,6 +44,8 @@ def test_stacked_and_fused_equal_plain(gpu, rng, tmp_path, monkeypatch, arch, qu
         w = fwd.model.weights
         gate, up = w["blk.0.ffn_gate_exps.weight"], w["blk.0.ffn_up_exps.weight"]
         assert (gate.buf is up.buf) == on
+        router, shared_gate = w["blk.0.ffn_gate_inp.weight"], w["blk.0.ffn_gate_inp_shexp.weight"]
+        assert (router.buf is shared_gate.buf) == on  # the f32 vector is one more row of the f32 router
         if arch == "qwen4exp":
             down, inject = w["blk.0.hc_attn_down.weight"], w["blk.0.hc_attn_inject.weight"]
             assert (down.buf is inject.buf) == (on and quant == "F32")

@@ -72,6 +72,39 @@ def test_kv_append(gpu, rng, ctype, heads, dim):
     assert (rows[untouched] == 0xA5).all(), "a position that was not appended changed"
 
 
+@pytest.mark.parametrize("ctype", list(CacheType))
+def test_kv_append_pair(gpu, rng, ctype):
+    """K and V of a layer in one dispatch (`second`) write the same bytes as two appends; K read
+    from a wider q|k row at a column offset, V from its own rows."""
+    n_ctx, T, heads, dim = int(rng.integers(40, 70)), int(rng.integers(1, 20)), int(rng.integers(1, 4)), 64
+    pos = rng.permutation(n_ctx)[:T].astype(np.int32)
+    params = _params(gpu, pos)
+    col = 32 * int(rng.integers(1, 5))
+    kq = (rng.standard_normal((T, col + heads * dim)) * 3).astype(np.float32)
+    v = (rng.standard_normal((T, heads * dim)) * 3).astype(np.float32)
+    kb, vb = gpu.upload(kq, "qk"), gpu.upload(v, "v")
+    k_src = Heads(Rows(kb, T, col + heads * dim), heads, dim, col=col)
+    v_src = Heads(Rows(vb, T, heads * dim), heads, dim)
+    out = {}
+    for paired in (True, False):
+        caches = [Cache(gpu.buffer(Cache.nbytes(n_ctx, heads, dim, ctype), n), n_ctx, heads, dim, ctype)
+                  for n in ("K", "V")]
+        for c in caches:
+            c.buf.fill(0xA5, np.uint8)
+        g = gpu.graph("kv_pair")
+        if paired:
+            kv_append(g, params, 0, k_src, caches[0], second=(v_src, caches[1]))
+            assert len(g.ops) == 1
+        else:
+            kv_append(g, params, 0, k_src, caches[0])
+            kv_append(g, params, 0, v_src, caches[1])
+        g.run()
+        out[paired] = [c.buf.read(np.uint8, c.buf.nbytes) for c in caches]
+    for a, b in zip(out[True], out[False]):
+        assert np.array_equal(a, b)
+    assert (out[True][1] != 0xA5).sum() > 0
+
+
 def _check_q8(got: np.ndarray, want: np.ndarray, x: np.ndarray) -> None:
     """q8_0 rows equal the codec's bytes, except that a GPU division (≤ 2.5 ulp in Vulkan) may move
     a code by one where x/d sits within 1e-4 of a rounding midpoint, or a scale by one f16 ulp where

@@ -157,7 +157,7 @@ def _stackable(parts: Sequence[Stored]) -> bool:
     if all(len(p.ne) == 1 and p.qtype is Q.F32 for p in parts):
         return True
     return all(p.qtype == first.qtype and p.ne[0] == first.ne[0] and _rows(p)[1] == _rows(first)[1]
-               and 2 <= len(p.ne) <= 3 for p in parts)
+               and len(p.ne) <= 3 for p in parts)  # a vector among matrices is one row
 
 
 def _upload_stack(gpu: "Gpu", w: GpuWeights, stack: Stack, parts: Sequence[Stored]) -> None:

@@ -14,10 +14,12 @@ from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops import argmax as argmax_op
 from vkflash.gpu.ops.copy import copy_words
 from vkflash.gpu.ops.embed import embed
+from vkflash.gpu.ops.attention import Heads, kv_append
 from vkflash.gpu.ops.matmul import QWeight, matmul
 from vkflash.gpu.ops.norm import rms_norm
 from vkflash.gpu.ops.views import Rows
 from vkflash.model.hparams import HParams
+from vkflash.settings import current
 
 if TYPE_CHECKING:
     from vkflash.gpu.context import Gpu
@@ -146,3 +148,14 @@ def projections(g: "Graph", w: GpuWeights, x: Rows, y: Rows, parts: list[tuple[s
         i = j
     if col != y.n_cols:
         raise ValueError(f"projections: {col} columns for a {y.n_cols}-column output")
+
+
+def append_kv(g: "Graph", m: StepModel, i: int, k: Heads, v: Heads, b: str) -> None:
+    """(A4) layer i's K and V rows into its caches at the step's positions: one dispatch
+    (`cache_kv`), two (`cache_k`, `cache_v`) with VKFLASH_DISABLE_FUSION=1."""
+    p, cache = m.params, m.kv[i]
+    if current()["VKFLASH_DISABLE_FUSION"]:
+        kv_append(g, p.buf, p.pos, k, cache.k, name=b + "cache_k")
+        kv_append(g, p.buf, p.pos, v, cache.v, name=b + "cache_v")
+        return
+    kv_append(g, p.buf, p.pos, k, cache.k, name=b + "cache_kv", second=(v, cache.v))

@@ -16,7 +16,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from vkflash.engine.caches import IndexerCache
-from vkflash.engine.graphs.common import StepModel, projections, run_stacks
+from vkflash.engine.graphs.common import StepModel, append_kv, projections, run_stacks
 from vkflash.engine.state import GDNLayerState
 from vkflash.engine.weights_gpu import Stack, Transform, as_f32, permute_rows
 from vkflash.formats.gguf_file import GGUFFile
@@ -325,8 +325,7 @@ def attention_sublayer(g: "Graph", m: StepModel, s: HybridScratch, i: int, n: in
     g.expose(b + "Qcur", s.qg, 0, n * H, Dh, 2 * Dh)  # q rows between the gate rows
     norm_rope(g, m, k_rows, H_kv, w[b + "attn_k_norm.weight"].buf, b + "Knorm", b + "Kcur")
     cache = m.kv[i]
-    kv_append(g, p.buf, p.pos, Heads(k, H_kv, Dh), cache.k, name=b + "cache_k")
-    kv_append(g, p.buf, p.pos, Heads(v, H_kv, Dh), cache.v, name=b + "cache_v")
+    append_kv(g, m, i, Heads(k, H_kv, Dh), Heads(v, H_kv, Dh), b)
     sel = _qsa_select(g, m, i, n, u, *qsa) if qsa is not None else None
     o = Rows(s.o, n, H * Dh)
     n_split = m.splits(n)

@@ -17,11 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from vkflash.engine.graphs.common import SPLIT_MAX_TOKENS, Head, StepModel, embed_tokens, lm_head
+from vkflash.engine.graphs.common import SPLIT_MAX_TOKENS, Head, StepModel, append_kv, embed_tokens, lm_head
 from vkflash.engine.weights_gpu import Stack
 from vkflash.formats.gguf_file import GGUFFile
 from vkflash.gpu.memory import Buffer
-from vkflash.gpu.ops.attention import Heads, attention, kv_append, partial_bytes
+from vkflash.gpu.ops.attention import Heads, attention, partial_bytes
 from vkflash.gpu.ops.matmul import Epilogue, QWeight, glu_matmul, matmul
 from vkflash.gpu.ops.norm import rms_norm
 from vkflash.gpu.ops.rope import rope_neox
@@ -100,8 +100,7 @@ def _attention(g: "Graph", m: StepModel, s: Scratch, i: int, n: int) -> None:
     rope_neox(g, heads, heads, H + H_kv, hp.n_rot, hp.theta, p.buf, p.pos, name=b + "Qcur+Kcur")
     rows = Rows(s.qk, n, qk_cols)
     cache = m.kv[i]
-    kv_append(g, p.buf, p.pos, Heads(rows, H_kv, Dh, col=H * Dh), cache.k, name=b + "cache_k")
-    kv_append(g, p.buf, p.pos, Heads(v, H_kv, Dh), cache.v, name=b + "cache_v")
+    append_kv(g, m, i, Heads(rows, H_kv, Dh, col=H * Dh), Heads(v, H_kv, Dh), b)
     o = Rows(s.o, n, H * Dh)
     n_split = m.splits(n)
     attention(g, p.buf, 0, Heads(rows, H, Dh), cache.k, cache.v, Heads(o, H, Dh), n_split=n_split,

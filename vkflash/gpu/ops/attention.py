@@ -41,7 +41,7 @@ class CacheType(str, Enum):
 
 
 KERNELS = (
-    [Kernel(f"kv_append_{c.value}", "kv_append.comp", 3, defines=((c.define, 1),), local_size=64) for c in CacheType]
+    [Kernel(f"kv_append_{c.value}", "kv_append.comp", 5, defines=((c.define, 1),), local_size=64) for c in CacheType]
     + [Kernel(f"attn_flash_{c.value}", "attn_flash.comp", 8, defines=((c.define, 1),), local_size=128)
        for c in CacheType]
     + [Kernel("attn_combine", "attn_combine.comp", 3, local_size=64)]
@@ -117,25 +117,38 @@ def q_and_gate(qg: Rows, n_heads: int, dim: int) -> tuple[Heads, Heads]:
     return Heads(qg, n_heads, dim, 2 * dim), Heads(qg, n_heads, dim, 2 * dim, dim)
 
 
-def kv_append(g: "Graph", params: Buffer, pos_off: int, src: Heads, cache: Cache, name: str = "kv_append") -> None:
-    """(A4, Q1) cache[p_t, h, :] = round(src[t, h, :]) with p_t = params[pos_off + t] (int32) for each
-    token t of `src`; positions outside [0, n_ctx) are skipped."""
+def _check_append(name: str, params: Buffer, pos_off: int, src: Heads, cache: Cache) -> None:
     if (src.n_heads, src.dim) != (cache.n_heads, cache.dim):
         raise ValueError(f"{name}: source has {src.n_heads}x{src.dim} heads, cache {cache.n_heads}x{cache.dim}")
     if src.head_stride != src.dim:
         raise ValueError(f"{name}: source heads must be contiguous (head stride {src.head_stride} != {src.dim})")
     if src.dim % 32:
         raise ValueError(f"{name}: head dim {src.dim} is not a multiple of 32")
+    if 4 * (pos_off + src.n_tokens) > params.nbytes:
+        raise ValueError(f"{name}: positions [{pos_off}, {pos_off + src.n_tokens}) overflow the params buffer")
+
+
+def kv_append(g: "Graph", params: Buffer, pos_off: int, src: Heads, cache: Cache, name: str = "kv_append",
+              second: tuple[Heads, Cache] | None = None) -> None:
+    """(A4, Q1) cache[p_t, h, :] = round(src[t, h, :]) with p_t = params[pos_off + t] (int32) for each
+    token t of `src`; positions outside [0, n_ctx) are skipped. `second` = (src2, cache2) of the same
+    shape and type (a layer's V beside its K) is appended in the same dispatch."""
+    _check_append(name, params, pos_off, src, cache)
+    src2, cache2 = second if second is not None else (src, cache)
+    if second is not None:
+        _check_append(name, params, pos_off, src2, cache2)
+        if (src2.n_tokens, cache2.type, cache2.n_ctx) != (src.n_tokens, cache.type, cache.n_ctx):
+            raise ValueError(f"{name}: the two pairs differ in tokens, cache type or length")
     T = src.n_tokens
-    if 4 * (pos_off + T) > params.nbytes:
-        raise ValueError(f"{name}: positions [{pos_off}, {pos_off + T}) overflow the params buffer")
     kname = f"kv_append_{cache.type.value}"
     wg = kernel(kname).workgroup(g.gpu.caps)
-    n_blocks = T * src.n_heads * src.dim // 32
-    g.dispatch(kname, [params, src.rows.buf, cache.buf], [grid(n_blocks, wg, MAX_GROUPS)],
-               push=[T, src.n_heads, src.off, src.rows.stride, pos_off, cache.n_ctx], spec=[src.dim], name=name,
-               desc=f"T={T} {src.n_heads}x{src.dim} {cache.type.value}",
-               nbytes=T * src.n_heads * (F32 * src.dim + cache.type.row_bytes(src.dim)))
+    n_pairs = 2 if second is not None else 1
+    n_blocks = n_pairs * T * src.n_heads * src.dim // 32
+    g.dispatch(kname, [params, src.rows.buf, cache.buf, src2.rows.buf, cache2.buf], [grid(n_blocks, wg, MAX_GROUPS)],
+               push=[T, src.n_heads, src.off, src.rows.stride, pos_off, cache.n_ctx, src2.off, src2.rows.stride],
+               spec=[src.dim, int(second is not None)], writes=[2, 4] if second is not None else [2], name=name,
+               desc=f"T={T} {n_pairs}x{src.n_heads}x{src.dim} {cache.type.value}",
+               nbytes=n_pairs * T * src.n_heads * (F32 * src.dim + cache.type.row_bytes(src.dim)))
 
 
 @dataclass(frozen=True)
