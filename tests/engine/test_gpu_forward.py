@@ -114,14 +114,16 @@ def test_prefill_then_decode_equals_one_prefill(gpu, rng, tmp_path, kv):
 
 def test_q8_0_cache_close_to_f32(gpu, rng, tmp_path):
     """KV=q8_0 rounds each 32-block to 8 bits (relative step ≤ 1/254 of its max): the logits stay
-    within a few % of std of the exact ones, and decode agrees with prefill on the same cache."""
+    within a few % of std of the exact ones, and decode agrees with prefill. Not to f32 rounding:
+    prefill (GEMM) and decode (GEMV) compute K and V in another order, and an element within ~1e-7
+    of a q8_0 rounding midpoint then lands one code apart, ~1e-3·std of the logits per such flip."""
     path = _model(tmp_path, rng, Q.F32)
     toks = rng.integers(0, GEO.V, 40)
     fwd = GpuForward(path, ctx=100, ub=16, kv="q8_0", gpu=gpu)
     whole = fwd.prefill_logits(toks)
     fwd.reset()
     steps = [fwd.prefill(toks[:30])] + [fwd.decode(int(t)) for t in toks[30:]]
-    assert _rel(np.stack(steps), whole[29:]) <= 1e-4
+    assert _rel(np.stack(steps), whole[29:]) <= 5e-3
     assert _rel(whole, _reference(path, toks)) <= 5e-2
 
 

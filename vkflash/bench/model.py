@@ -109,11 +109,11 @@ def weight_bytes_per_token(fwd: GpuForward) -> int:
     total = 0
     for name, t in w.tensors.items():
         if name == "token_embd.weight" and w.get("output.weight") is not None:
-            total += t.buf.nbytes // hp.V
+            total += t.nbytes // hp.V
         elif "_exps" in name and hp.E:
-            total += t.buf.nbytes * hp.k // hp.E
+            total += t.nbytes * hp.k // hp.E
         else:
-            total += t.buf.nbytes
+            total += t.nbytes
     return total
 
 

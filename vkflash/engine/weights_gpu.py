@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType as Q
 
 from vkflash.errors import ModelError
 from vkflash.formats.gguf_file import GGUFFile, TensorInfo
+from vkflash.formats.quant_blocks import row_bytes
 from vkflash.formats.quants import dequantize
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops import embed as embed_op
@@ -44,6 +45,11 @@ class GpuTensor:
     ne: tuple[int, ...]
     row0: int = 0  # a vector's first element
     expert_rows: int = -1  # -1: ne1 (the tensor's own rows, not a stack)
+
+    @property
+    def nbytes(self) -> int:
+        """The tensor's own bytes (a stack member: its rows, not the shared buffer)."""
+        return row_bytes(self.qtype, self.ne[0]) * math.prod(self.ne[1:])
 
     def matrix(self) -> QWeight:
         """W ∈ R^{n_out×k} for matmul: k = ne0, n_out = the product of the other dims."""
@@ -77,7 +83,7 @@ class GpuWeights:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.buf.nbytes for t in self.tensors.values())
+        return sum(t.nbytes for t in self.tensors.values())
 
 
 def device_embeddable(qtype: int) -> bool:
@@ -165,7 +171,6 @@ def _upload_stack(gpu: "Gpu", w: GpuWeights, stack: Stack, parts: Sequence[Store
     each member registered as its rows (vectors: row0 counts elements)."""
     if len(parts[0].ne) == 1:
         buf = gpu.upload(np.concatenate([np.asarray(p.data, np.float32).reshape(-1) for p in parts]), stack.name)
-        w.tensors[stack.name] = GpuTensor(stack.name, buf, Q.F32, (sum(p.ne[0] for p in parts),))
         off = 0
         for name, p in zip(stack.members, parts):
             w.tensors[name] = GpuTensor(name, buf, Q.F32, p.ne, off)
@@ -175,9 +180,6 @@ def _upload_stack(gpu: "Gpu", w: GpuWeights, stack: Stack, parts: Sequence[Store
     blocks = [np.ascontiguousarray(p.data).view(np.uint8).reshape(E, _rows(p)[0], -1) for p in parts]
     total = sum(b.shape[1] for b in blocks)
     buf = gpu.upload(np.concatenate(blocks, axis=1), stack.name)
-    first = parts[0]
-    ne = (first.ne[0], total) + ((E,) if E > 1 else ())
-    w.tensors[stack.name] = GpuTensor(stack.name, buf, first.qtype, ne)
     row0 = 0
     for name, p, b in zip(stack.members, parts, blocks):
         w.tensors[name] = GpuTensor(name, buf, p.qtype, p.ne, row0, total)
