@@ -6,14 +6,12 @@ router logits differ by up to ~4e-5), and one flipped expert moves the logits fa
 prompt when they meet one (`redraw_if_ill_conditioned`); teacher-forced runs read the device's
 router logits and let the reference take the device's experts where the two differ only inside a
 near-tie, and the device's QSA block scores where the selection boundary is a near-tie
-(`device_logits` + `reference_logits(seen=...)`), which long prompts need: a 648-token prompt
+(`device_logits` + `reference_logits(seen=...)`, vkflash.model.ties), which long prompts need: a 648-token prompt
 meets about three router near-ties, and one in ~25 draws a QSA one."""
 
 from __future__ import annotations
 
 import functools
-from collections import defaultdict
-from dataclasses import dataclass
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,11 +20,11 @@ import numpy as np
 
 from vkflash.engine.gpu_forward import steps
 from vkflash.model import reference
+from vkflash.model.ties import Follow, Seen
 from vkflash.model.weights import load_model
 
 EXACT = 1e-3  # MODEL.md §7.10: max|Δ| ≤ 1e-3·std(logits) with f32 caches and identical weights
 GAP = 1e-4  # relative gap between the k-th and (k+1)-th routing probability
-TIE = 1e-3  # a device choice differing from the reference's only by experts this close to the k-th is a tie
 TRIES = 4
 
 
@@ -71,62 +69,7 @@ def rel(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(got - ref).max() / ref.std())
 
 
-QSA_TIE = 1e-4  # relative gap of the kb-th and (kb+1)-th visible block scores treated as a tie
-
-
-@dataclass
-class Device:
-    """What teacher-forced device steps saw, rows in feeding order: each MoE layer's router logits
-    (T, E) and each QSA layer's block scores (T, n_blocks; only the visible ones are meaningful)."""
-
-    router: dict[int, np.ndarray]
-    scores: dict[int, np.ndarray]
-
-
-class FollowDevice:
-    """Reference hooks that take the device's side of near-ties, and only there: `route` uses the
-    device's experts (from its router logits) where they differ from the reference's only by
-    experts within TIE of the k-th probability; `select` (block mode) uses the device's block scores
-    for a query whose kb-th and (kb+1)-th visible scores are within QSA_TIE. Any other difference
-    is left for the test to fail on."""
-
-    def __init__(self, seen: Device, r: tuple[int, ...], kb: dict[int, int]) -> None:
-        self.seen, self.r, self.kb = seen, r, kb
-        self.fed: defaultdict[tuple[str, int], int] = defaultdict(int)
-        self.followed = 0
-
-    def _rows(self, kind: str, i: int, T: int, table: dict[int, np.ndarray]) -> np.ndarray:
-        t0 = self.fed[kind, i]
-        self.fed[kind, i] += T
-        return table[i][t0:t0 + T]
-
-    def route(self, i: int, p: np.ndarray, I: np.ndarray) -> np.ndarray:
-        J = np.argsort(-self._rows("route", i, len(p), self.seen.router), axis=1, kind="stable")[:, :I.shape[1]]
-        out = I.copy()
-        for t in range(len(p)):
-            differ = set(I[t].tolist()) ^ set(J[t].tolist())
-            p_k = p[t, I[t, -1]]
-            if differ and all(abs(p[t, e] - p_k) <= TIE * p_k for e in differ):
-                out[t] = J[t]
-                self.followed += 1
-        return out
-
-    def select(self, i: int, pos: np.ndarray, scores: np.ndarray) -> np.ndarray:
-        dev = self._rows("select", i, len(pos), self.seen.scores)
-        r, kb = self.r[i], self.kb[i]
-        out = scores.copy()
-        for t, p in enumerate(pos):
-            nb = (int(p) + 1) // r
-            if nb <= kb:
-                continue
-            q = np.sort(scores[t, :nb])[::-1]
-            if q[kb - 1] - q[kb] <= QSA_TIE * abs(q[kb - 1]):
-                out[t, :nb] = dev[t, :nb]
-                self.followed += 1
-        return out
-
-
-def device_logits(fwd: Any, toks: np.ndarray, seen: Device | None = None) -> np.ndarray:
+def device_logits(fwd: Any, toks: np.ndarray, seen: Seen | None = None) -> np.ndarray:
     """Teacher-forced logits (T, V) of toks fed in the forward's ubatch steps; the router logits
     and QSA block scores of the same steps are appended to `seen` when given."""
     hp = fwd.hp
@@ -136,23 +79,18 @@ def device_logits(fwd: Any, toks: np.ndarray, seen: Device | None = None) -> np.
     for start, n in steps(len(toks), min(fwd.ub, fwd.model.head.rows)):
         taps = fwd.dump_step(toks[start:start + n], names)
         logits.append(fwd.model.head.logits.read(np.float32, n * fwd.n_vocab).reshape(n, -1))
-        if seen is None:
-            continue
-        for name, z in taps.items():
-            kind, i = names[name]
-            table = getattr(seen, kind)
-            rows = z.reshape(n, -1)
-            table[i] = rows if i not in table else np.vstack([table[i], rows])
+        if seen is not None:
+            for name, z in taps.items():
+                seen.add(*names[name], z.reshape(n, -1))
     return np.vstack(logits)
 
 
-def reference_logits(path: Path, toks: np.ndarray, seen: Device | None = None, **opts: Any) -> np.ndarray:
+def reference_logits(path: Path, toks: np.ndarray, seen: Seen | None = None, **opts: Any) -> np.ndarray:
     """Reference logits (T, V) in float64 with f32 caches. With what the device saw it follows the
-    device through near-ties; without, IllConditioned on a routing near-tie."""
+    device through near-ties (vkflash.model.ties); without, IllConditioned on a near-tie."""
     w = load_model(path, np.float64)
     if seen is not None:
-        hp = w.hp
-        follow = FollowDevice(seen, hp.r, {i: hp.B // r for i, r in enumerate(hp.r) if r})
+        follow = Follow(seen, w.hp)
         return reference.prefill(toks, reference.new_state(w, cache_dtype=np.float32, route=follow.route,
                                                            select=follow.select, **opts))
     guard = RoutingGuard(w.hp.k)
@@ -172,7 +110,7 @@ def check_greedy(fwd: Any, path: Path, prompt: np.ndarray, n: int = 64) -> None:
         got.append(fwd.decode_argmax(got[-1]))
     toks = np.concatenate([prompt, got[:-1]])
     fwd.reset()
-    seen = Device({}, {})
+    seen = Seen()
     dev = device_logits(fwd, toks, seen)[len(prompt) - 1:]
     ref = reference_logits(path, toks, seen)[len(prompt) - 1:]
     assert rel(dev, ref) <= EXACT
@@ -200,7 +138,7 @@ def check_logits_at_every_position(fwd: Any, path: Path, toks: np.ndarray) -> No
     """Teacher-forced logits of every position (prefill in the forward's ubatch steps, output
     buffer poisoned first) match the reference, which follows the device through router near-ties."""
     fwd.model.head.logits.fill(np.nan)
-    seen = Device({}, {})
+    seen = Seen()
     got = device_logits(fwd, toks, seen)
     ref = reference_logits(path, toks, seen)
     assert np.isfinite(got).all()
@@ -212,7 +150,7 @@ def check_prompt_then_steps(fwd: Any, path: Path, toks: np.ndarray, n_steps: int
     step each (decode graphs): logits at every position match the reference, which follows the
     device through the near-ties a long prompt meets."""
     cut = len(toks) - n_steps
-    seen = Device({}, {})
+    seen = Seen()
     got = np.vstack([device_logits(fwd, toks[:cut], seen)] + [device_logits(fwd, toks[t:t + 1], seen)
                                                               for t in range(cut, len(toks))])
     ref = reference_logits(path, toks, seen)

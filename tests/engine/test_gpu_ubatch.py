@@ -5,12 +5,12 @@ chunks and GEMM tiles see other row counts, may legitimately part ways)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from hybrid_ref import EXACT, Device, device_logits, reference_logits, rel
+from hybrid_ref import EXACT, device_logits, reference_logits, rel
 from vkflash.engine.gpu_forward import GpuForward
 from vkflash.model.make_model import make_model
+from vkflash.model.ties import Seen
 
 pytestmark = pytest.mark.gpu
 
@@ -23,6 +23,6 @@ def test_ubatch_sizes_agree(gpu, rng, tmp_path, arch):
     toks = rng.integers(0, 512, 80)
     for ub in (1, int(rng.integers(5, 30)), 64):
         fwd = GpuForward(path, ctx=128, ub=ub, kv="f32", gpu=gpu, logits_rows=min(ub, 64))
-        seen = Device({}, {})
+        seen = Seen()
         got = device_logits(fwd, toks, seen)
         assert rel(got, reference_logits(path, toks, seen)) <= EXACT, f"UB={ub}"

@@ -1,0 +1,85 @@
+"""Following another engine through near-ties (MODEL.md §7.10: report near-ties, do not fail).
+
+An f32 engine and the float64 reference route a token differently, or keep different QSA blocks,
+when the k-th and (k+1)-th candidates are closer than the engine's rounding; one flipped expert
+moves a token's output by O(its weight). To compare the two on everything else, the reference
+takes the other engine's side of such near-ties, and only there: `Follow.route` and
+`Follow.select` are the reference's `route` and `select` hooks (RefOptions), fed with what the
+engine computed (its router logits and QSA block scores, rows in feeding order).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vkflash.model.hparams import HParams
+
+ROUTE_TIE = 1e-3
+"""Experts whose probability is within this fraction of the k-th one's are tied with it."""
+QSA_TIE = 1e-4
+"""Relative gap of the kb-th and (kb+1)-th visible block scores treated as a tie."""
+
+
+@dataclass
+class Seen:
+    """What the other engine computed, by layer, rows appended in feeding order: router logits
+    (T, E) of MoE layers and block scores (T, ≥ n_blocks; only the visible ones are read)."""
+
+    router: dict[int, np.ndarray] = field(default_factory=dict)
+    scores: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def add(self, kind: str, layer: int, rows: np.ndarray) -> None:
+        """Append one step's rows of `kind` ("router" or "scores") for `layer`."""
+        table = getattr(self, kind)
+        table[layer] = rows if layer not in table else np.vstack([table[layer], rows])
+
+
+class Follow:
+    """The reference hooks: `route` takes the engine's experts where they differ from the
+    reference's only by experts within ROUTE_TIE of the k-th probability; `select` (block mode)
+    takes the engine's block scores for a query whose kb-th and (kb+1)-th visible scores are
+    within QSA_TIE. Any other difference stays, for the comparison to report. `followed` counts
+    the near-ties taken."""
+
+    def __init__(self, seen: Seen, hp: HParams) -> None:
+        self.seen, self.r, self.B = seen, hp.r, hp.B
+        self.fed: defaultdict[tuple[str, int], int] = defaultdict(int)
+        self.followed = 0
+
+    def _rows(self, kind: str, i: int, T: int, table: dict[int, np.ndarray]) -> np.ndarray:
+        t0 = self.fed[kind, i]
+        self.fed[kind, i] += T
+        return table[i][t0:t0 + T]
+
+    def route(self, i: int, p: np.ndarray, I: np.ndarray) -> np.ndarray:
+        if i not in self.seen.router:
+            return I
+        J = np.argsort(-self._rows("route", i, len(p), self.seen.router), axis=1, kind="stable")[:, :I.shape[1]]
+        out = I.copy()
+        for t in range(len(p)):
+            differ = set(I[t].tolist()) ^ set(J[t].tolist())
+            p_k = p[t, I[t, -1]]
+            if differ and all(abs(p[t, e] - p_k) <= ROUTE_TIE * p_k for e in differ):
+                out[t] = J[t]
+                self.followed += 1
+        return out
+
+    def select(self, i: int, pos: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        if i not in self.seen.scores:
+            return scores
+        dev = self._rows("select", i, len(pos), self.seen.scores)
+        r = self.r[i]
+        kb = self.B // r
+        out = scores.copy()
+        for t, p in enumerate(pos):
+            nb = (int(p) + 1) // r
+            if nb <= kb:
+                continue
+            q = np.sort(scores[t, :nb])[::-1]
+            if q[kb - 1] - q[kb] <= QSA_TIE * abs(q[kb - 1]):
+                out[t, :nb] = dev[t, :nb]
+                self.followed += 1
+        return out
