@@ -1,17 +1,13 @@
-"""The reference side of the hybrid-model GPU tests (qwen3next, qwen4exp): float64 logits and greedy
-tokens, and two ways through router near-ties. A token whose router puts its k-th and (k+1)-th
-experts within GAP of each other flips on any rounding difference (f32 GPU vs f64 reference: the
-router logits differ by up to ~4e-5), and one flipped expert moves the logits far past MODEL.md's
-1e-3·std. §7.10 says to report such near-ties, not fail on them. Short runs draw a new model and
-prompt when they meet one (`redraw_if_ill_conditioned`); teacher-forced runs read the device's
-router logits and let the reference take the device's experts where the two differ only inside a
-near-tie, and the device's QSA block scores where the selection boundary is a near-tie
-(`device_logits` + `reference_logits(seen=...)`, vkflash.model.ties), which long prompts need: a 648-token prompt
-meets about three router near-ties, and one in ~25 draws a QSA one."""
+"""The reference side of the hybrid-model GPU tests (qwen3next, qwen4exp): teacher-forced device
+logits with what the device routed and scored (`device_logits`), float64 reference logits that
+follow the device through near-ties (`reference_logits`, vkflash.model.ties), and the shared checks.
+A token whose router puts its k-th and (k+1)-th experts closer than f32 rounding (router logits
+differ by up to ~4e-5, qwen3next ~4e-4) routes either way, and one flipped expert moves the logits
+far past MODEL.md's 1e-3·std; §7.10 says to report such near-ties, not fail on them. A 648-token
+prompt meets about three router near-ties, and one draw in ~25 a QSA one."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,44 +20,6 @@ from vkflash.model.ties import Follow, Seen
 from vkflash.model.weights import load_model
 
 EXACT = 1e-3  # MODEL.md §7.10: max|Δ| ≤ 1e-3·std(logits) with f32 caches and identical weights
-GAP = 1e-4  # relative gap between the k-th and (k+1)-th routing probability
-TRIES = 4
-
-
-class IllConditioned(Exception):
-    """The reference routed some token through a near-tie."""
-
-
-class RoutingGuard:
-    """A reference `dump` callback that records the smallest top-k routing gap it sees."""
-
-    def __init__(self, k: int) -> None:
-        self.k = k
-        self.min_gap = np.inf
-
-    def __call__(self, name: str, x: np.ndarray) -> None:
-        if name.endswith("ffn_moe_probs"):
-            p = -np.sort(-np.asarray(x, np.float64).reshape(x.shape[0], -1), axis=1)
-            gap = (p[:, self.k - 1] - p[:, self.k]) / p[:, self.k - 1]
-            self.min_gap = min(self.min_gap, float(gap.min()))
-
-    def check(self) -> None:
-        if self.min_gap < GAP:
-            raise IllConditioned(f"routing near-tie: relative gap {self.min_gap:.1e} < {GAP:g}")
-
-
-def redraw_if_ill_conditioned(test: Callable[..., Any]) -> Callable[..., Any]:
-    """Run the test again (fresh draws from its `rng`) when it hit a near-tie; fail after TRIES."""
-
-    @functools.wraps(test)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        for attempt in range(TRIES):
-            try:
-                return test(*args, **kwargs)
-            except IllConditioned:
-                if attempt == TRIES - 1:
-                    raise
-    return run
 
 
 def rel(got: np.ndarray, ref: np.ndarray) -> float:
@@ -85,18 +43,13 @@ def device_logits(fwd: Any, toks: np.ndarray, seen: Seen | None = None) -> np.nd
     return np.vstack(logits)
 
 
-def reference_logits(path: Path, toks: np.ndarray, seen: Seen | None = None, **opts: Any) -> np.ndarray:
-    """Reference logits (T, V) in float64 with f32 caches. With what the device saw it follows the
-    device through near-ties (vkflash.model.ties); without, IllConditioned on a near-tie."""
+def reference_logits(path: Path, toks: np.ndarray, seen: Seen, **opts: Any) -> np.ndarray:
+    """Reference logits (T, V) in float64 with f32 caches, following the device through the
+    near-ties it `seen` (vkflash.model.ties)."""
     w = load_model(path, np.float64)
-    if seen is not None:
-        follow = Follow(seen, w.hp)
-        return reference.prefill(toks, reference.new_state(w, cache_dtype=np.float32, route=follow.route,
-                                                           select=follow.select, **opts))
-    guard = RoutingGuard(w.hp.k)
-    logits = reference.prefill(toks, reference.new_state(w, cache_dtype=np.float32, dump=guard, **opts))
-    guard.check()
-    return logits
+    follow = Follow(seen, w.hp)
+    return reference.prefill(toks, reference.new_state(w, cache_dtype=np.float32, route=follow.route,
+                                                       select=follow.select, **opts))
 
 
 def check_greedy(fwd: Any, path: Path, prompt: np.ndarray, n: int = 64) -> None:
@@ -122,15 +75,15 @@ def check_greedy(fwd: Any, path: Path, prompt: np.ndarray, n: int = 64) -> None:
 
 
 def check_prefill_decode_greedy(fwd: Any, path: Path, toks: np.ndarray, cut: int, prompt: int) -> None:
-    """prefill(toks[:cut]) + decodes = one prefill of toks = the reference; then 64 greedy tokens
-    after toks[:prompt] from the device argmax are the reference's (check_greedy)."""
-    whole = fwd.prefill_logits(toks)
+    """One prefill of toks (ubatch steps) and prefill(toks[:cut]) + one decode step per remaining
+    token each match the reference at every position (each followed through its own near-ties:
+    f32 runs of different step shapes may resolve one differently); then 64 greedy tokens after
+    toks[:prompt] from the device argmax are the reference's (check_greedy)."""
+    seen = Seen()
+    whole = device_logits(fwd, toks, seen)
+    assert rel(whole, reference_logits(path, toks, seen)) <= EXACT
     fwd.reset()
-    steps = np.stack([fwd.prefill(toks[:cut])] + [fwd.decode(int(t)) for t in toks[cut:]])
-    ref = reference_logits(path, toks)
-    assert rel(whole, ref) <= EXACT
-    assert rel(steps, ref[cut - 1:]) <= EXACT
-    assert rel(steps, whole[cut - 1:]) <= EXACT  # both paths agree as closely as each with the reference
+    check_prompt_then_steps(fwd, path, toks, len(toks) - cut)
     check_greedy(fwd, path, toks[:prompt])
 
 
@@ -155,3 +108,31 @@ def check_prompt_then_steps(fwd: Any, path: Path, toks: np.ndarray, n_steps: int
                                                               for t in range(cut, len(toks))])
     ref = reference_logits(path, toks, seen)
     assert rel(got, ref) <= EXACT, f"max|Δ| = {rel(got, ref):.2e}·std"
+
+
+SAME = 1e-5
+"""Two device runs that reach the same state by different routes (a slot restore, a replay) agree
+to this, in units of std: the same kernels on the same numbers."""
+
+
+def check_rollback(make_fwd: Callable[[], Any], path: Path, toks: np.ndarray, back: int) -> Any:
+    """A 4-token verify-sized step after 31 tokens writes checkpoint slots; truncating `back` (1..3)
+    of its tokens restores a slot (no replay), and the next two tokens' logits are those of a fresh
+    device run that fed the kept tokens (the restored state is the state it reaches), which match
+    the reference (followed through that run's near-ties). Returns the rolled-back forward."""
+    fwd = make_fwd()
+    fwd.prefill(toks[:31])
+    fwd.prefill(toks[31:35])
+    state = fwd.model.state
+    rec = getattr(state, "rec", state)
+    assert rec.valid_slots == 4
+    fwd.truncate(35 - back)
+    assert fwd.n_past == 35 - back and rec.valid_slots == 0, "expected a slot restore"
+    got = fwd.prefill(toks[35 - back:37])
+    fresh, seen = make_fwd(), Seen()
+    device_logits(fresh, toks[:31], seen)
+    device_logits(fresh, toks[31:35 - back], seen)
+    want = device_logits(fresh, toks[35 - back:37], seen)[-1]
+    assert rel(got, want) <= SAME
+    assert rel(want, reference_logits(path, toks[:37], seen)[36]) <= EXACT
+    return fwd
