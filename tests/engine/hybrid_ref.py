@@ -9,6 +9,7 @@ prompt meets about three router near-ties, and one draw in ~25 a QSA one."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,20 +44,44 @@ def device_logits(fwd: Any, toks: np.ndarray, seen: Seen | None = None) -> np.nd
     return np.vstack(logits)
 
 
-def reference_logits(path: Path, toks: np.ndarray, seen: Seen, **opts: Any) -> np.ndarray:
-    """Reference logits (T, V) in float64 with f32 caches, following the device through the
-    near-ties it `seen` (vkflash.model.ties)."""
-    w = load_model(path, np.float64)
-    follow = Follow(seen, w.hp)
-    return reference.prefill(toks, reference.new_state(w, cache_dtype=np.float32, route=follow.route,
-                                                       select=follow.select, **opts))
+F32_FACTOR = 4.0
+"""The device may be this much further from float64 than the same reference in float32 is."""
+
+
+@dataclass
+class Reference:
+    """Reference logits (T, V) in float64, and in float32 to size the bound: MODEL.md's 1e-3·std,
+    or F32_FACTOR × the float32 reference's own error where f32 rounding alone exceeds it
+    (qwen3next-tiny: NumPy f32 reaches 1.6e-3·std on some draws)."""
+
+    logits: np.ndarray
+    f32: np.ndarray
+
+    def tol(self, rows: Any = slice(None)) -> float:
+        return max(EXACT, F32_FACTOR * rel(self.f32[rows], self.logits[rows]))
+
+    def check(self, got: np.ndarray, rows: Any = slice(None)) -> None:
+        err, tol = rel(got, self.logits[rows]), self.tol(rows)
+        assert err <= tol, f"max|Δ| = {err:.2e}·std > {tol:.2e}"
+
+
+def reference_logits(path: Path, toks: np.ndarray, seen: Seen, **opts: Any) -> Reference:
+    """Reference logits of toks with f32 caches, in float64 and float32, each following the device
+    through the near-ties it `seen` (vkflash.model.ties)."""
+    out = []
+    for dtype in (np.float64, np.float32):
+        w = load_model(path, dtype)
+        follow = Follow(seen, w.hp)
+        out.append(reference.prefill(toks, reference.new_state(w, cache_dtype=np.float32, route=follow.route,
+                                                               select=follow.select, **opts)))
+    return Reference(np.asarray(out[0], np.float64), np.asarray(out[1], np.float64))
 
 
 def check_greedy(fwd: Any, path: Path, prompt: np.ndarray, n: int = 64) -> None:
     """n greedy tokens from the device argmax (prefill, then decode steps) are the reference's:
     teacher-forced on the device's own continuation (the reference following it through near-ties),
-    the reference's argmax picks each next token, except where its top two logits lie within the
-    2·EXACT·std the two forwards may differ by."""
+    the reference's argmax picks each next token, except where its top two logits lie within twice
+    the bound the two forwards may differ by."""
     fwd.reset()
     got = [fwd.prefill_argmax(prompt)]
     for _ in range(n - 1):
@@ -64,11 +89,13 @@ def check_greedy(fwd: Any, path: Path, prompt: np.ndarray, n: int = 64) -> None:
     toks = np.concatenate([prompt, got[:-1]])
     fwd.reset()
     seen = Seen()
-    dev = device_logits(fwd, toks, seen)[len(prompt) - 1:]
-    ref = reference_logits(path, toks, seen)[len(prompt) - 1:]
-    assert rel(dev, ref) <= EXACT
+    rows = slice(len(prompt) - 1, None)
+    dev = device_logits(fwd, toks, seen)[rows]
+    r = reference_logits(path, toks, seen)
+    r.check(dev, rows)
+    ref = r.logits[rows]
     top2 = -np.sort(-ref, axis=1)[:, :2]
-    near = (top2[:, 0] - top2[:, 1]) <= 2 * EXACT * ref.std()
+    near = (top2[:, 0] - top2[:, 1]) <= 2 * r.tol(rows) * ref.std()
     want = ref.argmax(axis=1)
     bad = [i for i in range(n) if want[i] != got[i] and not near[i]]
     assert not bad, f"greedy token {bad[0]}: device {got[bad[0]]}, reference {want[bad[0]]}"
@@ -81,7 +108,7 @@ def check_prefill_decode_greedy(fwd: Any, path: Path, toks: np.ndarray, cut: int
     toks[:prompt] from the device argmax are the reference's (check_greedy)."""
     seen = Seen()
     whole = device_logits(fwd, toks, seen)
-    assert rel(whole, reference_logits(path, toks, seen)) <= EXACT
+    reference_logits(path, toks, seen).check(whole)
     fwd.reset()
     check_prompt_then_steps(fwd, path, toks, len(toks) - cut)
     check_greedy(fwd, path, toks[:prompt])
@@ -93,9 +120,8 @@ def check_logits_at_every_position(fwd: Any, path: Path, toks: np.ndarray) -> No
     fwd.model.head.logits.fill(np.nan)
     seen = Seen()
     got = device_logits(fwd, toks, seen)
-    ref = reference_logits(path, toks, seen)
     assert np.isfinite(got).all()
-    assert rel(got, ref) <= EXACT, f"max|Δ| = {rel(got, ref):.2e}·std"
+    reference_logits(path, toks, seen).check(got)
 
 
 def check_prompt_then_steps(fwd: Any, path: Path, toks: np.ndarray, n_steps: int) -> None:
@@ -106,8 +132,7 @@ def check_prompt_then_steps(fwd: Any, path: Path, toks: np.ndarray, n_steps: int
     seen = Seen()
     got = np.vstack([device_logits(fwd, toks[:cut], seen)] + [device_logits(fwd, toks[t:t + 1], seen)
                                                               for t in range(cut, len(toks))])
-    ref = reference_logits(path, toks, seen)
-    assert rel(got, ref) <= EXACT, f"max|Δ| = {rel(got, ref):.2e}·std"
+    reference_logits(path, toks, seen).check(got)
 
 
 SAME = 1e-5
@@ -134,5 +159,5 @@ def check_rollback(make_fwd: Callable[[], Any], path: Path, toks: np.ndarray, ba
     device_logits(fresh, toks[31:35 - back], seen)
     want = device_logits(fresh, toks[35 - back:37], seen)[-1]
     assert rel(got, want) <= SAME
-    assert rel(want, reference_logits(path, toks[:37], seen)[36]) <= EXACT
+    reference_logits(path, toks[:37], seen).check(want, 36)
     return fwd
