@@ -78,6 +78,19 @@ class GpuWeights:
     def __getitem__(self, name: str) -> GpuTensor:
         return self.tensors[name]
 
+    def stacked(self, *names: str) -> QWeight | None:
+        """The matrices `names` as one weight when they are consecutive rows of one stacked buffer
+        (in this order), else None."""
+        first = self.tensors[names[0]].matrix()
+        n_out = first.n_out
+        for name in names[1:]:
+            t = self.tensors[name]
+            w = t.matrix()
+            if t.buf is not first.buf or w.row0 != first.row0 + n_out:
+                return None
+            n_out += w.n_out
+        return QWeight(first.buf, first.qtype, first.k, n_out, first.row0)
+
     def get(self, name: str) -> GpuTensor | None:
         return self.tensors.get(name)
 
@@ -199,21 +212,30 @@ def upload_weights(gpu: "Gpu", gf: GGUFFile, hp: HParams, skip: Iterable[str] = 
     todo = {n: info for n, info in gf.tensors.items() if n not in skipped}
     total, done = sum(info.data.nbytes for info in todo.values()), 0
     stacked: set[str] = set()
+    prepared: dict[str, Stored] = {}  # each tensor re-laid once, also when a stack it was tried for fails
+
+    def stored(name: str) -> Stored:
+        if name not in prepared:
+            prepared[name] = _stored(gf, name, transforms)
+        return prepared[name]
+
     for stack in stacks:
         if not all(m in todo and m not in stacked for m in stack.members):
             continue
-        parts = [_stored(gf, m, transforms) for m in stack.members]
+        parts = [stored(m) for m in stack.members]
         if not _stackable(parts):
             continue
         _upload_stack(gpu, w, stack, parts)
         stacked.update(stack.members)
+        for m in stack.members:
+            del prepared[m]
         done += sum(todo[m].data.nbytes for m in stack.members)
         if progress is not None:
             progress(done, total)
     for name, info in todo.items():
         if name in stacked:
             continue
-        st = _stored(gf, name, transforms)
+        st = prepared.pop(name, None) or _stored(gf, name, transforms)
         w.tensors[name] = GpuTensor(name, gpu.upload(st.data, name), st.qtype, st.ne)
         done += info.data.nbytes
         if progress is not None:

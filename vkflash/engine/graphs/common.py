@@ -15,7 +15,7 @@ from vkflash.gpu.ops import argmax as argmax_op
 from vkflash.gpu.ops.copy import copy_words
 from vkflash.gpu.ops.embed import embed
 from vkflash.gpu.ops.attention import Heads, kv_append
-from vkflash.gpu.ops.matmul import QWeight, matmul
+from vkflash.gpu.ops.matmul import matmul
 from vkflash.gpu.ops.norm import rms_norm
 from vkflash.gpu.ops.views import Rows
 from vkflash.model.hparams import HParams
@@ -131,18 +131,16 @@ def projections(g: "Graph", w: GpuWeights, x: Rows, y: Rows, parts: list[tuple[s
     Each part's columns stay tappable under its own op name."""
     col, i = 0, 0
     while i < len(parts):
-        t = w[parts[i][0]]
-        W, run, j = t.matrix(), [(parts[i][1], t.matrix().n_out)], i + 1
-        while j < len(parts):
-            nxt = w[parts[j][0]]
-            if nxt.buf is not t.buf or nxt.row0 != W.row0 + W.n_out:
-                break
-            W = QWeight(W.buf, W.qtype, W.k, W.n_out + nxt.matrix().n_out, W.row0)
-            run.append((parts[j][1], nxt.matrix().n_out))
+        j = i + 1  # the longest run of parts from i that is one stacked weight
+        while j < len(parts) and w.stacked(*(t for t, _ in parts[i:j + 1])) is not None:
             j += 1
-        name = "+".join([run[0][0]] + [op.rsplit(".", 1)[-1] for op, _ in run[1:]])
+        W = w.stacked(*(t for t, _ in parts[i:j]))
+        assert W is not None
+        run = parts[i:j]
+        name = "+".join([run[0][1]] + [op.rsplit(".", 1)[-1] for _, op in run[1:]])
         matmul(g, W, x, Rows(y.buf, x.n_rows, W.n_out, y.off + col, y.stride), name=name)
-        for op, cols in run:
+        for t, op in run:
+            cols = w[t].matrix().n_out
             g.expose(op, y.buf, y.off + col, x.n_rows, cols, y.stride, after=name)
             col += cols
         i = j

@@ -385,12 +385,12 @@ def moe_sublayer(g: "Graph", m: StepModel, s: HybridScratch, i: int, n: int, u: 
     ys = Rows(s.ys, n * k, d)
     moe_routed(g, u, ids, wts, _experts(m, b), Rows(s.h, n * k, F), ys, plan, name=b + "ffn_moe")
     gs, hs, sh = Rows(s.sh_gate, n, F_s), Rows(s.sh_h, n, F_s), Rows(s.sh_out, n, d)
-    sg_w, su_w = w[b + "ffn_gate_shexp.weight"].matrix(), w[b + "ffn_up_shexp.weight"].matrix()
-    if su_w.buf is sg_w.buf and su_w.row0 == sg_w.row0 + F_s:  # stacked: silu(gate) ⊙ up in one pass
-        glu_matmul(g, QWeight(sg_w.buf, sg_w.qtype, sg_w.k, 2 * F_s, sg_w.row0), u, hs, name=b + "ffn_shexp_glu")
+    glu = w.stacked(b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight")
+    if glu is not None:  # silu(gate) ⊙ up in one pass
+        glu_matmul(g, glu, u, hs, name=b + "ffn_shexp_glu")
     else:
-        matmul(g, sg_w, u, gs, Epilogue(act="silu"), name=b + "ffn_shexp_gate")
-        matmul(g, su_w, u, hs, Epilogue(mul=gs), name=b + "ffn_shexp_up")
+        matmul(g, w[b + "ffn_gate_shexp.weight"].matrix(), u, gs, Epilogue(act="silu"), name=b + "ffn_shexp_gate")
+        matmul(g, w[b + "ffn_up_shexp.weight"].matrix(), u, hs, Epilogue(mul=gs), name=b + "ffn_shexp_up")
     f = Rows(s.f, n, d) if residual else out
     shared_out_combine(g, w[b + "ffn_down_shexp.weight"].matrix(), hs, ys, sg, f, k, sh, name=b + "ffn_out")  # (M4)
     if residual:

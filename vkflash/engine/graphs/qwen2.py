@@ -22,7 +22,7 @@ from vkflash.engine.weights_gpu import Stack
 from vkflash.formats.gguf_file import GGUFFile
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops.attention import Heads, attention, partial_bytes
-from vkflash.gpu.ops.matmul import Epilogue, QWeight, glu_matmul, matmul
+from vkflash.gpu.ops.matmul import Epilogue, glu_matmul, matmul
 from vkflash.gpu.ops.norm import rms_norm
 from vkflash.gpu.ops.rope import rope_neox
 from vkflash.gpu.ops.views import Rows
@@ -86,15 +86,14 @@ def _attention(g: "Graph", m: StepModel, s: Scratch, i: int, n: int) -> None:
     q = Rows(s.qk, n, H * Dh, 0, qk_cols)
     k = Rows(s.qk, n, H_kv * Dh, H * Dh, qk_cols)
     v = Rows(s.v, n, H_kv * Dh)
-    wq, wk = w[b + "attn_q.weight"].matrix(), w[b + "attn_k.weight"].matrix()
+    wqk = w.stacked(b + "attn_q.weight", b + "attn_k.weight")
     bq, bk = w[b + "attn_q.bias"].vector(), w[b + "attn_k.bias"].vector()
-    if wk.buf is wq.buf and wk.row0 == wq.row0 + wq.n_out and bk.buf is bq.buf:  # stacked: one matmul, both biases
-        wqk = QWeight(wq.buf, wq.qtype, wq.k, wq.n_out + wk.n_out, wq.row0)
-        bqk = Rows(bq.buf, 1, qk_cols, bq.off)
-        matmul(g, wqk, u, Rows(s.qk, n, qk_cols), Epilogue(bias=bqk), name=b + "attn_q+attn_k")
+    if wqk is not None and bk.buf is bq.buf:  # one matmul, the biases stacked alike
+        matmul(g, wqk, u, Rows(s.qk, n, qk_cols), Epilogue(bias=Rows(bq.buf, 1, qk_cols, bq.off)),
+               name=b + "attn_q+attn_k")
     else:
-        matmul(g, wq, u, q, Epilogue(bias=bq), name=b + "attn_q")
-        matmul(g, wk, u, k, Epilogue(bias=bk), name=b + "attn_k")
+        matmul(g, w[b + "attn_q.weight"].matrix(), u, q, Epilogue(bias=bq), name=b + "attn_q")
+        matmul(g, w[b + "attn_k.weight"].matrix(), u, k, Epilogue(bias=bk), name=b + "attn_k")
     matmul(g, w[b + "attn_v.weight"].matrix(), u, v, Epilogue(bias=w[b + "attn_v.bias"].vector()), name=b + "Vcur")
     heads = Rows(s.qk, n * (H + H_kv), Dh)
     rope_neox(g, heads, heads, H + H_kv, hp.n_rot, hp.theta, p.buf, p.pos, name=b + "Qcur+Kcur")
@@ -115,12 +114,12 @@ def _ffn(g: "Graph", m: StepModel, s: Scratch, i: int, n: int) -> None:
     x, u = Rows(s.x, n, hp.d), Rows(s.u, n, hp.d)
     gate, h = Rows(s.gate, n, hp.F_dense), Rows(s.ffn, n, hp.F_dense)
     rms_norm(g, x, u, hp.eps, w[b + "ffn_norm.weight"].buf, name=b + "ffn_norm")
-    wg, wu = w[b + "ffn_gate.weight"].matrix(), w[b + "ffn_up.weight"].matrix()
-    if wu.buf is wg.buf and wu.row0 == wg.row0 + wg.n_out:  # stacked: silu(gate) ⊙ up in one decode pass
-        glu_matmul(g, QWeight(wg.buf, wg.qtype, wg.k, 2 * wg.n_out, wg.row0), u, h, name=b + "ffn_glu")
+    glu = w.stacked(b + "ffn_gate.weight", b + "ffn_up.weight")
+    if glu is not None:  # silu(gate) ⊙ up in one decode pass
+        glu_matmul(g, glu, u, h, name=b + "ffn_glu")
     else:
-        matmul(g, wg, u, gate, Epilogue(act="silu"), name=b + "ffn_gate")
-        matmul(g, wu, u, h, Epilogue(mul=gate), name=b + "ffn_up")
+        matmul(g, w[b + "ffn_gate.weight"].matrix(), u, gate, Epilogue(act="silu"), name=b + "ffn_gate")
+        matmul(g, w[b + "ffn_up.weight"].matrix(), u, h, Epilogue(mul=gate), name=b + "ffn_up")
     matmul(g, w[b + "ffn_down.weight"].matrix(), h, x, Epilogue(res=x), name=b + "l_out")
 
 

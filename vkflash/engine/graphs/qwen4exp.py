@@ -244,11 +244,12 @@ def hc_mixer(g: "Graph", m: StepModel, s: Scratch, R: Rows, prefix: str, u: Rows
     X = Rows(s.X, n, hc * d)
     width = lr + -(-hc // 4) * 4  # ℓ rows stay 16-byte aligned for the vec4 loads of the up matmul
     iota = Rows(s.ell, n, hc, lr, width) if inject else None
-    down, inj = w[prefix + "_down.weight"], w.get(prefix + "_inject.weight") if inject else None
     fuse = fuse_hc()
-    in_norm = (inj is not None and iota is not None and fuse and n <= GEMV_MAX_COLS and inj.qtype is Q.F32
-               and inj.buf is not down.buf and hc <= MAX_HC)
-    norm_inject = (Rows(inj.buf, hc, hc * d), iota) if in_norm and inj is not None and iota is not None else None
+    norm_inject = None  # (W_inj, ι) when an unstacked f32 W_inj rides on the norm (decode)
+    if iota is not None and fuse and n <= GEMV_MAX_COLS and hc <= MAX_HC:
+        inj = w[prefix + "_inject.weight"]
+        if inj.qtype is Q.F32 and w.stacked(prefix + "_down.weight", prefix + "_inject.weight") is None:
+            norm_inject = (Rows(inj.buf, hc, hc * d), iota)
     gamma = w[prefix + "_norm.weight"].buf
     norm_name = pending.name if pending is not None and fuse else f"{name}.norm"
     if pending is not None and fuse:
