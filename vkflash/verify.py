@@ -215,10 +215,7 @@ def verify(path: Path, tokens: Sequence[int], fwd: "GpuForward | None" = None, c
     gpu = [fwd.dump_step(ids, names) for ids in steps]  # first: the reference follows its near-ties
     seen = Seen()
     for got, ids in zip(gpu, steps):
-        for i in range(L):
-            for kind, op in (("router", "ffn_moe_logits"), ("scores", "idx_scores")):
-                if f"blk.{i}.{op}" in got:
-                    seen.add(kind, i, got[f"blk.{i}.{op}"].reshape(len(ids), -1))
+        seen.add_taps(got, L, len(ids))
     dtype = reference_dtype(path)
     refs = reference_steps(load_model(path, dtype), steps, seen)
     refs32 = reference_steps(load_model(path, np.float32), steps, seen) if dtype is np.float64 else [None, None]

@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 
 from vkflash.engine.gpu_forward import steps
+from vkflash.engine.graphs.common import Head
 from vkflash.model import reference
-from vkflash.model.ties import Follow, Seen
+from vkflash.model.ties import Follow, Seen, tap_names
 from vkflash.model.weights import load_model
 
 EXACT = 1e-3  # MODEL.md §7.10: max|Δ| ≤ 1e-3·std(logits) with f32 caches and identical weights
@@ -31,16 +32,13 @@ def rel(got: np.ndarray, ref: np.ndarray) -> float:
 def device_logits(fwd: Any, toks: np.ndarray, seen: Seen | None = None) -> np.ndarray:
     """Teacher-forced logits (T, V) of toks fed in the forward's ubatch steps; the router logits
     and QSA block scores of the same steps are appended to `seen` when given."""
-    hp = fwd.hp
-    names = {f"blk.{i}.ffn_moe_logits": ("router", i) for i in range(hp.L)}
-    names.update({f"blk.{i}.idx_scores": ("scores", i) for i in range(hp.L)})
+    L, names = fwd.hp.L, tap_names(fwd.hp.L)
     logits = []
     for start, n in steps(len(toks), min(fwd.ub, fwd.model.head.rows)):
         taps = fwd.dump_step(toks[start:start + n], names)
         logits.append(fwd.model.head.logits.read(np.float32, n * fwd.n_vocab).reshape(n, -1))
         if seen is not None:
-            for name, z in taps.items():
-                seen.add(*names[name], z.reshape(n, -1))
+            seen.add_taps(taps, L, n)
     return np.vstack(logits)
 
 
@@ -75,6 +73,12 @@ def reference_logits(path: Path, toks: np.ndarray, seen: Seen, **opts: Any) -> R
         out.append(reference.prefill(toks, reference.new_state(w, cache_dtype=np.float32, route=follow.route,
                                                                select=follow.select, **opts)))
     return Reference(np.asarray(out[0], np.float64), np.asarray(out[1], np.float64))
+
+
+def check_decode_graph(fwd: Any, names: set[str]) -> None:
+    """Decode replays one recorded submission holding (at least) the dispatches `names`."""
+    assert fwd.graph_stats(1, Head.LAST).submissions == 1
+    assert names <= {op.name for op in fwd.graph(1, Head.LAST).ops}
 
 
 def check_greedy(fwd: Any, path: Path, prompt: np.ndarray, n: int = 64) -> None:

@@ -11,6 +11,7 @@ engine computed (its router logits and QSA block scores, rows in feeding order).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,6 +22,8 @@ ROUTE_TIE = 1e-3
 """Experts whose probability is within this fraction of the k-th one's are tied with it."""
 QSA_TIE = 1e-4
 """Relative gap of the kb-th and (kb+1)-th visible block scores treated as a tie."""
+TAPS = (("router", "ffn_moe_logits"), ("scores", "idx_scores"))
+"""Seen's tables and the reference op names that fill them."""
 
 
 @dataclass
@@ -35,6 +38,18 @@ class Seen:
         """Append one step's rows of `kind` ("router" or "scores") for `layer`."""
         table = getattr(self, kind)
         table[layer] = rows if layer not in table else np.vstack([table[layer], rows])
+
+    def add_taps(self, taps: Mapping[str, np.ndarray], n_layers: int, T: int) -> None:
+        """Append one T-token step's tapped values, by the reference's names (see tap_names)."""
+        for i in range(n_layers):
+            for kind, op in TAPS:
+                if (name := f"blk.{i}.{op}") in taps:
+                    self.add(kind, i, taps[name].reshape(T, -1))
+
+
+def tap_names(n_layers: int) -> list[str]:
+    """The intermediates an engine reports for Seen: router logits and QSA block scores per layer."""
+    return [f"blk.{i}.{op}" for i in range(n_layers) for _, op in TAPS]
 
 
 class Follow:
