@@ -43,16 +43,15 @@ Tap = tuple[Buffer, "View | None"]
 def _tap_points(g: "Graph", wanted: frozenset[str]) -> dict[int, list[str]]:
     """Dispatch index → the wanted names final after it: the last dispatch of the name's own op
     (or of the op its exposed view names)."""
-    last: dict[str, int] = {}
-    for j, op in enumerate(g.ops):
-        for name in wanted:
-            view = g.views.get(name)
-            target = view.after if view is not None else name
-            if op_of(op.name, frozenset({target})) == target:
-                last[name] = j
+    by_target: dict[str, list[str]] = {}
+    for name in wanted:
+        view = g.views.get(name)
+        by_target.setdefault(view.after if view is not None else name, []).append(name)
+    targets = frozenset(by_target)
+    last = {target: j for j, op in enumerate(g.ops) if (target := op_of(op.name, targets)) is not None}
     at: dict[int, list[str]] = {}
-    for name, j in last.items():
-        at.setdefault(j, []).append(name)
+    for target, j in last.items():
+        at.setdefault(j, []).extend(by_target[target])
     return at
 
 
