@@ -148,16 +148,18 @@ def elementwise_rows(gpu: Gpu, quick: bool) -> list[Row]:
     return out
 
 
+def _rows(results: list[dict], unit: str) -> list[Row]:
+    """Bench result dicts (name, shape, seconds, `unit`) as table rows."""
+    return [Row(r["name"], r["shape"], r["seconds"] * 1e6, r[unit], unit) for r in results]
+
+
 def matmul_rows(gpu: Gpu, quick: bool) -> list[Row]:
     """Decode GEMV weight GB/s (dense Flash-Next shapes, Q6_K LM head) and prefill GEMM TFLOP/s."""
     from vkflash.bench import matmul
 
     small = quick or gpu.caps.device_type == "cpu"
-    rows = [Row(r["name"], r["shape"], r["seconds"] * 1e6, r["GB/s"], "GB/s")
-            for r in matmul.gemv_bandwidth(gpu, quick=small)]
-    rows += [Row(r["name"], r["shape"], r["seconds"] * 1e6, r["TFLOP/s"], "TFLOP/s")
-             for r in matmul.gemm_tflops(gpu, quick=small)]
-    return rows
+    return (_rows(matmul.gemv_bandwidth(gpu, quick=small), "GB/s")
+            + _rows(matmul.gemm_tflops(gpu, quick=small), "TFLOP/s"))
 
 
 def moe_rows(gpu: Gpu, quick: bool) -> list[Row]:
@@ -165,11 +167,8 @@ def moe_rows(gpu: Gpu, quick: bool) -> list[Row]:
     from vkflash.bench import moe
 
     small = quick or gpu.caps.device_type == "cpu"
-    rows = [Row(r["name"], r["shape"], r["seconds"] * 1e6, r["TFLOP/s"], "TFLOP/s")
-            for r in moe.expert_gemm_tflops(gpu, quick=small)]
-    rows += [Row(r["name"], r["shape"], r["seconds"] * 1e6, r["GB/s"], "GB/s")
-             for r in moe.expert_gemv_bandwidth(gpu, quick=small)]
-    return rows
+    return (_rows(moe.expert_gemm_tflops(gpu, quick=small), "TFLOP/s")
+            + _rows(moe.expert_gemv_bandwidth(gpu, quick=small), "GB/s"))
 
 
 KERNEL_BENCHES: list[Callable[[Gpu, bool], list[Row]]] = [elementwise_rows, matmul_rows, moe_rows]
