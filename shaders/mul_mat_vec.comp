@@ -28,8 +28,9 @@
 //   MODE 1 (GLU, NSTACK = 2): y[n, r] = silu(acc_gate) · acc_up, gate rows [0, F), up rows
 //     [F, 2F) of a stacked W (F = n_out); = matmul(gate, silu epilogue) then matmul(up, ⊙ y).
 //   MODE 2 (hyper-connection up + mix, NSTACK = HC = hc, constant_id 7): x = ℓ_pre, each loaded
-//     element becomes ℓ = silu(ℓ_pre / hc) (hc.comp PRE) before the dots, s_c = W_up[c·d + r]·ℓ
-//     (d = n_out), u[n, r] = (Σ_c σ(s_c) · X[n, c·d + r]) / hc (hc.comp MIX, streams in order).
+//     element becomes ℓ = silu(ℓ_pre · (1/hc)) (hc.comp PRE) before the dots, s_c = W_up[c·d + r]·ℓ
+//     (d = n_out), u[n, r] = (Σ_c σ(s_c) · X[n, c·d + r]) · (1/hc) (hc.comp MIX, streams in order);
+//     1/hc is the f32-rounded reciprocal in p.scale, as in hc.comp, so the two agree bit for bit.
 //     X comes through the mul binding (3) at X[n, j] = mul[mul_off + n*res_off + j]: res_off is
 //     X's row stride in this mode (res is unused).
 //   MODE 3 (MoE output, NSTACK = 1, TOPK = k at constant_id 8): W is the shared expert's down
@@ -78,14 +79,13 @@ void store(uint i, uint r, uint n) {
         v += sigmoid(bias[p.bias_off + n * p.mul_off]) * row_sum(i);
         y[p.y_off + n * p.y_stride + r] = v;
     } else {
-        const float hcf = float(HC);
         const uint xr = p.mul_off + n * p.res_off + r;
         precise float u = 0.0;
         for (uint c = 0u; c < HC; ++c) {
             precise float gx = sigmoid(row_sum(c * M + i)) * mulv[xr + c * p.n_out];
             u = c == 0u ? gx : u + gx;
         }
-        y[p.y_off + n * p.y_stride + r] = u / hcf;  // mean, not sum
+        y[p.y_off + n * p.y_stride + r] = u * p.scale;  // mean, not sum: p.scale = 1/hc
     }
 }
 
@@ -111,7 +111,7 @@ void main() {
             if (MODE == MODE_HC) {
                 for (uint q = 0u; q < 8u; ++q) {
                     for (uint e = 0u; e < 4u; ++e) {
-                        const float a = xg[q][e] / float(HC);  // ℓ = silu(ℓ_pre / hc)
+                        const float a = xg[q][e] * p.scale;  // ℓ = silu(ℓ_pre · (1/hc))
                         xg[q][e] = a * sigmoid(a);
                     }
                 }

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from vkflash import settings
 from vkflash.gpu.ops import eltwise as E
-from vkflash.gpu.ops.views import F32, Rows, check_alias, grid
+from vkflash.gpu.ops.views import F32, Rows, check_alias, f32_bits, grid
 from vkflash.gpu.registry import Kernel, kernel
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ def _dispatch(g: "Graph", mode: Mode, a: Rows, b: Rows, y: Rows, n: int, hc: int
     """One hc.comp dispatch over y's n_rows × n output elements."""
     wg = kernel("hc").workgroup(g.gpu.caps)
     g.dispatch("hc", [a.buf, b.buf, y.buf], [grid(n * y.n_rows, wg, MAX_GROUPS)],
-               push=[n, y.n_rows, hc, a.off, a.stride, b.off, b.stride, y.off, y.stride],
+               push=[n, y.n_rows, hc, a.off, a.stride, b.off, b.stride, y.off, y.stride, f32_bits(1.0 / hc)],
                spec=[int(mode)], name=name, desc=f"{mode.name} T={y.n_rows} n={n} hc={hc}", nbytes=nbytes)
 
 
