@@ -5,7 +5,8 @@
 // A row r of n_groups*n values is n_groups groups of n, each normalised on its own (grouped
 // RMSNorm of a wide HC vector, MODEL.md §2); group c of row r starts at x_off + r*x_stride + c*n.
 // gamma (if HAS_GAMMA) spans the whole row: element c*n + i uses gamma[g_off + c*n + i].
-// COMBINE (HC, MODEL.md H6 then H1): first x[r, c*n + i] += 2σ(iota[r, c] / n_groups) · b[r, i]
+// COMBINE (HC, MODEL.md H6 then H1): first x[r, c*n + i] += 2σ(iota[r, c] · inv) · b[r, i]
+// (inv = 1/n_groups rounded to f32, pushed)
 // in place (hc.comp COMBINE's formula), then the norm of the updated group; one dispatch for a
 // Combine and the next Mix's grouped RMSNorm. Each x element is updated and re-read by one
 // invocation (both loops walk i the same way).
@@ -15,27 +16,31 @@
 // INJECT (HC H5, decode): one workgroup per row normalises its groups in turn and also computes
 // ι[r, c'] = Σ_j w_inj[c', j] · y[r, j] (c' < n_groups ≤ MAX_HC; w_inj f32, n_groups rows of the
 // whole row) from the values it writes, so the Mix's inject projection needs no GEMV of its own.
+// Groups of up to PER·workgroup elements are read once into registers, all loads issued before
+// the first store, so a decode row (one workgroup) waits on a few memory round trips, not one
+// per element; longer groups take the plain loops. Both sum in the same order.
 // Buffers: 0 x (f32), 1 gamma (f32; any buffer when unused), 2 y (f32; may alias x, same view,
 // except with COMBINE), 3 iota, 4 b (f32; any buffer when not COMBINE), 5 pos (int32; any
 // buffer when not ROPE), 6 w_inj from w_off, 7 ι out at o_off + r*o_stride (any when not INJECT).
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"
 #include "common/reduce.glsl"
+#extension GL_EXT_control_flow_attributes : require
 
 layout(constant_id = 1) const uint MODE = 0;
 layout(constant_id = 2) const bool HAS_GAMMA = false;
 layout(constant_id = 3) const bool COMBINE = false;
 layout(constant_id = 4) const bool ROPE = false;
 layout(constant_id = 5) const bool INJECT = false;
-const uint MAX_DH = 512u, MAX_HC = 8u;
+const uint MAX_DH = 512u, MAX_HC = 8u, PER = 16u;
 
 layout(std430, binding = 0) buffer X { float x[]; };
-layout(std430, binding = 1) readonly buffer G { float gamma[]; };
+layout(std430, binding = 1) restrict readonly buffer G { float gamma[]; };
 layout(std430, binding = 2) buffer Y { float y[]; };
-layout(std430, binding = 3) readonly buffer Iota { float iota[]; };
-layout(std430, binding = 4) readonly buffer Bv { float bv[]; };
-layout(std430, binding = 5) readonly buffer Pos { int pos[]; };
-layout(std430, binding = 6) readonly buffer Wi { float w_inj[]; };
+layout(std430, binding = 3) restrict readonly buffer Iota { float iota[]; };
+layout(std430, binding = 4) restrict readonly buffer Bv { float bv[]; };
+layout(std430, binding = 5) restrict readonly buffer Pos { int pos[]; };
+layout(std430, binding = 6) restrict readonly buffer Wi { float w_inj[]; };
 layout(std430, binding = 7) writeonly buffer Io { float iota_out[]; };
 layout(push_constant) uniform P {
     uint n; uint n_groups; uint n_rows;
@@ -43,7 +48,7 @@ layout(push_constant) uniform P {
     uint eps_bits; uint post_bits;
     uint i_off; uint i_stride; uint b_off; uint b_stride;
     uint n_heads; uint n_rot; uint pos_off; uint theta_bits;
-    uint w_off; uint o_off; uint o_stride;
+    uint w_off; uint o_off; uint o_stride; uint inv_bits;
 } p;
 
 shared float rotated[ROPE ? MAX_DH : 1u];
@@ -55,14 +60,63 @@ float normed(uint xb, uint g0, uint i, float s) {
     return v;
 }
 
+// inj[o] += w_inj[o, col] · v for each of the row's n_groups inject rows (unrolled: inj stays in registers).
+void add_inject(inout float inj[MAX_HC], uint col, float v) {
+    [[unroll]] for (uint o = 0u; o < MAX_HC; ++o) {
+        if (o < p.n_groups) inj[o] += w_inj[p.w_off + o * p.n_groups * p.n + col] * v;
+    }
+}
+
+// norm_group for a group of n ≤ PER·workgroup elements without RoPE: element tid + k·WG is v[k].
+void norm_group_cached(uint r, uint c, inout float inj[MAX_HC]) {
+    const uint tid = gl_LocalInvocationID.x, wgs = gl_WorkGroupSize.x;
+    float eps = uintBitsToFloat(p.eps_bits), post = uintBitsToFloat(p.post_bits);
+    uint xb = p.x_off + r * p.x_stride + c * p.n, yb = p.y_off + r * p.y_stride + c * p.n;
+    uint bb = p.b_off + r * p.b_stride, g0 = p.g_off + c * p.n;
+    float v[PER], bk[PER], gk[PER];
+    [[unroll]] for (uint k = 0u; k < PER; ++k) {  // every load first
+        uint i = min(tid + k * wgs, p.n - 1u);
+        v[k] = x[xb + i];
+        if (COMBINE) bk[k] = bv[bb + i];
+        if (HAS_GAMMA) gk[k] = gamma[g0 + i];
+    }
+    if (COMBINE) {
+        precise float s = 2.0 * sigmoid(iota[p.i_off + r * p.i_stride + c] * uintBitsToFloat(p.inv_bits));
+        [[unroll]] for (uint k = 0u; k < PER; ++k) {
+            precise float t = s * bk[k];
+            v[k] += t;
+            if (tid + k * wgs < p.n) x[xb + tid + k * wgs] = v[k];
+        }
+    }
+    float ss = 0.0;
+    [[unroll]] for (uint k = 0u; k < PER; ++k) {
+        if (tid + k * wgs < p.n) ss += v[k] * v[k];
+    }
+    ss = wg_sum(ss);
+    float s = post / sqrt((MODE == 0 ? ss / float(p.n) : ss) + eps);
+    [[unroll]] for (uint k = 0u; k < PER; ++k) {
+        uint i = tid + k * wgs;
+        if (i < p.n) {
+            float o = v[k] * s;
+            if (HAS_GAMMA) o *= gk[k];
+            y[yb + i] = o;
+            if (INJECT) add_inject(inj, c * p.n + i, o);
+        }
+    }
+}
+
 // Group c of row r: the optional Combine, the norm, the optional RoPE; with INJECT, each written
 // value also feeds the inject partial sums inj[c'].
 void norm_group(uint r, uint c, inout float inj[MAX_HC]) {
+    if (!ROPE && p.n <= PER * gl_WorkGroupSize.x) {
+        norm_group_cached(r, c, inj);
+        return;
+    }
     float eps = uintBitsToFloat(p.eps_bits), post = uintBitsToFloat(p.post_bits);
     uint xb = p.x_off + r * p.x_stride + c * p.n, yb = p.y_off + r * p.y_stride + c * p.n;
     float ss = 0.0;
     if (COMBINE) {
-        precise float s = 2.0 * sigmoid(iota[p.i_off + r * p.i_stride + c] / float(p.n_groups));
+        precise float s = 2.0 * sigmoid(iota[p.i_off + r * p.i_stride + c] * uintBitsToFloat(p.inv_bits));
         uint bb = p.b_off + r * p.b_stride;
         for (uint i = gl_LocalInvocationID.x; i < p.n; i += gl_WorkGroupSize.x) {
             precise float v = s * bv[bb + i];
@@ -93,13 +147,10 @@ void norm_group(uint r, uint c, inout float inj[MAX_HC]) {
         for (uint i = gl_LocalInvocationID.x; i < p.n; i += gl_WorkGroupSize.x) y[yb + i] = rotated[i];
         barrier();  // rotated is reused by the next group
     } else {
-        uint row = p.n_groups * p.n;
         for (uint i = gl_LocalInvocationID.x; i < p.n; i += gl_WorkGroupSize.x) {
             float v = normed(xb, g0, i, s);
             y[yb + i] = v;
-            if (INJECT) {
-                for (uint o = 0u; o < p.n_groups; ++o) inj[o] += w_inj[p.w_off + o * row + c * p.n + i] * v;
-            }
+            if (INJECT) add_inject(inj, c * p.n + i, v);
         }
     }
 }
@@ -108,11 +159,13 @@ void main() {
     float inj[MAX_HC];
     if (INJECT) {  // a row per workgroup: its groups in turn, then ι
         for (uint r = gl_WorkGroupID.x; r < p.n_rows; r += gl_NumWorkGroups.x) {
-            for (uint o = 0u; o < MAX_HC; ++o) inj[o] = 0.0;
+            [[unroll]] for (uint o = 0u; o < MAX_HC; ++o) inj[o] = 0.0;
             for (uint c = 0u; c < p.n_groups; ++c) norm_group(r, c, inj);
-            for (uint o = 0u; o < p.n_groups; ++o) {
-                float t = wg_sum(inj[o]);
-                if (gl_LocalInvocationID.x == 0u) iota_out[p.o_off + r * p.o_stride + o] = t;
+            [[unroll]] for (uint o = 0u; o < MAX_HC; ++o) {
+                if (o < p.n_groups) {  // uniform
+                    float t = wg_sum(inj[o]);
+                    if (gl_LocalInvocationID.x == 0u) iota_out[p.o_off + r * p.o_stride + o] = t;
+                }
             }
         }
         return;

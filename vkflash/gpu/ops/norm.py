@@ -83,7 +83,7 @@ def _norm(g: "Graph", mode: Mode, x: Rows, y: Rows, eps: float, n_groups: int, g
                push=[n, n_groups, x.n_rows, x.off, x.stride, y.off, y.stride, gamma_off, f32_bits(eps), f32_bits(post),
                      iota.off, iota.stride, b.off, b.stride] + ([rope.n_heads, rope.n_rot, rope.pos_off,
                                                                 f32_bits(rope.theta)] if rope else [1, 2, 0, 0])
-               + [w_inj.off, i_out.off, i_out.stride],
+               + [w_inj.off, i_out.off, i_out.stride, f32_bits(1.0 / n_groups)],
                spec=[int(mode), int(gamma is not None), int(combine is not None), int(rope is not None),
                      int(inject is not None)],
                writes=sorted(writes), name=name,
