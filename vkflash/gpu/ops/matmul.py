@@ -45,6 +45,11 @@ GEMV_ROWS: dict[Q, int] = {Q.F32: 2, Q.F16: 4, Q.BF16: 4}
 """Weight rows per GEMV workgroup (NDEC; their slices' loads are in flight together): fewer for
 wide raw slices (F32: 32 registers a row); GEMV_ROWS_QUANT for every block-quantized type."""
 GEMV_ROWS_QUANT = 8
+GEMV_K_QUANTS: tuple[Q, ...] = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+"""K-quant GEMVs decode more per slice: 128 invocations × 4 rows measured 1.0–1.35× of 64 × 8 on
+the H200 (Q6_K LM head 887 → 1193 GB/s), so they get GEMV_WG_K and GEMV_ROWS_K."""
+GEMV_WG_K, GEMV_ROWS_K = 128, 4
+GEMV_MIN_GROUPS = 128  # fewer rows per workgroup for short outputs, so a GEMV fills the GPU
 GEMV_ROWS_CPU = 2  # CPU drivers (lavapipe): LLVM compile time grows with NDEC, speed is moot
 GEMV_STACK_ROWS_CPU = 4  # fused-mode GEMV rows there: 2 output rows per block (GLU, hc = 2) for the tests to cover
 GEMV_MAX_COLS = 8  # token columns of one GEMV (handled one after the other in the shader)
@@ -60,7 +65,8 @@ def _kernels() -> list[Kernel]:
     out = []
     for t in TYPES:
         d = (("QTYPE", int(t)),)
-        out.append(Kernel(f"mul_mat_vec_{t.name.lower()}", "mul_mat_vec.comp", 6, d, local_size=GEMV_WG))
+        out.append(Kernel(f"mul_mat_vec_{t.name.lower()}", "mul_mat_vec.comp", 6, d,
+                          local_size=GEMV_WG_K if t in GEMV_K_QUANTS else GEMV_WG))
         out.append(Kernel(f"mul_mat_{t.name.lower()}", "mul_mat.comp", 6, d, local_size=256))
         if t in COOPMAT_TYPES:
             out.append(Kernel(f"mul_mat_cm_{t.name.lower()}", "mul_mat_cm.comp", 6, d, local_size=128,
@@ -162,6 +168,18 @@ def _check(w: QWeight, x: Rows, y: Rows, ep: Epilogue) -> None:
             raise ValueError(f"matmul: {nm} partly overlaps y (in place needs the identical view)")
 
 
+def gemv_rows(caps: "Capabilities", qtype: int, n_out: int, cpu_rows: int = GEMV_ROWS_CPU) -> int:
+    """Weight rows a GEMV workgroup decodes: per type (cpu_rows on CPU drivers), halved while the
+    n_out output rows would give fewer than GEMV_MIN_GROUPS workgroups."""
+    if caps.device_type == "cpu":
+        return cpu_rows
+    t = Q(qtype)
+    rows = GEMV_ROWS_K if t in GEMV_K_QUANTS else GEMV_ROWS.get(t, GEMV_ROWS_QUANT)
+    while rows > 1 and -(-n_out // rows) < GEMV_MIN_GROUPS:
+        rows //= 2
+    return rows
+
+
 def _grid(caps: "Capabilities", n: int) -> tuple[int, int]:
     """A 2-D grid of at least n workgroups (shaders fold it to x + y·groups_x)."""
     gx = min(n, caps.max_workgroup_count[0])
@@ -180,7 +198,7 @@ def _dispatch(g: "Graph", w: QWeight, x: Rows, y: Rows, ep: Epilogue, coopmat: b
     desc = f"{t} {w.k}x{w.n_out} n={n_tok}"
     if n_tok <= GEMV_MAX_COLS or w.n_out <= TINY_OUT:
         tr = n_tok > GEMV_MAX_COLS
-        rows = GEMV_ROWS_CPU if caps.device_type == "cpu" else GEMV_ROWS.get(Q(w.qtype), GEMV_ROWS_QUANT)
+        rows = gemv_rows(caps, w.qtype, w.n_out)
         ndec, nplain = (w.n_out, TINY_TOKENS) if tr else (rows, n_tok)
         groups = _grid(caps, -(-(n_tok if tr else w.n_out) // (nplain if tr else ndec)))
         spec = [ep.flags, ndec, nplain, int(tr), max(1, caps.subgroup_min)]
@@ -254,10 +272,11 @@ def stacked_gemv(g: "Graph", w: QWeight, x: Rows, y: Rows, mode: int, name: str,
     caps = g.gpu.caps
     n, n_tok = y.n_cols, x.n_rows
     n_stack = 2 if mode == GEMV_GLU else (hc if mode == GEMV_HC else 1)  # the shader's NSTACK
-    rows = GEMV_STACK_ROWS_CPU if caps.device_type == "cpu" else GEMV_ROWS.get(Q(w.qtype), GEMV_ROWS_QUANT)
+    rows = gemv_rows(caps, w.qtype, n * n_stack, GEMV_STACK_ROWS_CPU)
     m = max(1, rows // n_stack)  # output rows per workgroup
     mul = X or x  # binding 3: X in GEMV_HC, unused (any buffer) in GEMV_GLU
-    push = [w.k, n, n_tok, w.row0, x.off, x.stride, y.off, y.stride, 0, mul.off, mul.stride, f32_bits(1.0)]
+    push = [w.k, n, n_tok, w.row0, x.off, x.stride, y.off, y.stride, 0, mul.off, mul.stride,
+            f32_bits(1.0 / hc if mode == GEMV_HC else 1.0)]  # GEMV_HC: the mean's 1/hc, as hc.comp's
     bias, res, k = x, x, 1
     if moe is not None:  # bias = the shared gate (row stride in the mul_off slot), res = ys
         res, bias, k = moe
