@@ -127,6 +127,27 @@ def test_barrier_every_dispatch_revert_knob(gpu, rng, monkeypatch):
     np.testing.assert_array_equal(outs["1"][1], outs["0"][1])
 
 
+@pytest.mark.parametrize("flag", ["auto", "1", "0"])
+def test_spin_wait_knob(gpu, rng, monkeypatch, flag):
+    """VKFLASH_SPIN_WAIT: auto polls on GPUs only; a polled chain gives the sleeping one's bits."""
+    from vkflash import settings
+
+    monkeypatch.setattr(settings, "_current", settings.load(env={"VKFLASH_SPIN_WAIT": flag}))
+    assert gpu.spin_wait == (flag == "1" or (flag == "auto" and gpu.caps.device_type != "cpu"))
+    n, steps = int(rng.integers(200, 3000)), int(rng.integers(20, 40))
+    alphas = rng.choice(ALPHAS, steps)
+    pb, qb = gpu.buffer(4 * n, "P"), gpu.buffer(4 * n, "Q")
+    g = gpu.graph(f"spin{flag}")
+    chain(g, Rows.flat(pb, n), Rows.flat(qb, n), alphas)
+    x0, y0 = rng.standard_normal((2, n)).astype(np.float32)
+    pb.write(x0)
+    qb.write(y0)
+    g.run()
+    want_p, want_q = chain_ref(x0, y0, alphas)
+    np.testing.assert_array_equal(pb.read(np.float32), want_p)
+    np.testing.assert_array_equal(qb.read(np.float32), want_q)
+
+
 def test_gpu_failure_becomes_device_error(gpu, rng):
     """A kp error while a submission runs (how a lost device shows) is a DeviceError naming the
     graph, so the server can report itself unhealthy."""

@@ -48,6 +48,13 @@ class Gpu:
         return b
 
     @property
+    def spin_wait(self) -> bool:
+        """Whether submissions poll their fence (VKFLASH_SPIN_WAIT; auto: not on CPU drivers, where
+        the polling core is one the driver computes on)."""
+        v = settings.current()["VKFLASH_SPIN_WAIT"]
+        return v == "1" or (v == "auto" and self.caps.device_type != "cpu")
+
+    @property
     def staging(self) -> "Staging":
         if self._staging is None:
             self._staging = Staging(self)

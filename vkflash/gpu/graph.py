@@ -142,7 +142,7 @@ class Graph:
         for ops in self._split():
             n_kp = 2 + 2 * len(ops)  # upper bound: a barrier before every op, one to the host
             seq = self.gpu.mgr.sequence(0, n_kp + 1 if timestamps else 0)
-            seq.set_spin_wait(bool(settings.current()["VKFLASH_SPIN_WAIT"]))
+            seq.set_spin_wait(self.gpu.spin_wait)
             sub = Submission(ops, seq, timestamps=timestamps)
             seq.record(kp.OpBarrier())
             sub.n_recorded = 1
