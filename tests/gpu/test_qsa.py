@@ -213,10 +213,18 @@ def test_union_per_tile(gpu, rng, mode):
     that union exceeds half of it), and each query's slot bits mark exactly its Sel_t in that list.
     The step starts among the dense queries (t+1 ≤ W), so early tiles fall back and later ones gather."""
     r, B = 4, int(rng.choice([16, 32]))
-    T, tile = int(rng.integers(150, 300)), int(rng.choice([8, 16, 32]))
-    p0 = int(rng.integers(0, B + r - 1))
+
+    def gathers(p0: int, T: int, tile: int, sel: np.ndarray) -> int:
+        """Tiles whose union is at most half their dense range (the gathered path)."""
+        return sum(2 * sel[t0:t0 + tile].any(axis=0).sum() <= p0 + min(T, t0 + tile) for t0 in range(0, T, tile))
+
+    while True:  # a draw covering both paths (with 32-query tiles, every union may exceed half)
+        T, tile = int(rng.integers(150, 300)), int(rng.choice([8, 16, 32]))
+        p0 = int(rng.integers(0, B + r - 1))
+        sel = _selections(rng, p0, T, r, B, mode)
+        if 0 < gathers(p0, T, tile, sel) < -(-T // tile):
+            break
     n_ctx = p0 + T + int(rng.integers(0, 40))
-    sel = _selections(rng, p0, T, r, B, mode)
     g, _, gp, cells, slots, n_tiles, words = _union_run(gpu, rng, p0, T, tile, sel, n_ctx)
     g.run()
     assert n_tiles == -(-T // tile)
