@@ -13,15 +13,19 @@
 // ROPE (attention q/k, MODEL.md A2 then A3): the normalised row (a head vector; n_groups = 1) is
 // rotated by NeoX partial RoPE exactly as shaders/rope.comp (row r = t*n_heads + h at position
 // pos[pos_off + t]); outputs go through shared memory first, so y may alias x. Dh ≤ MAX_DH.
-// INJECT (HC H5, decode): one workgroup per row normalises its groups in turn and also computes
-// ι[r, c'] = Σ_j w_inj[c', j] · y[r, j] (c' < n_groups ≤ MAX_HC; w_inj f32, n_groups rows of the
-// whole row) from the values it writes, so the Mix's inject projection needs no GEMV of its own.
+// INJECT (HC H5): also ι[r, c'] = Σ_j w_inj[c', j] · y[r, j] (c' < n_groups ≤ MAX_HC; w_inj f32,
+// n_groups rows of the whole row) from the values written, so the Mix's inject projection needs no
+// GEMV of its own. The workgroup of group c stores its partial sums P[r, c, c'] = Σ_{j in c} …;
+// the last of row r's workgroups to finish (counted in cnt[r]) adds them in group order into ι
+// and resets cnt[r] to 0 for the next replay. Buffer 8: cnt[n_rows] then P (uint bits), zeroed
+// once at allocation.
 // Groups of up to PER·workgroup elements are read once into registers, all loads issued before
 // the first store, so a decode row (one workgroup) waits on a few memory round trips, not one
 // per element; longer groups take the plain loops. Both sum in the same order.
 // Buffers: 0 x (f32), 1 gamma (f32; any buffer when unused), 2 y (f32; may alias x, same view,
 // except with COMBINE), 3 iota, 4 b (f32; any buffer when not COMBINE), 5 pos (int32; any
-// buffer when not ROPE), 6 w_inj from w_off, 7 ι out at o_off + r*o_stride (any when not INJECT).
+// buffer when not ROPE), 6 w_inj from w_off, 7 ι out at o_off + r*o_stride, 8 cnt and P (6-8: any
+// buffer when not INJECT).
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"
 #include "common/reduce.glsl"
@@ -42,6 +46,7 @@ layout(std430, binding = 4) restrict readonly buffer Bv { float bv[]; };
 layout(std430, binding = 5) restrict readonly buffer Pos { int pos[]; };
 layout(std430, binding = 6) restrict readonly buffer Wi { float w_inj[]; };
 layout(std430, binding = 7) writeonly buffer Io { float iota_out[]; };
+layout(std430, binding = 8) coherent buffer Part { uint part[]; };
 layout(push_constant) uniform P {
     uint n; uint n_groups; uint n_rows;
     uint x_off; uint x_stride; uint y_off; uint y_stride; uint g_off;
@@ -155,24 +160,42 @@ void norm_group(uint r, uint c, inout float inj[MAX_HC]) {
     }
 }
 
-void main() {
-    float inj[MAX_HC];
-    if (INJECT) {  // a row per workgroup: its groups in turn, then ι
-        for (uint r = gl_WorkGroupID.x; r < p.n_rows; r += gl_NumWorkGroups.x) {
-            [[unroll]] for (uint o = 0u; o < MAX_HC; ++o) inj[o] = 0.0;
-            for (uint c = 0u; c < p.n_groups; ++c) norm_group(r, c, inj);
-            [[unroll]] for (uint o = 0u; o < MAX_HC; ++o) {
-                if (o < p.n_groups) {  // uniform
-                    float t = wg_sum(inj[o]);
-                    if (gl_LocalInvocationID.x == 0u) iota_out[p.o_off + r * p.o_stride + o] = t;
-                }
-            }
+shared bool last_of_row;
+
+// INJECT: group c's partial sums of ι, then, in the row's last workgroup, ι itself.
+void inject_partials(uint r, uint c, float inj[MAX_HC]) {
+    const uint tid = gl_LocalInvocationID.x, ng = p.n_groups;
+    const uint pb = p.n_rows + r * ng * ng;  // P[r, ·, ·] after the counters
+    [[unroll]] for (uint o = 0u; o < MAX_HC; ++o) {
+        if (o < ng) {  // uniform
+            float t = wg_sum(inj[o]);
+            if (tid == 0u) part[pb + c * ng + o] = floatBitsToUint(t);
         }
-        return;
     }
+    if (tid == 0u) {
+        memoryBarrierBuffer();  // P visible before the count says so
+        last_of_row = atomicAdd(part[r], 1u) == ng - 1u;
+    }
+    barrier();
+    if (last_of_row) {  // uniform
+        memoryBarrierBuffer();
+        if (tid < ng) {
+            float s = 0.0;
+            for (uint c2 = 0u; c2 < ng; ++c2) s += uintBitsToFloat(part[pb + c2 * ng + tid]);
+            iota_out[p.o_off + r * p.o_stride + tid] = s;
+        }
+        if (tid == 0u) part[r] = 0u;
+    }
+    barrier();  // last_of_row is reused by the next group
+}
+
+void main() {
     uint total = p.n_rows * p.n_groups;
     for (uint k = gl_WorkGroupID.x; k < total; k += gl_NumWorkGroups.x) {
-        uint r = k / p.n_groups;
-        norm_group(r, k - r * p.n_groups, inj);
+        uint r = k / p.n_groups, c = k - r * p.n_groups;
+        float inj[MAX_HC];
+        [[unroll]] for (uint o = 0u; o < MAX_HC; ++o) inj[o] = 0.0;
+        norm_group(r, c, inj);
+        if (INJECT) inject_partials(r, c, inj);
     }
 }

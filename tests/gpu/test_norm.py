@@ -122,7 +122,7 @@ def test_combine_then_grouped_norm(gpu, rng):
 
 @pytest.mark.parametrize("combine", [True, False])
 def test_grouped_norm_with_inject(gpu, rng, combine):
-    """inject=(W_inj, ι): one workgroup per row also computes ι = X W_injᵀ from the X it writes;
+    """inject=(W_inj, ι): the groups' workgroups also compute ι = X W_injᵀ from the X they write;
     X equals the plain norm's bit for bit, ι the inject matmul's to f32 rounding (another order)."""
     from vkflash.gpu.ops.matmul import QWeight, matmul
 
@@ -160,6 +160,38 @@ def test_grouped_norm_with_inject(gpu, rng, combine):
     untouched = np.ones(out[True][2].size, bool)
     untouched[5:].reshape(T, 8)[:, :hc] = False
     assert np.isnan(out[True][2][untouched]).all()
+
+
+def test_inject_replays(gpu, rng):
+    """The groups' workgroups meet through a per-row counter that the last one resets: replays of one
+    recorded graph with fresh residuals, branch outputs and ι each give ι = X W_injᵀ and X."""
+    hc, d, T = int(rng.integers(2, 9)), int(rng.integers(1, 40)) * 16, int(rng.integers(1, 9))
+    gam = rng.standard_normal(hc * d).astype(np.float32)
+    W = (rng.standard_normal((hc, hc * d)) / np.sqrt(hc * d)).astype(np.float32)
+    rb, xb, gb = gpu.buffer(4 * T * hc * d, "R"), gpu.buffer(4 * T * hc * d, "X"), gpu.upload(gam, "gamma")
+    ib, bb, wb, ob = gpu.buffer(4 * T * hc, "iota"), gpu.buffer(4 * T * d, "b"), gpu.upload(W, "w_inj"), gpu.buffer(4 * T * hc, "o")
+    g = gpu.graph("inject_replays")
+    N.grouped_rms_norm(g, Rows(rb, T, hc * d), Rows(xb, T, hc * d), hc, 1e-6, gb,
+                       combine=(Rows(ib, T, hc), Rows(bb, T, d)), inject=(Rows(wb, hc, hc * d), Rows(ob, T, hc)))
+    for replay in range(3):
+        R, b = _rows(rng, T, hc * d), rng.standard_normal((T, d)).astype(np.float32)
+        iota = (rng.standard_normal((T, hc)) * 8).astype(np.float32)
+        rb.write(R)
+        bb.write(b)
+        ib.write(iota)
+        xb.fill(np.nan)
+        ob.fill(np.nan)
+        g.run()
+        s = 2.0 / (1.0 + np.exp(-iota.astype(np.float64) / hc))
+        Rn = R + np.repeat(s, d, axis=1) * np.tile(b.astype(np.float64), hc)
+        R_gpu = rb.read(np.float32).reshape(T, hc * d)
+        assert np.abs(R_gpu - Rn).max() <= 2.0**-20 * (np.abs(R).max() + 2 * np.abs(b).max()), f"replay {replay}: R"
+        X = xb.read(np.float32).reshape(T, hc * d)
+        _check(X, _rms(R_gpu, 1e-6, hc) * gam, d)
+        Xd = X.astype(np.float64)
+        bound = 2.0**-20 * (np.abs(Xd) @ np.abs(W.T).astype(np.float64))
+        got = ob.read(np.float32).reshape(T, hc)
+        assert np.all(np.abs(got - Xd @ W.T.astype(np.float64)) <= bound), f"replay {replay}: ι"
 
 
 def test_l2_norm_scaled(gpu, rng):

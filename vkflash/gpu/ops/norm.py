@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops.rope import check_neox
 from vkflash.gpu.ops.views import F32, Rows, check_alias, check_same_shape, f32_bits, grid
@@ -18,7 +20,7 @@ from vkflash.gpu.registry import Kernel
 if TYPE_CHECKING:
     from vkflash.gpu.graph import Graph
 
-KERNELS = [Kernel("norm", "norm.comp", 8)]
+KERNELS = [Kernel("norm", "norm.comp", 9)]
 MAX_DH = 512  # norm.comp ROPE: longest head row
 MAX_HC = 8  # norm.comp INJECT: most groups (hyper-connection streams)
 MAX_GROUPS = 65535  # one workgroup per group; more groups loop
@@ -76,10 +78,14 @@ def _norm(g: "Graph", mode: Mode, x: Rows, y: Rows, eps: float, n_groups: int, g
         Rows(gamma, 1, x.n_cols, gamma_off)  # bounds check: gamma spans the whole row
     n = x.n_cols // n_groups
     total = x.n_rows * n_groups
-    writes = [2] + [0] * (combine is not None) + [7] * (inject is not None)
+    writes = [2] + [0] * (combine is not None) + [7, 8] * (inject is not None)
+    part = x.buf
+    if inject is not None:  # per row: a finished-groups counter, then the groups' partial ι sums
+        part = g.gpu.buffer(4 * x.n_rows * (1 + n_groups * n_groups), f"{name}.inject_partials")
+        part.fill(0, np.uint32)
     g.dispatch("norm", [x.buf, gamma if gamma is not None else x.buf, y.buf, iota.buf, b.buf,
-                        rope.pos if rope is not None else x.buf, w_inj.buf, i_out.buf],
-               [grid(x.n_rows if inject is not None else total, 1, MAX_GROUPS)],
+                        rope.pos if rope is not None else x.buf, w_inj.buf, i_out.buf, part],
+               [grid(total, 1, MAX_GROUPS)],
                push=[n, n_groups, x.n_rows, x.off, x.stride, y.off, y.stride, gamma_off, f32_bits(eps), f32_bits(post),
                      iota.off, iota.stride, b.off, b.stride] + ([rope.n_heads, rope.n_rot, rope.pos_off,
                                                                 f32_bits(rope.theta)] if rope else [1, 2, 0, 0])
@@ -104,8 +110,8 @@ def grouped_rms_norm(g: "Graph", x: Rows, y: Rows, n_groups: int, eps: float, ga
                      combine: tuple[Rows, Rows] | None = None, inject: tuple[Rows, Rows] | None = None) -> None:
     """Each row of hc·d values is hc = n_groups streams of d, each RMS-normalised; then ⊙ γ ∈ R^{hc·d}.
     With combine = (ι, b), first x_c += 2σ(ι_c/hc)·b in place (HC H6; x is then the residual R);
-    with inject = (W_inj f32 hc × hc·d, ι_out), also ι_out = y W_injᵀ (HC H5; one workgroup per
-    row, so meant for decode)."""
+    with inject = (W_inj f32 hc × hc·d, ι_out), also ι_out = y W_injᵀ (HC H5; summed from each group's
+    workgroup by the row's last one)."""
     _norm(g, Mode.RMS, x, y, eps, n_groups, gamma, gamma_off, 1.0, name, combine, inject=inject)
 
 
