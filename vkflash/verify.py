@@ -14,9 +14,12 @@ in float32, and a value's bound is at least F32_FACTOR × that f32 run's own err
 residual stream, its worst in the step): some models
 amplify f32 rounding past MODEL.md's bounds whoever computes them (qwen3next-tiny's GDN layers,
 ~10× per layer, reach 2e-4 at layer 7 in NumPy f32), and a GPU as good as NumPy f32 is correct.
-Larger models get a float32 reference, itself that far off, and every bound × F32_REF_FACTOR
-(Qwen2.5-Coder-0.5B: NumPy f32 vs float64 up to 1.4e-4 on the residual stream, GPU vs NumPy f32
-up to 3.7e-4 on 16 random tokens; a corrupt weight is off by ≫ 1e-2).
+Larger models get a float32 reference, itself that far off, and every bound × F32_REF_FACTOR,
+the residual stream's at least F32_REF_RESIDUAL (Qwen2.5-Coder-0.5B: NumPy f32 vs float64 up to
+1.4e-4 on the residual stream; GPU vs NumPy f32 mostly 1e-4–8e-4, but in about one draw of 16
+random tokens in ten up to 2.4e-3, once 5.3e-3 in 30 draws: where the model's massive
+activations (max|x| ≈ 100 RMS) meet f32 sums of 4864 terms added in another order; a wrong
+kernel is off by O(1)).
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ F32_FACTOR = 4.0
 """How much worse than the float32 reference (vs float64) the GPU may be before its f32 floor fails."""
 F32_REF_FACTOR = 8.0
 """Every bound's factor when the reference itself is float32 (models above F64_LIMIT)."""
+F32_REF_RESIDUAL = 1e-2
+"""The residual stream's bound when the reference itself is float32 (see the module docstring)."""
 _BLK = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -128,11 +133,13 @@ def tolerance(name: str) -> float:
 
 
 def compare(phase: str, gpu: dict[str, np.ndarray], ref: dict[str, np.ndarray],
-            ref32: dict[str, np.ndarray] | None = None, scale: float = 1.0) -> list[OpError]:
+            ref32: dict[str, np.ndarray] | None = None, scale: float = 1.0,
+            residual_floor: float = 0.0) -> list[OpError]:
     """OpErrors for the names both sides produced, in the reference's (execution) order. A GPU
     buffer holds its op's output in its leading elements (rows at offset 0); a buffer smaller
     than the reference value cannot hold it and is reported as a failure; a 2-D view wider than
-    the reference's rows is cut to them. Bounds are × `scale`; with the float32 reference `ref32`,
+    the reference's rows is cut to them. Bounds are × `scale`, the residual stream's at least
+    `residual_floor`; with the float32 reference `ref32`,
     a bound is at least F32_FACTOR × its error, for the residual stream its worst error in the step
     (per value it scatters: one layer may come out 10× better than its neighbours by chance)."""
     floors: dict[str, float] = {}
@@ -151,6 +158,8 @@ def compare(phase: str, gpu: dict[str, np.ndarray], ref: dict[str, np.ndarray],
             flat = flat[:want.shape[0], :want.shape[1]]  # a view sized for the most columns (QSA blocks)
         flat = flat.reshape(-1)
         tol = max(scale * tolerance(name), floors.get(name, 0.0))
+        if checked(name) and name != LOGITS:
+            tol = max(tol, residual_floor)
         if flat.size < want.size:
             rows.append(OpError(phase, name, float("inf"), tol))
             continue
@@ -221,7 +230,9 @@ def verify(path: Path, tokens: Sequence[int], fwd: "GpuForward | None" = None, c
     refs32 = reference_steps(load_model(path, np.float32), steps, seen) if dtype is np.float64 else [None, None]
     report = Report(len(toks))
     for phase, got, ref, ref32 in zip(("prefill", "decode"), gpu, refs, refs32):
-        report.rows += compare(phase, got, ref, ref32, 1.0 if dtype is np.float64 else F32_REF_FACTOR)
+        f32_ref = dtype is not np.float64
+        report.rows += compare(phase, got, ref, ref32, F32_REF_FACTOR if f32_ref else 1.0,
+                               F32_REF_RESIDUAL if f32_ref else 0.0)
         if LOGITS in got and LOGITS in ref:
             n, V = ref[LOGITS].shape
             gpu_logits = got[LOGITS][:n * V].reshape(n, V)
