@@ -5,11 +5,10 @@
 // A row r of n_groups*n values is n_groups groups of n, each normalised on its own (grouped
 // RMSNorm of a wide HC vector, MODEL.md §2); group c of row r starts at x_off + r*x_stride + c*n.
 // gamma (if HAS_GAMMA) spans the whole row: element c*n + i uses gamma[g_off + c*n + i].
-// COMBINE (HC, MODEL.md H6 then H1): first x[r, c*n + i] += 2σ(iota[r, c] · inv) · b[r, i]
-// (inv = 1/n_groups rounded to f32, pushed)
-// in place (hc.comp COMBINE's formula), then the norm of the updated group; one dispatch for a
-// Combine and the next Mix's grouped RMSNorm. Each x element is updated and re-read by one
-// invocation (both loops walk i the same way).
+// COMBINE (HC, MODEL.md H6 then H1): first x[r, c*n + i] += 2σ(iota[r, c] · inv) · b[r, i] in
+// place (hc.comp COMBINE's formula; inv = 1/n_groups rounded to f32, pushed), then the norm of the
+// updated group; one dispatch for a Combine and the next Mix's grouped RMSNorm. Each x element is
+// updated and re-read by one invocation (both loops walk i the same way).
 // ROPE (attention q/k, MODEL.md A2 then A3): the normalised row (a head vector; n_groups = 1) is
 // rotated by NeoX partial RoPE exactly as shaders/rope.comp (row r = t*n_heads + h at position
 // pos[pos_off + t]); outputs go through shared memory first, so y may alias x. Dh ≤ MAX_DH.
@@ -20,8 +19,8 @@
 // and resets cnt[r] to 0 for the next replay. Buffer 8: cnt[n_rows] then P (uint bits), zeroed
 // once at allocation.
 // Groups of up to PER·workgroup elements are read once into registers, all loads issued before
-// the first store, so a decode row (one workgroup) waits on a few memory round trips, not one
-// per element; longer groups take the plain loops. Both sum in the same order.
+// the first store, so a group's workgroup waits on a few memory round trips, not one per element;
+// longer groups (and ROPE) take the plain loops. Both sum in the same order.
 // Buffers: 0 x (f32), 1 gamma (f32; any buffer when unused), 2 y (f32; may alias x, same view,
 // except with COMBINE), 3 iota, 4 b (f32; any buffer when not COMBINE), 5 pos (int32; any
 // buffer when not ROPE), 6 w_inj from w_off, 7 ι out at o_off + r*o_stride, 8 cnt and P (6-8: any
@@ -65,6 +64,18 @@ float normed(uint xb, uint g0, uint i, float s) {
     return v;
 }
 
+// COMBINE's stream weight 2σ(ι[r, c]·(1/n_groups)).
+float combine_weight(uint r, uint c) {
+    precise float s = 2.0 * sigmoid(iota[p.i_off + r * p.i_stride + c] * uintBitsToFloat(p.inv_bits));
+    return s;
+}
+
+// The factor that normalises a group whose squares sum (over the workgroup) to ss.
+float norm_factor(float ss) {
+    float eps = uintBitsToFloat(p.eps_bits), post = uintBitsToFloat(p.post_bits);
+    return post / sqrt((MODE == 0 ? ss / float(p.n) : ss) + eps);
+}
+
 // inj[o] += w_inj[o, col] · v for each of the row's n_groups inject rows (unrolled: inj stays in registers).
 void add_inject(inout float inj[MAX_HC], uint col, float v) {
     [[unroll]] for (uint o = 0u; o < MAX_HC; ++o) {
@@ -75,7 +86,6 @@ void add_inject(inout float inj[MAX_HC], uint col, float v) {
 // norm_group for a group of n ≤ PER·workgroup elements without RoPE: element tid + k·WG is v[k].
 void norm_group_cached(uint r, uint c, inout float inj[MAX_HC]) {
     const uint tid = gl_LocalInvocationID.x, wgs = gl_WorkGroupSize.x;
-    float eps = uintBitsToFloat(p.eps_bits), post = uintBitsToFloat(p.post_bits);
     uint xb = p.x_off + r * p.x_stride + c * p.n, yb = p.y_off + r * p.y_stride + c * p.n;
     uint bb = p.b_off + r * p.b_stride, g0 = p.g_off + c * p.n;
     float v[PER], bk[PER], gk[PER];
@@ -86,7 +96,7 @@ void norm_group_cached(uint r, uint c, inout float inj[MAX_HC]) {
         if (HAS_GAMMA) gk[k] = gamma[g0 + i];
     }
     if (COMBINE) {
-        precise float s = 2.0 * sigmoid(iota[p.i_off + r * p.i_stride + c] * uintBitsToFloat(p.inv_bits));
+        const float s = combine_weight(r, c);
         [[unroll]] for (uint k = 0u; k < PER; ++k) {
             precise float t = s * bk[k];
             v[k] += t;
@@ -97,8 +107,7 @@ void norm_group_cached(uint r, uint c, inout float inj[MAX_HC]) {
     [[unroll]] for (uint k = 0u; k < PER; ++k) {
         if (tid + k * wgs < p.n) ss += v[k] * v[k];
     }
-    ss = wg_sum(ss);
-    float s = post / sqrt((MODE == 0 ? ss / float(p.n) : ss) + eps);
+    const float s = norm_factor(wg_sum(ss));
     [[unroll]] for (uint k = 0u; k < PER; ++k) {
         uint i = tid + k * wgs;
         if (i < p.n) {
@@ -117,11 +126,10 @@ void norm_group(uint r, uint c, inout float inj[MAX_HC]) {
         norm_group_cached(r, c, inj);
         return;
     }
-    float eps = uintBitsToFloat(p.eps_bits), post = uintBitsToFloat(p.post_bits);
     uint xb = p.x_off + r * p.x_stride + c * p.n, yb = p.y_off + r * p.y_stride + c * p.n;
     float ss = 0.0;
     if (COMBINE) {
-        precise float s = 2.0 * sigmoid(iota[p.i_off + r * p.i_stride + c] * uintBitsToFloat(p.inv_bits));
+        const float s = combine_weight(r, c);
         uint bb = p.b_off + r * p.b_stride;
         for (uint i = gl_LocalInvocationID.x; i < p.n; i += gl_WorkGroupSize.x) {
             precise float v = s * bv[bb + i];
@@ -129,8 +137,7 @@ void norm_group(uint r, uint c, inout float inj[MAX_HC]) {
         }
     }
     for (uint i = gl_LocalInvocationID.x; i < p.n; i += gl_WorkGroupSize.x) ss += x[xb + i] * x[xb + i];
-    ss = wg_sum(ss);
-    float s = post / sqrt((MODE == 0 ? ss / float(p.n) : ss) + eps);
+    const float s = norm_factor(wg_sum(ss));
     uint g0 = p.g_off + c * p.n;
     if (ROPE) {
         uint half_rot = p.n_rot / 2u;

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vkflash.gpu.memory import Buffer
-from vkflash.settings import current
 from vkflash.gpu.ops.gdn import STEP_MAX_T
 from vkflash.gpu.ops.views import Rows
 from vkflash.model.hparams import HParams
+from vkflash.settings import current
 
 if TYPE_CHECKING:
     from vkflash.engine.step_params import StepParams
