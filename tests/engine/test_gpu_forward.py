@@ -4,7 +4,7 @@ truncation, and the shape of the decode graph (one submission)."""
 
 from __future__ import annotations
 
-import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -12,11 +12,11 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from qwen2_tiny import Geometry, write_qwen2
-from vkflash import settings
 from vkflash.engine.api import ArgmaxForward, Forward, InvalidRequest
 from vkflash.engine.gpu_forward import GpuForward, pieces
 from vkflash.engine.graphs.common import Head
-from vkflash.gpu.ops.matmul import fuse_epilogue
+from vkflash.gpu.ops.attention import decode_splits
+from vkflash.gpu.options import Fusion
 from vkflash.model import reference
 from vkflash.model.weights import load_model
 
@@ -37,10 +37,10 @@ REAL = 5e-3
 COOPMAT = 2e-2
 
 
-@pytest.fixture(autouse=True)
-def _matmul_path(request, monkeypatch):
-    off = "0" if "coopmat" in request.node.name else "1"
-    monkeypatch.setattr(settings, "_current", settings.load(env=dict(os.environ, VKFLASH_DISABLE_COOPMAT=off)))
+@pytest.fixture
+def gpu(gpu, request):
+    """The session's device with f32 GEMMs (coopmat for the tests named *coopmat*)."""
+    return gpu.with_options(replace(gpu.options, coopmat="coopmat" in request.node.name))
 
 
 def _rel(got: np.ndarray, ref: np.ndarray) -> float:
@@ -67,7 +67,7 @@ def test_coopmat_prefill_close(gpu, rng, tmp_path):
     within 2e-2·std and the argmax agrees at ≥ 95% of positions."""
     from vkflash.gpu.ops.matmul import use_coopmat
 
-    if not use_coopmat(gpu.caps, Q.Q8_0):
+    if not use_coopmat(gpu, Q.Q8_0):
         pytest.skip("no cooperative matrices on this device")
     path = _model(tmp_path, rng, Q.Q8_0)
     toks = rng.integers(0, GEO.V, 100)
@@ -102,7 +102,7 @@ def test_prefill_then_decode_equals_one_prefill(gpu, rng, tmp_path, kv):
     path = _model(tmp_path, rng, Q.Q8_0)
     toks = rng.integers(0, GEO.V, 57)
     fwd = GpuForward(path, ctx=600, ub=64, kv=kv, gpu=gpu)
-    assert fwd.model.n_split > 1, "ctx 600 should split the decode attention"
+    assert decode_splits(fwd.n_ctx) > 1, "ctx 600 should split the decode attention"
     whole = fwd.prefill_logits(toks)
     fwd.reset()
     steps = [fwd.prefill(toks[:37])] + [fwd.decode(int(t)) for t in toks[37:]]
@@ -182,15 +182,15 @@ def test_context_end_and_truncate(gpu, rng, tmp_path):
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=lambda q: q.name)
-def test_stacked_weights_equal_plain(gpu, rng, tmp_path, monkeypatch, qtype):
+def test_stacked_weights_equal_plain(gpu, rng, tmp_path, qtype):
     """VKFLASH_STACK_WEIGHTS=0 (W_q, W_k and gate/up each their own matmul) gives the logits of the
     stacked default (one matmul for q+k with both biases, one GLU GEMV in decode)."""
     path = _model(tmp_path, rng, qtype)
     toks = rng.integers(0, GEO.V, 40)
     out = {}
     for stack in ("1", "0"):
-        monkeypatch.setattr(settings, "_current", settings.load(env=dict(os.environ, VKFLASH_STACK_WEIGHTS=stack)))
-        fwd = GpuForward(path, ctx=64, ub=16, kv="f32", gpu=gpu)
+        fwd = GpuForward(path, ctx=64, ub=16, kv="f32", gpu=gpu.with_options(replace(gpu.options,
+                                                                                 stack_weights=stack == "1")))
         w = fwd.model.weights
         assert (w["blk.0.attn_k.weight"].buf is w["blk.0.attn_q.weight"].buf) == (stack == "1")
         out[stack] = np.vstack([fwd.prefill_logits(toks[:39]), fwd.decode(int(toks[39]))[None]])
@@ -206,8 +206,9 @@ def test_decode_graph_is_one_submission(gpu, rng, tmp_path):
     fwd = GpuForward(path, ctx=1000, ub=32, kv="f16", gpu=gpu)
     stats = fwd.graph_stats(1, Head.LAST)
     assert stats.submissions == 1
-    per_layer = (10 + (fwd.model.n_split > 1) + (0 if fuse_epilogue() else 7)
-                 + int(settings.current()["VKFLASH_DISABLE_FUSION"]))
+    fusions = gpu.options.fusions
+    per_layer = (10 + (decode_splits(fwd.n_ctx) > 1) + (0 if Fusion.EPILOGUE in fusions else 7)
+                 + int(Fusion.KV_APPEND not in fusions))
     assert stats.dispatches == 1 + GEO.L * per_layer + 4
     names = {op.name for op in fwd.graph(1, Head.LAST).ops}
     assert {"inp_embd", "blk.0.attn_norm", f"blk.{GEO.L - 1}.l_out", "result_output"} <= names

@@ -1,37 +1,34 @@
 """Dispatch-saving rewrites of the hybrid step graphs against their plain paths: stacked weights
 (VKFLASH_STACK_WEIGHTS: GDN input projections, router + shared gate, shared and routed gate/up,
-HC down + inject) and each Combine riding on the next Mix's norm (VKFLASH_HC_FUSE). Both settings
-give the same logits on the same tokens, with fewer dispatches per decode step."""
+HC down + inject) and every rule of the fusion pass (gpu/fuse.py) against none and the
+multi-dispatch HC tails. Both give the same logits on the same tokens, with fewer dispatches per
+decode step."""
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import pytest
 
 from hybrid_ref import rel
-from vkflash import settings
 from vkflash.engine.gpu_forward import GpuForward
 from vkflash.engine.graphs.common import Head, run_stacks
+from vkflash.gpu.options import GpuOptions
 from vkflash.model.make_model import make_model
 
 pytestmark = pytest.mark.gpu
 
 
-def _forward(monkeypatch, gpu, path, on: bool) -> GpuForward:
-    v = "1" if on else "0"
+def _forward(gpu, path, on: bool) -> GpuForward:
     # scalar GEMMs: coopmat rounds activations to f16, and a stacked GEMM may take coopmat where a
     # member alone is small enough for the GEMV (or the reverse); at 41 tokens that f16 rounding
     # flips MoE routes, so the paths are compared at f32 (the reference tests cover coopmat)
-    env = dict(os.environ, VKFLASH_STACK_WEIGHTS=v, VKFLASH_HC_FUSE=v, VKFLASH_DISABLE_COOPMAT="1")
-    monkeypatch.setattr(settings, "_current", settings.load(env=env))
-    return GpuForward(path, ctx=96, ub=24, kv="f32", gpu=gpu, logits_rows=24)
+    opts = GpuOptions() if on else GpuOptions(fusions=frozenset(), hc_tails=False, stack_weights=False)
+    return GpuForward(path, ctx=96, ub=24, kv="f32", gpu=gpu.with_options(opts), logits_rows=24)
 
 
 @pytest.mark.parametrize("arch,quant", [("qwen4exp", "F32"), ("qwen4exp", "Q8_0"), ("qwen3next", "F32"),
                                         ("qwen3next", "mix")])
-def test_stacked_and_fused_equal_plain(gpu, rng, tmp_path, monkeypatch, arch, quant):
+def test_stacked_and_fused_equal_plain(gpu, rng, tmp_path, arch, quant):
     """Teacher-forced logits of 40 tokens (steps 24 + 16) and one decode agree with the plain path;
     the decode graph has fewer dispatches. Stacks are taken only where the file's types agree
     (Q8_0: the F32 inject stays apart from the Q8_0 down projection)."""
@@ -40,7 +37,7 @@ def test_stacked_and_fused_equal_plain(gpu, rng, tmp_path, monkeypatch, arch, qu
     toks = rng.integers(0, 512, 41)
     out, count = {}, {}
     for on in (True, False):
-        fwd = _forward(monkeypatch, gpu, path, on)
+        fwd = _forward(gpu, path, on)
         fwd.model.head.logits.fill(np.nan)
         out[on] = np.vstack([fwd.prefill_logits(toks[:40]), fwd.decode(int(toks[40]))[None]])
         count[on] = fwd.graph_stats(1, Head.LAST).dispatches

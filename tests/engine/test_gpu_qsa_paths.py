@@ -74,11 +74,12 @@ def test_gathered_prefill_equals_masked(gpu, rng, tmp_path: Path, monkeypatch):
             fwd = GpuForward(path, ctx=256, ub=58, kv="f32", gpu=gpu, logits_rows=58)
         seen[gp] = Seen()
         out[gp] = _run(fwd, toks, 232, seen[gp])
-        qb = fwd.model.state.qsa
-        fwd.prefill(toks[:4])  # one more 4-token step (positions 236..239) to compare the last QSA layer's bit rows
-        sel[gp] = qb.mask.read(np.uint32, 4 * qb.mask_words)
+        # one more 4-token step (positions 236..239) to compare the last QSA layer's bit rows
+        b = f"blk.{_last_qsa(fwd)}."
+        taps = fwd.dump_step(toks[:4], [b + "qsa_mask", b + "qsa_union.gp"])
+        sel[gp] = taps[b + "qsa_mask"].view(np.uint32)
         if gp == "1":  # tiles of 3 and 1 queries select ≤ 3·W = 105 cells of 239 and 240: both gather
-            counts = qb.tile_gp.read(np.int32, 4)[1::2]
+            counts = taps[b + "qsa_union.gp"].view(np.int32).reshape(-1)[1::2]
             assert (counts < 236 + np.array([3, 4])).all(), f"a tile fell back to dense: |U| = {counts}"
     for gp in ("1", "0"):
         reference_logits(path, toks, seen[gp]).check(out[gp])
@@ -94,11 +95,15 @@ def test_repooled_summary_equals_cache(gpu, rng, tmp_path: Path):
     for pooled in ("1", "0"):
         with knobs(POOLED=pooled):
             fwd = GpuForward(path, ctx=64, ub=24, kv="f32", gpu=gpu, logits_rows=24)
-        out[pooled] = np.vstack([fwd.prefill_logits(toks[:24]), fwd.prefill_logits(toks[24:48])]
-                                + [fwd.decode(int(t))[None] for t in toks[48:]])
-        idx = fwd.model.state.idx[_last_qsa(fwd)]
+        layer = _last_qsa(fwd)
+        steps = [fwd.prefill_logits(toks[:24]), fwd.prefill_logits(toks[24:48])]
+        steps += [fwd.decode(int(t))[None] for t in toks[48:-1]]
+        taps = fwd.dump_step(toks[-1:], ["result_output", f"blk.{layer}.qsa_pool"])  # the last step, tapped
+        out[pooled] = np.vstack(steps + [taps["result_output"].reshape(-1)[None, :fwd.n_vocab]])
+        idx = fwd.model.state.idx[layer]
         n_words = (len(toks) // idx.r) * idx.keys.dim
-        buf = idx.summary if pooled == "1" else fwd.model.state.qsa.pooled
-        rows[pooled] = buf.read(np.uint32, n_words)
+        repooled = taps.get(f"blk.{layer}.qsa_pool")
+        rows[pooled] = idx.summary.read(np.uint32, n_words) if pooled == "1" else \
+            repooled.view(np.uint32).reshape(-1)[:n_words]
     assert np.array_equal(rows["1"], rows["0"]), "re-pooled rows differ from the summary cache"
     assert np.array_equal(out["1"], out["0"]), f"logits differ by {rel(out['0'], out['1']):.2e}·std"

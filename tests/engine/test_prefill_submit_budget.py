@@ -4,17 +4,15 @@ forward and within MODEL.md's bound of the reference."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
 from qwen2_tiny import Geometry, write_qwen2
-from vkflash import settings
 from vkflash.engine.gpu_forward import GpuForward, pieces
 from vkflash.engine.graphs.common import Head
 from vkflash.gpu import cost
+from vkflash.gpu.options import GpuOptions
 from vkflash.model import reference
 from vkflash.model.weights import load_model
 
@@ -40,10 +38,10 @@ def test_prefill_splits_decode_stays_one(gpu, rng, tmp_path, monkeypatch):
     m = len(toks) - int(rng.integers(3, 8))
     ub = int(rng.choice([16, 32]))
 
-    env = dict(os.environ, VKFLASH_DISABLE_COOPMAT="1")  # f32 GEMMs: the reference bound is MODEL.md's f32 one
-    monkeypatch.setattr(settings, "_current", settings.load(env=dict(env, VKFLASH_SUBMIT_BUDGET_MS="1")))
+    f32 = {"VKFLASH_DISABLE_COOPMAT": "1"}  # f32 GEMMs: the reference bound is MODEL.md's f32 one
     monkeypatch.setattr(cost, "assumed_rates", lambda caps: SLOW)
-    tiny = GpuForward(path, ctx=200, ub=ub, kv="f32", gpu=gpu)
+    tiny = GpuForward(path, ctx=200, ub=ub, kv="f32",
+                      gpu=gpu.with_options(GpuOptions.from_knobs(**f32, VKFLASH_SUBMIT_BUDGET_MS="1")))
     got = _run(tiny, toks, m)
     decode = tiny.graph(1, Head.LAST)
     assert sum(decode.estimates()) > 1e-3 and len(decode.submissions) == 1
@@ -57,8 +55,7 @@ def test_prefill_splits_decode_stays_one(gpu, rng, tmp_path, monkeypatch):
             assert len(est) == 1 or sum(est) <= 1e-3
 
     monkeypatch.undo()
-    monkeypatch.setattr(settings, "_current", settings.load(env=env))  # the same kernels: the same bits
-    whole = GpuForward(path, ctx=200, ub=ub, kv="f32", gpu=gpu)
+    whole = GpuForward(path, ctx=200, ub=ub, kv="f32", gpu=gpu.with_options(GpuOptions.from_knobs(**f32)))  # same bits
     want = _run(whole, toks, m)
     assert all(whole.graph_stats(n, Head.ALL).submissions == 1 for n in prefills)
     np.testing.assert_array_equal(got, want)

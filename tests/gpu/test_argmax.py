@@ -21,7 +21,7 @@ def _run(gpu, x: np.ndarray, off: int = 0) -> np.ndarray:
     sb.fill(0xFFFFFFFF, np.uint32)
     ob.fill(0xDEADBEEF, np.uint32)
     g = gpu.graph("argmax")
-    A.argmax(g, Rows(xb, rows, n, off), sb, ob, out_off=1)
+    A.argmax(g, Rows(xb, rows, n, off), ob, out_off=1, scratch=sb)
     g.run()
     out = ob.read(np.uint32)
     assert out[0] == 0xDEADBEEF  # nothing written before out_off
@@ -63,7 +63,7 @@ def test_replay_sees_new_logits(gpu, rng):
     xb, ob = gpu.buffer(4 * n, "logits"), gpu.buffer(4, "token")
     sb = gpu.buffer(A.scratch_bytes(gpu.caps, n), "scratch")
     g = gpu.graph("argmax_replay")
-    A.argmax(g, Rows.flat(xb, n), sb, ob)
+    A.argmax(g, Rows.flat(xb, n), ob, scratch=sb)
     for _ in range(4):
         x = rng.standard_normal(n).astype(np.float32)
         xb.write(x)
@@ -76,10 +76,10 @@ def test_validation(gpu):
     g = gpu.graph("bad")
     small = gpu.buffer(4, "scratch")
     with pytest.raises(ValueError, match="needs"):
-        A.argmax(g, Rows.flat(xb, 1000), small, ob)
+        A.argmax(g, Rows.flat(xb, 1000), ob, scratch=small)
     sb = gpu.buffer(A.scratch_bytes(gpu.caps, 500, 2), "scratch")
     with pytest.raises(ValueError, match="overflow"):
-        A.argmax(g, Rows(xb, 2, 500), sb, ob, out_off=1)
+        A.argmax(g, Rows(xb, 2, 500), ob, out_off=1, scratch=sb)
     with pytest.raises(ValueError, match="different buffers"):
-        A.argmax(g, Rows(xb, 2, 500), sb, sb)
+        A.argmax(g, Rows(xb, 2, 500), sb, scratch=sb)
     assert not g.ops

@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 
 from attention_ref import attend, causal, encode, make_cache, pack_bits, rounded
+from fusion_util import graph
 from vkflash.gpu.ops.attention import Cache, CellMask, CacheType, CellList, Heads, attention, kv_append, \
     partial_bytes, q_and_gate
 from vkflash.gpu.ops.views import Rows
+from vkflash.gpu.options import Fusion
 
 pytestmark = pytest.mark.gpu
 TOL = 2e-5
@@ -74,7 +76,7 @@ def test_kv_append(gpu, rng, ctype, heads, dim):
 
 @pytest.mark.parametrize("ctype", list(CacheType))
 def test_kv_append_pair(gpu, rng, ctype):
-    """K and V of a layer in one dispatch (`second`) write the same bytes as two appends; K read
+    """Fusion.KV_APPEND: K and V of a layer in one dispatch write the same bytes as two appends; K read
     from a wider q|k row at a column offset, V from its own rows."""
     n_ctx, T, heads, dim = int(rng.integers(40, 70)), int(rng.integers(1, 20)), int(rng.integers(1, 4)), 64
     pos = rng.permutation(n_ctx)[:T].astype(np.int32)
@@ -91,13 +93,10 @@ def test_kv_append_pair(gpu, rng, ctype):
                   for n in ("K", "V")]
         for c in caches:
             c.buf.fill(0xA5, np.uint8)
-        g = gpu.graph("kv_pair")
-        if paired:
-            kv_append(g, params, 0, k_src, caches[0], second=(v_src, caches[1]))
-            assert len(g.ops) == 1
-        else:
-            kv_append(g, params, 0, k_src, caches[0])
-            kv_append(g, params, 0, v_src, caches[1])
+        g = graph(gpu, "kv_pair", paired, Fusion.KV_APPEND)
+        kv_append(g, params, 0, k_src, caches[0])
+        kv_append(g, params, 0, v_src, caches[1])
+        assert len(g.ops) == (1 if paired else 2)
         g.run()
         out[paired] = [c.buf.read(np.uint8, c.buf.nbytes) for c in caches]
     for a, b in zip(out[True], out[False]):

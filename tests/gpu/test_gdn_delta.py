@@ -157,9 +157,12 @@ def test_step_over_T_equals_chunked(gpu, rng, S):
 
 @pytest.mark.parametrize("variant", [Variant.STEP, Variant.CHUNK])
 def test_raw_gates_equal_gates_then_delta(gpu, rng, variant):
-    """raw_gates: β = σ(b), g = softplus(a + dt_bias)·ssm_a computed inside the delta kernel give the
-    same o and state as gdn.gates then gdn.delta up to rounding (strided raw columns, as in the GDN
-    proj row), and o near the float64 recurrence."""
+    """Fusion.GDN_GATES: β = σ(b), g = softplus(a + dt_bias)·ssm_a computed inside the delta kernel
+    give the same o and state as gdn.gates then gdn.delta up to rounding (strided raw columns, as in
+    the GDN proj row), and o near the float64 recurrence."""
+    from fusion_util import graph
+    from vkflash.gpu.options import Fusion
+
     shape = GDNShape(2, 6, 32, HeadMap.TILED)
     T, n_v, C = int(rng.integers(1, 80)), shape.n_v, shape.C
     x = _inputs(rng, shape, T)
@@ -174,15 +177,12 @@ def test_raw_gates_equal_gates_then_delta(gpu, rng, variant):
         ob.fill(np.nan)
         b, a = Rows(rb, T, n_v, 0, 2 * n_v), Rows(rb, T, n_v, n_v, 2 * n_v)
         dtv, sav = Rows(db, 1, n_v), Rows(ab, 1, n_v)
-        g = gpu.graph("delta_gates")
-        if fused:
-            gdn.delta(g, Rows(cb, T, C), b, a, Rows(sb, n_v, shape.S ** 2), Rows(ob, T, n_v * shape.S), shape, EPS,
-                      variant, raw_gates=(dtv, sav))
-        else:
-            beta, gate = Rows(gb, T, n_v, 0, 2 * n_v), Rows(gb, T, n_v, n_v, 2 * n_v)
-            gdn.gates(g, b, a, dtv, sav, beta, gate)
-            gdn.delta(g, Rows(cb, T, C), beta, gate, Rows(sb, n_v, shape.S ** 2), Rows(ob, T, n_v * shape.S), shape,
-                      EPS, variant)
+        g = graph(gpu, "delta_gates", fused, Fusion.GDN_GATES)
+        beta, gate = Rows(gb, T, n_v, 0, 2 * n_v), Rows(gb, T, n_v, n_v, 2 * n_v)
+        gdn.gates(g, b, a, dtv, sav, beta, gate)
+        gdn.delta(g, Rows(cb, T, C), beta, gate, Rows(sb, n_v, shape.S ** 2), Rows(ob, T, n_v * shape.S), shape,
+                  EPS, variant)
+        assert len(g.ops) == (1 if fused else 2)
         g.run()
         out[fused] = ob.read(np.float32), sb.read(np.float32)
     # the same formulas, inlined: the compiler may contract them differently (seen: ≤ 1e-7 relative)

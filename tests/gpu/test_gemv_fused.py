@@ -1,24 +1,27 @@
-"""Fused GEMV modes of mul_mat_vec.comp vs float64 NumPy and vs the plain dispatches they replace.
+"""Fused GEMV modes of mul_mat_vec.comp, made by the fusion pass, vs float64 NumPy and vs the plain
+dispatches they replace.
 
-glu_matmul: y = silu(W_gate x) ⊙ (W_up x) of a stacked [gate; up] weight. hc_mix_matmul: hc_pre,
-the W_up GEMV and hc_mix in one dispatch. Both combine their row sums with the plain path's ops in
-its order, so fused and plain agree bit for bit (measured on lavapipe; asserted). Shapes are ragged
-(row counts not multiples of the workgroup's rows), views strided and offset, outputs NaN-poisoned.
+Fusion.GLU: y = silu(W_gate x) ⊙ (W_up x) of a stacked [gate; up] weight. Fusion.HC_MIX: hc_pre,
+the W_up GEMV and hc_mix in one dispatch. Fusion.MOE_OUT: the shared expert's down GEMV with the
+MoE combine as its store. Each combines its row sums with the plain path's ops in its order, so
+fused and plain agree bit for bit (measured on lavapipe; asserted). Shapes are ragged (row counts
+not multiples of the workgroup's rows), views strided and offset, outputs NaN-poisoned.
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from fusion_util import graph
 from matmul_util import U32, dequant_rows, make_problem, outside_untouched, random_weight, read_view, tolerance
-from vkflash import settings
+from vkflash.gpu.graph import ROW_ALIGN, Graph
+from vkflash.gpu.ops import eltwise as E
 from vkflash.gpu.ops.hc import hc_mix, hc_pre
-from vkflash.gpu.ops.matmul import GEMV_MAX_COLS, TYPES, Epilogue, QWeight, glu_matmul, hc_mix_matmul, matmul
+from vkflash.gpu.ops.matmul import GEMV_MAX_COLS, TYPES, GluGemv, HcMixGemv, QWeight, matmul
 from vkflash.gpu.ops.views import Rows
+from vkflash.gpu.options import Fusion, GpuOptions
 
 pytestmark = pytest.mark.gpu
 
@@ -30,11 +33,13 @@ def _sig(v: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-v))
 
 
-def _place(gpu, rng, a: np.ndarray, name: str, align: int = 1) -> Rows:
-    """a (T × n) in a NaN-poisoned buffer at a random offset and row stride (multiples of align)."""
+def _place(gpu, rng, a: np.ndarray, name: str, align: int = 1, stride: int | None = None) -> Rows:
+    """a (T × n) in a NaN-poisoned buffer at a random offset and row stride (multiples of align;
+    `stride` when given)."""
     T, n = a.shape
     off = align * int(rng.integers(0, 4))
-    stride = -(-n // align) * align + align * int(rng.integers(0, 3))
+    if stride is None:
+        stride = -(-n // align) * align + align * int(rng.integers(0, 3))
     buf = gpu.buffer(4 * (off + T * stride + int(rng.integers(1, 9))), name)
     buf.fill(np.nan)
     for t in range(T):
@@ -42,9 +47,15 @@ def _place(gpu, rng, a: np.ndarray, name: str, align: int = 1) -> Rows:
     return Rows(buf, T, n, off, stride)
 
 
-def _out(gpu, rng, T: int, n: int, name: str, align: int = 1) -> Rows:
+def _out(gpu, rng, T: int, n: int, name: str, align: int = 1, stride: int | None = None) -> Rows:
     """A NaN-poisoned T × n output view at a random offset and stride (multiples of align)."""
-    return _place(gpu, rng, np.full((T, n), np.nan), name, align)
+    return _place(gpu, rng, np.full((T, n), np.nan), name, align, stride)
+
+
+def _glu_out(gpu, rng, T: int, F: int, name: str) -> Rows:
+    """A GLU output at a random offset, strided like the graph's F-wide gate rows (an epilogue's ⊙
+    operand shares the output's stride)."""
+    return _out(gpu, rng, T, F, name, stride=-(-F // ROW_ALIGN) * ROW_ALIGN)
 
 
 def _k(q: Q, rng: np.random.Generator) -> int:
@@ -66,41 +77,50 @@ def _glu_ref(p, F: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     return want, 2 * err
 
 
+def _glu_ops(g: Graph, w: QWeight, x: Rows, y: Rows) -> None:
+    """The plain ops: gate = W_gate x; silu(gate); up = W_up x; y = gate ⊙ up (W = [gate; up])."""
+    F = y.n_cols
+    gate, up = g.tensor(x.n_rows, F, "gate"), g.tensor(x.n_rows, F, "up")
+    matmul(g, w.expert(0, F), x, gate, name="gate")
+    E.silu(g, gate, gate, name="silu")
+    matmul(g, w.expert(1, F), x, up, name="up")
+    E.mul(g, gate, up, y, name="glu")
+
+
 @pytest.mark.parametrize("q", TYPES, ids=lambda q: q.name)
 def test_glu(gpu, rng, q):
-    """One dispatch; bit for bit the two matmuls (silu epilogue, then ⊙ y), fused-store and eltwise
-    epilogues alike; within the float64 bound; F odd, n_tok 1..8, an expert row offset."""
+    """One dispatch; bit for bit the two matmuls with epilogues (silu, then ⊙) and the five plain
+    dispatches; within the float64 bound; F odd, n_tok 1..8, an expert row offset."""
     for n_tok in (1, int(rng.integers(2, GEMV_MAX_COLS + 1))):
         F, k, e = 2 * int(rng.integers(1, 30)) + 1, _k(q, rng), int(rng.integers(0, 3))
         p = make_problem(gpu, q, 2 * F, k, n_tok, rng, expert=e)
-        ys = {path: _out(gpu, rng, n_tok, F, path) for path in ("fused", "plain", "fused_epilogue")}
-        g = gpu.graph("glu")
-        glu_matmul(g, p.w, p.xv, ys["fused"], fuse=True)
-        assert len(g.ops) == 1 and g.ops[0].kernel.name.startswith("mul_mat_vec_"), "fused GLU: one GEMV dispatch"
-        glu_matmul(g, p.w, p.xv, ys["plain"], fuse=False)
-        gate, up = p.w.expert(0, F), p.w.expert(1, F)
-        matmul(g, gate, p.xv, ys["fused_epilogue"], Epilogue(act="silu"), fuse=True)
-        matmul(g, up, p.xv, ys["fused_epilogue"], Epilogue(mul=ys["fused_epilogue"]), fuse=True)
-        g.run()
+        paths = {"fused": (GpuOptions(), 1), "epilogues": (GpuOptions().without(Fusion.GLU), 2),
+                 "plain": (GpuOptions().without(Fusion.GLU, Fusion.EPILOGUE), 4)}
+        ys = {path: _glu_out(gpu, rng, n_tok, F, path) for path in paths}
+        for path, (opts, n_ops) in paths.items():
+            g = Graph(gpu, "glu", options=opts)
+            _glu_ops(g, p.w, p.xv, ys[path])
+            assert len(g.ops) == n_ops, f"{path}: {len(g.ops)} dispatches"
+            g.run()
         got = {path: read_view(v) for path, v in ys.items()}
         want, tol = _glu_ref(p, F, k)
         tag = f"{q.name} F={F} k={k} n={n_tok} e={e}"
         assert np.isfinite(got["fused"]).all(), f"{tag}: non-finite outputs (unwritten?)"
         assert np.all(np.abs(got["fused"] - want) <= tol), f"{tag}: max err {np.max(np.abs(got['fused'] - want)):.3g}"
-        for path in ("plain", "fused_epilogue"):
+        for path in ("plain", "epilogues"):
             assert np.array_equal(got["fused"], got[path]), f"{tag}: fused != {path}"
         assert all(outside_untouched(v) for v in ys.values()), f"{tag}: writes outside the output view"
 
 
 @pytest.mark.parametrize("q", [Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
 def test_glu_many_tokens(gpu, rng, q):
-    """Past GEMV_MAX_COLS tokens (prefill) glu_matmul takes the two-matmul path through the GEMM."""
+    """Past GEMV_MAX_COLS tokens (prefill) the GLU stays two matmuls through the GEMM (epilogues fused)."""
     F, n_tok = 2 * int(rng.integers(5, 40)) + 1, int(rng.integers(GEMV_MAX_COLS + 1, 40))
     k = _k(q, rng)
     p = make_problem(gpu, q, 2 * F, k, n_tok, rng, expert=int(rng.integers(0, 2)))
-    y = _out(gpu, rng, n_tok, F, "y")
-    g = gpu.graph("glu")
-    glu_matmul(g, p.w, p.xv, y, fuse=True)
+    y = _glu_out(gpu, rng, n_tok, F, "y")
+    g = graph(gpu, "glu", True)
+    _glu_ops(g, p.w, p.xv, y)
     assert len(g.ops) == 2, "prefill GLU: gate and up matmuls"
     g.run()
     want, tol = _glu_ref(p, F, k)
@@ -109,15 +129,14 @@ def test_glu_many_tokens(gpu, rng, q):
     assert outside_untouched(y)
 
 
-def test_glu_knobs(gpu, rng, monkeypatch):
-    """fuse=None follows fuse_epilogue(): one dispatch by default, the plain path with either knob off."""
+def test_glu_knobs(gpu, rng):
+    """The knobs reach the pass: one dispatch by default, the plain path with either knob off."""
     p = make_problem(gpu, Q.Q8_0, 10, 64, 3, rng)
-    y = Rows(gpu.buffer(4 * 15, "y"), 3, 5)
+    y = Rows(gpu.buffer(4 * 24, "y"), 3, 5, 0, 8)
     on = {"VKFLASH_MM_TILE_EPILOG": "1", "VKFLASH_DISABLE_FUSION": "0"}
     for flip, fused in (({}, True), ({"VKFLASH_MM_TILE_EPILOG": "0"}, False), ({"VKFLASH_DISABLE_FUSION": "1"}, False)):
-        monkeypatch.setattr(settings, "_current", settings.load(env={**os.environ, **on, **flip}))
-        g = gpu.graph("glu")
-        glu_matmul(g, p.w, p.xv, y)
+        g = gpu.with_options(GpuOptions.from_knobs(**{**on, **flip})).graph("glu")
+        _glu_ops(g, p.w, p.xv, y)
         assert (len(g.ops) == 1) == fused, f"{flip}: {len(g.ops)} dispatches"
 
 
@@ -139,9 +158,9 @@ def _hc_ref(W: np.ndarray, ell_pre: np.ndarray, X: np.ndarray, hc: int) -> tuple
 
 @pytest.mark.parametrize("hc", [4, 3, 2])
 @pytest.mark.parametrize("q", [Q.F32, Q.F16, Q.Q5_0, Q.Q8_0], ids=lambda q: q.name)
-def test_hc_mix_matmul(gpu, rng, q, hc):
-    """One dispatch; bit for bit hc_pre → matmul → hc_mix (fused tails); within the float64 bound;
-    d ragged, lr ∈ {32, 64, 320}, T 1..8, an expert-style row offset of W_up."""
+def test_hc_mix_gemv(gpu, rng, q, hc):
+    """One dispatch; bit for bit hc_pre → matmul → hc_mix (one-dispatch tails); within the float64
+    bound; d ragged, lr ∈ {32, 64, 320}, T 1..8, an expert-style row offset of W_up."""
     T, d, lr = int(rng.integers(1, GEMV_MAX_COLS + 1)), int(rng.integers(1, 60)), int(rng.choice([32, 64, 320]))
     e = int(rng.integers(0, 2))
     raw = random_weight(q, (e + 1) * hc * d, lr, rng)
@@ -150,59 +169,60 @@ def test_hc_mix_matmul(gpu, rng, q, hc):
     ell_pre = (rng.standard_normal((T, lr)) * 6).astype(np.float32)
     X = (rng.standard_normal((T, hc * d)) * 2).astype(np.float32)
     ev, xv = _place(gpu, rng, ell_pre, "ell_pre", align=4), _place(gpu, rng, X, "X")
-    uf, up = _out(gpu, rng, T, d, "u.fused"), _out(gpu, rng, T, d, "u.plain")
-    ell = _out(gpu, rng, T, lr, "ell", align=4)  # the plain path's scratch ℓ, read by its matmul
-    gpre = _out(gpu, rng, T, hc * d, "gpre")
-    g = gpu.graph("hc_mix")
-    hc_mix_matmul(g, w, ev, xv, uf, hc)
-    assert len(g.ops) == 1 and g.ops[0].kernel.name.startswith("mul_mat_vec_"), "fused HC mix: one GEMV dispatch"
-    hc_pre(g, ev, ell, hc, fuse=True)
-    matmul(g, w, ell, gpre)
-    hc_mix(g, gpre, xv, up, hc, fuse=True)
-    g.run()
-    got, plain = read_view(uf), read_view(up)
+    out = {}
+    for fused in (True, False):
+        u = _out(gpu, rng, T, d, f"u.{fused}")
+        g = graph(gpu, "hc_mix", fused, Fusion.HC_MIX)
+        ell, gpre = g.tensor(T, lr, "ell"), g.tensor(T, hc * d, "gpre")
+        hc_pre(g, ev, ell, hc)
+        matmul(g, w, ell, gpre)
+        hc_mix(g, gpre, xv, u, hc)
+        assert len(g.ops) == (1 if fused else 3)
+        if fused:
+            assert g.ops[0].kernel.name.startswith("mul_mat_vec_"), "fused HC mix: one GEMV dispatch"
+        g.run()
+        out[fused] = read_view(u)
+        assert outside_untouched(u), f"fused={fused}: writes outside the output view"
+    got, plain = out[True], out[False]
     want, tol = _hc_ref(W, ell_pre, X, hc)
     tag = f"{q.name} hc={hc} T={T} d={d} lr={lr} e={e}"
     assert np.isfinite(got).all(), f"{tag}: non-finite outputs (unwritten?)"
     assert np.all(np.abs(got - want) <= tol), f"{tag}: max err {np.max(np.abs(got - want)):.3g}"
     assert np.array_equal(got, plain), f"{tag}: fused != plain, max diff {np.max(np.abs(got - plain)):.3g}"
-    assert outside_untouched(uf) and outside_untouched(up), f"{tag}: writes outside the output view"
     assert np.array_equal(read_view(ev), ell_pre) and np.array_equal(read_view(xv), X), "inputs are only read"
 
 
 def test_shape_checks(gpu):
-    """Mis-shaped calls are refused before anything is dispatched."""
+    """Mis-shaped fused GEMVs are refused when made (the pass then keeps the plain ops)."""
     buf = gpu.buffer(4 * 4096, "buf")
     w = QWeight(gpu.upload(np.zeros(12 * 64, np.float32), "w"), int(Q.F32), 64, 12)
-    g = gpu.graph("bad")
     x = Rows(buf, 2, 64)
     with pytest.raises(ValueError, match="2F rows"):
-        glu_matmul(g, QWeight(w.buf, w.qtype, 64, 11), x, Rows(buf, 2, 5, 200))
+        GluGemv(QWeight(w.buf, w.qtype, 64, 11), x, Rows(buf, 2, 5, 200), "glu")
     with pytest.raises(ValueError, match="2F rows"):
-        glu_matmul(g, w, x, Rows(buf, 2, 5, 200))
+        GluGemv(w, x, Rows(buf, 2, 5, 200), "glu")
     with pytest.raises(ValueError, match="overlaps"):
-        glu_matmul(g, w, x, Rows(buf, 2, 6, 100))
+        GluGemv(w, x, Rows(buf, 2, 6, 100), "glu")
     X, u = Rows(buf, 2, 12, 300), Rows(buf, 2, 3, 400)
     with pytest.raises(ValueError, match="at most"):
-        hc_mix_matmul(g, w, Rows(buf, GEMV_MAX_COLS + 1, 64), X, Rows(buf, GEMV_MAX_COLS + 1, 3, 1000), 4)
+        HcMixGemv(w, Rows(buf, GEMV_MAX_COLS + 1, 64), X, Rows(buf, GEMV_MAX_COLS + 1, 3, 1000), 4, "mix")
     with pytest.raises(ValueError, match="hc·d"):
-        hc_mix_matmul(g, w, x, X, u, 3)
+        HcMixGemv(w, x, X, u, 3, "mix")
     with pytest.raises(ValueError, match="X is"):
-        hc_mix_matmul(g, w, x, Rows(buf, 2, 13, 300), u, 4)
+        HcMixGemv(w, x, Rows(buf, 2, 13, 300), u, 4, "mix")
     with pytest.raises(ValueError, match="weight expects"):
-        hc_mix_matmul(g, w, Rows(buf, 2, 32), X, u, 4)
+        HcMixGemv(w, Rows(buf, 2, 32), X, u, 4, "mix")
     with pytest.raises(ValueError, match="multiples of 4"):
-        hc_mix_matmul(g, w, Rows(buf, 2, 64, 2, 64), X, u, 4)
+        HcMixGemv(w, Rows(buf, 2, 64, 2, 64), X, u, 4, "mix")
     with pytest.raises(ValueError):
-        hc_mix_matmul(g, w, x, X, Rows(buf, 2, 3, 305), 4)  # u inside X
-    assert not g.ops
+        HcMixGemv(w, x, X, Rows(buf, 2, 3, 305), 4, "mix")  # u inside X
 
 
 @pytest.mark.parametrize("q", [Q.F32, Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
-def test_shared_out_combine(gpu, rng, q, monkeypatch):
-    """shared_out_combine: the shared expert's down GEMV with the MoE combine as its store equals
-    the matmul + moe_combine path bit for bit (T ≤ 8), and f ≈ Σ_j ys + σ(g)·W h in float64."""
-    from vkflash.gpu.ops.moe import shared_out_combine
+def test_moe_out(gpu, rng, q):
+    """Fusion.MOE_OUT: the shared expert's down GEMV with the MoE combine as its store equals the
+    matmul + moe_combine dispatches bit for bit (T ≤ 8), and f ≈ Σ_j ys + σ(g)·W h in float64."""
+    from vkflash.gpu.ops.moe import moe_combine
 
     T, k = int(rng.integers(1, GEMV_MAX_COLS + 1)), int(rng.integers(1, 11))
     d, K = int(rng.integers(1, 70)) * 2 + 1, _k(q, rng)
@@ -214,22 +234,21 @@ def test_shared_out_combine(gpu, rng, q, monkeypatch):
     hv = _place(gpu, rng, h, "h", align=4)
     gv = _place(gpu, rng, gl, "g")
     out = {}
-    for fused in ("0", "1"):
-        monkeypatch.setattr(settings, "_current", settings.load(env=dict(os.environ, VKFLASH_DISABLE_FUSION=
-                                                                          "0" if fused == "1" else "1")))
+    for fused in (True, False):
         f = _out(gpu, rng, T, d, "f")
         ysv = Rows(gpu.upload(np.hstack([ys, np.zeros((T * k, f.stride - d), np.float32)]), "ys"), T * k, d, 0,
                    f.stride)
-        sh = _out(gpu, rng, T, d, "shared")
-        g = gpu.graph("moe_out")
-        shared_out_combine(g, W, hv, ysv, gv, f, k, sh)
-        assert len(g.ops) == (1 if fused == "1" else 2)
+        g = graph(gpu, "moe_out", fused, Fusion.MOE_OUT)
+        sh = g.tensor(T, d, "shared")
+        matmul(g, W, hv, sh)
+        moe_combine(g, ysv, f, k, shared=sh, gate=gv)
+        assert len(g.ops) == (1 if fused else 2)
         g.run()
         out[fused] = read_view(f)
         assert outside_untouched(f)
-    assert np.array_equal(out["0"], out["1"])
+    assert np.array_equal(out[False], out[True])
     acc = h.astype(np.float64) @ dequant_rows(raw, q, d, K).T
     want = ys.astype(np.float64).reshape(T, k, d).sum(1) + _sig(gl.astype(np.float64)) * acc
     bound = (np.abs(h).astype(np.float64) @ np.abs(dequant_rows(raw, q, d, K)).T) * K * U32 * 2 \
         + np.abs(ys).reshape(T, k, d).sum(1) * (k + 2) * U32 + np.abs(acc) * 20 * U32
-    assert np.all(np.abs(out["1"] - want) <= bound)
+    assert np.all(np.abs(out[True] - want) <= bound)

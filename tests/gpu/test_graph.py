@@ -107,17 +107,16 @@ def test_staging_round_trip_odd_offsets(gpu, rng, monkeypatch):
     np.testing.assert_array_equal(buf.read(np.float32, 17, 3), f)
 
 
-def test_barrier_every_dispatch_revert_knob(gpu, rng, monkeypatch):
+def test_barrier_every_dispatch_revert_knob(gpu, rng):
     """VKFLASH_DEP_BARRIERS=0 puts a barrier before every dispatch; results equal the tracked path."""
-    from vkflash import settings
+    from vkflash.gpu.options import GpuOptions
 
     n = int(rng.integers(100, 1000))
     x = gpu.upload(rng.standard_normal(n).astype(np.float32), "x")
     outs = {}
     for flag in ("1", "0"):
-        monkeypatch.setattr(settings, "_current", settings.load(env={"VKFLASH_DEP_BARRIERS": flag}))
         y1, y2, y3 = (gpu.buffer(4 * n, f"y{i}") for i in range(3))
-        g = gpu.graph(f"knob{flag}")
+        g = gpu.with_options(GpuOptions.from_knobs(VKFLASH_DEP_BARRIERS=flag)).graph(f"knob{flag}")
         E.silu(g, Rows.flat(x, n), Rows.flat(y1, n))
         E.sigmoid(g, Rows.flat(x, n), Rows.flat(y2, n))      # independent of the silu
         E.add(g, Rows.flat(y1, n), Rows.flat(y2, n), Rows.flat(y3, n))
@@ -128,11 +127,11 @@ def test_barrier_every_dispatch_revert_knob(gpu, rng, monkeypatch):
 
 
 @pytest.mark.parametrize("flag", ["auto", "1", "0"])
-def test_spin_wait_knob(gpu, rng, monkeypatch, flag):
+def test_spin_wait_knob(gpu, rng, flag):
     """VKFLASH_SPIN_WAIT: auto polls on GPUs only; a polled chain gives the sleeping one's bits."""
-    from vkflash import settings
+    from vkflash.gpu.options import GpuOptions
 
-    monkeypatch.setattr(settings, "_current", settings.load(env={"VKFLASH_SPIN_WAIT": flag}))
+    gpu = gpu.with_options(GpuOptions.from_knobs(VKFLASH_SPIN_WAIT=flag))
     assert gpu.spin_wait == (flag == "1" or (flag == "auto" and gpu.caps.device_type != "cpu"))
     n, steps = int(rng.integers(200, 3000)), int(rng.integers(20, 40))
     alphas = rng.choice(ALPHAS, steps)

@@ -12,9 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vkflash import settings
 from vkflash.gpu.ops import hc as H
+from vkflash.gpu.graph import Graph
 from vkflash.gpu.ops.views import Rows
+from vkflash.gpu.options import GpuOptions
 from vkflash.model.layers.hc import hc_combine as ref_combine
 from vkflash.model.layers.hc import hc_mix as ref_mix
 from vkflash.model.layers.norms import grouped_rms_norm
@@ -63,8 +64,8 @@ def test_hc_pre(gpu, rng, fuse):
     a = (rng.standard_normal((T, lr)) * 30).astype(np.float32)
     av, _, _ = _place(gpu, rng, a, "ell_pre")
     yv, _, _ = _place(gpu, rng, np.full((T, lr), np.nan), "ell")
-    g = gpu.graph("hc_pre")
-    H.hc_pre(g, av, yv, HC, fuse=fuse)
+    g = Graph(gpu, "hc_pre", options=GpuOptions(hc_tails=fuse))
+    H.hc_pre(g, av, yv, HC)
     g.run()
     got, outside = _take(yv)
     x = a.astype(np.float64) / HC
@@ -94,8 +95,8 @@ def test_hc_mix(gpu, rng, fuse):
     gv, _, _ = _place(gpu, rng, gp, "g_pre")
     xv, _, _ = _place(gpu, rng, X, "X")
     uv, _, _ = _place(gpu, rng, np.full((T, d), np.nan), "u")
-    g = gpu.graph("hc_mix")
-    H.hc_mix(g, gv, xv, uv, HC, fuse=fuse)
+    g = Graph(gpu, "hc_mix", options=GpuOptions(hc_tails=fuse))
+    H.hc_mix(g, gv, xv, uv, HC)
     g.run()
     got, outside = _take(uv)
     want, tol = _mix_ref(gp, X, d)
@@ -116,8 +117,8 @@ def test_hc_combine(gpu, rng, fuse):
     rv, _, _ = _place(gpu, rng, R, "R")
     bv, _, _ = _place(gpu, rng, b, "b")
     iv, _, _ = _place(gpu, rng, iota, "iota")
-    g = gpu.graph("hc_combine")
-    H.hc_combine(g, rv, bv, iv, fuse=fuse)
+    g = Graph(gpu, "hc_combine", options=GpuOptions(hc_tails=fuse))
+    H.hc_combine(g, rv, bv, iv)
     g.run()
     got, outside = _take(rv)
     if fuse:  # only the plain path reuses ι as scratch
@@ -137,8 +138,8 @@ def test_hc_broadcast(gpu, rng, fuse):
     x = rng.standard_normal((T, d)).astype(np.float32)
     xv, _, _ = _place(gpu, rng, x, "x")
     rv, _, _ = _place(gpu, rng, np.full((T, HC * d), np.nan), "R")
-    g = gpu.graph("hc_broadcast")
-    H.hc_broadcast(g, xv, rv, HC, fuse=fuse)
+    g = Graph(gpu, "hc_broadcast", options=GpuOptions(hc_tails=fuse))
+    H.hc_broadcast(g, xv, rv, HC)
     assert len(g.ops) == (1 if fuse else HC)
     g.run()
     got, outside = _take(rv)
@@ -146,7 +147,7 @@ def test_hc_broadcast(gpu, rng, fuse):
     assert np.isnan(outside).all()
 
 
-def test_knob_selects_plain_path_and_paths_agree(gpu, rng, monkeypatch):
+def test_knob_selects_plain_path_and_paths_agree(gpu, rng):
     """VKFLASH_HC_FUSE=0 gives the multi-dispatch eltwise path; both paths give the same u and R."""
     T, d = _shape(rng)
     gp = (rng.standard_normal((T, HC * d)) * 6).astype(np.float32)
@@ -156,11 +157,10 @@ def test_knob_selects_plain_path_and_paths_agree(gpu, rng, monkeypatch):
     iota = (rng.standard_normal((T, HC)) * 8).astype(np.float32)
     out = {}
     for fuse in ("1", "0"):
-        monkeypatch.setattr(settings, "_current", settings.load(env={"VKFLASH_HC_FUSE": fuse}))
         gb, xb, ub = gpu.upload(gp), gpu.upload(X), gpu.buffer(4 * T * d)
         rb, bb, ib = gpu.upload(R), gpu.upload(b), gpu.upload(iota)
         ub.fill(np.nan)
-        g = gpu.graph(f"hc_fuse{fuse}")
+        g = gpu.with_options(GpuOptions.from_knobs(VKFLASH_HC_FUSE=fuse)).graph(f"hc_fuse{fuse}")
         H.hc_mix(g, Rows(gb, T, HC * d), Rows(xb, T, HC * d), Rows(ub, T, d), HC)
         H.hc_combine(g, Rows(rb, T, HC * d), Rows(bb, T, d), Rows(ib, T, HC))
         assert (len(g.ops) == 2) == (fuse == "1")

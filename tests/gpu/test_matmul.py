@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import numpy as np
@@ -11,15 +10,14 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from matmul_util import make_problem, outside_untouched, read_view, reference, tolerance
-from vkflash import settings
 from vkflash.gpu.device import CoopmatShape
 from vkflash.gpu.ops.matmul import COOPMAT_TYPES, GEMV_MAX_COLS, TYPES, matmul, use_coopmat
 
 
 @pytest.fixture
-def coopmat_on(monkeypatch):
-    """Cooperative-matrix GEMMs are off by default (VKFLASH_DISABLE_COOPMAT=1); these tests turn them on."""
-    monkeypatch.setattr(settings, "_current", settings.load(env=dict(os.environ, VKFLASH_DISABLE_COOPMAT="0")))
+def cm_gpu(gpu):
+    """The device with cooperative-matrix GEMMs on (off by default: VKFLASH_DISABLE_COOPMAT=1)."""
+    return gpu.with_options(replace(gpu.options, coopmat=True))
 
 pytestmark = pytest.mark.gpu
 
@@ -79,33 +77,34 @@ def test_expert_rows(gpu, rng, q):
 
 
 @pytest.mark.parametrize("k", [32, 64, 96, 128, 192, 512])
-def test_gemm_coopmat_small_shapes(coopmat_on, gpu, rng, k):
+def test_gemm_coopmat_small_shapes(cm_gpu, rng, k):
     """Coopmat GEMM at the small and partial-tile shapes tiny models use (n_out ≤ 64, K of one or
     two 32-groups, token counts around the 64-wide tile), which the random sweep rarely draws."""
-    if not use_coopmat(gpu.caps, Q.F16):
-        pytest.skip(f"{gpu.caps.name} offers no f16×f16→f32 cooperative matrix")
+    if not use_coopmat(cm_gpu, Q.F16):
+        pytest.skip(f"{cm_gpu.caps.name} offers no f16×f16→f32 cooperative matrix")
     for n_out in (9, 16, 32, 48, 64, 96):
         for n_tok in (9, 16, 33, 64, 65):
-            _run(gpu, Q.F16, n_out, k, n_tok, rng, coopmat=True)
+            _run(cm_gpu, Q.F16, n_out, k, n_tok, rng, coopmat=True)
 
 
-def test_coopmat_never_for_f32_weights(gpu, rng, monkeypatch):
+def test_coopmat_never_for_f32_weights(cm_gpu, rng):
     """On a device with f16 coopmat and the knob on, quantized and f16 weights take coopmat GEMMs,
     F32 weights (routers, gates) the scalar f32 GEMM; asking for coopmat on F32 is refused."""
-    monkeypatch.setattr(settings, "_current", settings.load(env=dict(os.environ, VKFLASH_DISABLE_COOPMAT="0")))
-    caps = replace(gpu.caps, coopmat=(CoopmatShape(16, 16, 16, "f16", "f16", "f32", "f32"),))
-    assert use_coopmat(caps, Q.F16) and use_coopmat(caps, Q.Q4_K)
-    assert not use_coopmat(caps, Q.F32)
+    gpu = cm_gpu
+    faked = gpu.with_options(gpu.options)
+    faked.caps = replace(gpu.caps, coopmat=(CoopmatShape(16, 16, 16, "f16", "f16", "f32", "f32"),))
+    assert use_coopmat(faked, Q.F16) and use_coopmat(faked, Q.Q4_K)
+    assert not use_coopmat(faked, Q.F32)
     p = make_problem(gpu, Q.F32, 70, 64, 20, rng)
     with pytest.raises(ValueError, match="F32 weights have no cooperative-matrix GEMM"):
         matmul(gpu.graph("f32cm"), p.w, p.xv, p.yv, coopmat=True)
 
 
 @pytest.mark.parametrize("q", COOPMAT_TYPES, ids=lambda q: q.name)
-def test_gemm_coopmat(coopmat_on, gpu, rng, q):
+def test_gemm_coopmat(cm_gpu, rng, q):
     """The cooperative-matrix GEMM (f16 inputs, f32 accumulators), where the device offers it."""
-    if not use_coopmat(gpu.caps, q):
-        pytest.skip(f"{gpu.caps.name} offers no f16×f16→f32 cooperative matrix (or VKFLASH_DISABLE_COOPMAT=1)")
+    if not use_coopmat(cm_gpu, q):
+        pytest.skip(f"{cm_gpu.caps.name} offers no f16×f16→f32 cooperative matrix")
     k = _k(q, rng, 256, 1600)
     k += 32 if k % 256 and k % 64 == 0 else 0  # 32-blocks: K % 64 == 32 exercises the zero-filled tail
-    _run(gpu, q, int(rng.integers(65, 200)), k, int(rng.integers(9, 150)), rng, coopmat=True)
+    _run(cm_gpu, q, int(rng.integers(65, 200)), k, int(rng.integers(9, 150)), rng, coopmat=True)

@@ -1,24 +1,19 @@
 """Fused matmul epilogues (scale, bias, sigmoid/silu, ⊙ tensor, + residual, in place) vs float64
-NumPy, and the fused store vs the plain path of separate eltwise dispatches (bit for bit)."""
+NumPy, the fused store vs the plain path of separate eltwise dispatches (bit for bit), and the
+fusion pass folding those eltwise ops into the matmul (Fusion.EPILOGUE)."""
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
 from matmul_util import U32, make_problem, read_view, reference, tolerance
-from vkflash import settings
+from vkflash.gpu.graph import ROW_ALIGN, Graph
+from vkflash.gpu.ops import eltwise as E
 from vkflash.gpu.ops.matmul import Epilogue, matmul, use_coopmat
 from vkflash.gpu.ops.views import Rows
-
-
-@pytest.fixture
-def coopmat_on(monkeypatch):
-    """Cooperative-matrix GEMMs are off by default (VKFLASH_DISABLE_COOPMAT=1); these tests turn them on."""
-    monkeypatch.setattr(settings, "_current", settings.load(env=dict(os.environ, VKFLASH_DISABLE_COOPMAT="0")))
+from vkflash.gpu.options import Fusion, GpuOptions
 
 pytestmark = pytest.mark.gpu
 
@@ -69,19 +64,26 @@ def _expected(acc, bound, k, scale, bias, act, mul, res, full, f16: bool):
     return out, 2 * e
 
 
+def _options(cm: bool, fused: bool) -> GpuOptions:
+    """Coopmat as the path asks (off by default: VKFLASH_DISABLE_COOPMAT=1), the epilogue fused or not."""
+    opts = GpuOptions(coopmat=cm)
+    return opts if fused else opts.without(Fusion.EPILOGUE)
+
+
 @pytest.mark.parametrize("chain", CHAINS)
 @pytest.mark.parametrize("path", ["gemv", "tiny", "gemm", "gemm_cm"])
-def test_epilogue(coopmat_on, gpu, rng, path, chain):
+def test_epilogue(gpu, rng, path, chain):
+    """An explicit epilogue: one dispatch, or with Fusion.EPILOGUE off the matmul and eltwise ops."""
     cm = path == "gemm_cm"
-    if cm and not use_coopmat(gpu.caps, Q.Q4_K):
-        pytest.skip(f"{gpu.caps.name} offers no f16×f16→f32 cooperative matrix (or VKFLASH_DISABLE_COOPMAT=1)")
+    if cm and not use_coopmat(gpu.with_options(GpuOptions(coopmat=True)), Q.Q4_K):
+        pytest.skip(f"{gpu.caps.name} offers no f16×f16→f32 cooperative matrix")
     p, act, bias, mul, res, scale = _setup(gpu, rng, path.removesuffix("_cm"), chain)
     full = CHAINS[chain][1]
     outs = []
     for fuse in (True, False):
         bv, mv, rv = _views(gpu, p, bias, mul, res, full)
-        g = gpu.graph("mm_ep")
-        matmul(g, p.w, p.xv, p.yv, Epilogue(scale=scale, bias=bv, act=act, mul=mv, res=rv), coopmat=cm, fuse=fuse)
+        g = Graph(gpu, "mm_ep", options=_options(cm, fuse))
+        matmul(g, p.w, p.xv, p.yv, Epilogue(scale=scale, bias=bv, act=act, mul=mv, res=rv), coopmat=cm)
         g.run()
         outs.append(read_view(p.yv))
         n_ops = 1 if fuse else 1 + (5 if full else 3)
@@ -93,3 +95,44 @@ def test_epilogue(coopmat_on, gpu, rng, path, chain):
     worst = np.unravel_index(np.argmax(err / tol), err.shape)
     assert (err <= tol).all(), f"{path} {chain}: worst {worst} got {outs[0][worst]} want {want[worst]} tol {tol[worst]}"
     assert np.array_equal(outs[0], outs[1]), f"{path} {chain}: fused store differs from the plain eltwise path"
+
+
+@pytest.mark.parametrize("chain", CHAINS)
+@pytest.mark.parametrize("path", ["gemv", "tiny", "gemm"])
+def test_epilogue_pass(gpu, rng, path, chain):
+    """Fusion.EPILOGUE: a matmul into an intermediate t, then scale t, t + bias, act(t), t ⊙ m and
+    (full chain) y + t into the residual y — one dispatch storing into y, bit for bit the five or
+    six plain dispatches (m and y strided like t: an epilogue operand shares the store's stride)."""
+    p, act, bias, mul, res, scale = _setup(gpu, rng, path, chain)
+    full = CHAINS[chain][1]
+    n_tok, n_out = mul.shape
+    stride = -(-n_out // ROW_ALIGN) * ROW_ALIGN
+
+    def strided(a: np.ndarray, name: str) -> Rows:
+        buf = np.full((n_tok, stride), np.nan, np.float32)
+        buf[:, :n_out] = a
+        return Rows(gpu.upload(buf, name), n_tok, n_out, 0, stride)
+
+    outs = []
+    for fuse in (True, False):
+        bv = Rows(gpu.upload(bias, "bias"), 1, n_out)
+        m, y = strided(mul, "m"), strided(res if full else np.full_like(res, np.nan), "y")
+        g = Graph(gpu, "mm_pass", options=_options(False, fuse))
+        t = g.tensor(n_tok, n_out, "t")
+        matmul(g, p.w, p.xv, t, name="mm")
+        if scale is not None:
+            E.scale(g, t, scale, t, name="scale")
+        E.add(g, t, bv, t, name="bias")
+        (E.silu if act == "silu" else E.sigmoid)(g, t, t, name="act")
+        E.mul(g, t, m, t if full else y, name="mul")
+        if full:
+            E.add(g, y, t, y, name="res")
+        g.run()
+        outs.append(read_view(y))
+        plain = 4 + (scale is not None) + full
+        assert len(g.ops) == (1 if fuse else plain), f"fuse={fuse}: {len(g.ops)} dispatches"
+    assert np.array_equal(outs[0], outs[1]), f"{path} {chain}: the pass changed the result"
+    acc, bound = reference(p)
+    want, tol = _expected(acc, bound, p.w.k, scale, bias[None, :].astype(np.float64), act,
+                          mul.astype(np.float64), res.astype(np.float64), full, False)
+    assert (np.abs(outs[0] - want) <= tol).all(), f"{path} {chain}: max err {np.abs(outs[0] - want).max():.3g}"

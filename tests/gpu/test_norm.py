@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fusion_util import graph
 from vkflash.gpu.ops import norm as N
 from vkflash.gpu.ops.views import Rows
+from vkflash.gpu.options import Fusion
 
 pytestmark = pytest.mark.gpu
 
@@ -84,8 +86,8 @@ def test_grouped_rms_norm(gpu, rng, hc, d):
 
 
 def test_combine_then_grouped_norm(gpu, rng):
-    """combine=(ι, b): R_c += 2σ(ι_c/hc)·b in place, then the grouped norm of the updated R — the
-    same bits as hc_combine followed by grouped_rms_norm (the plain path), and R near float64."""
+    """Fusion.COMBINE_NORM: R_c += 2σ(ι_c/hc)·b in place, then the grouped norm of the updated R, in
+    one dispatch — the same bits as hc_combine followed by grouped_rms_norm, and R near float64."""
     from vkflash.gpu.ops.hc import hc_combine
 
     hc, d, T = int(rng.integers(2, 5)), int(rng.integers(1, 700)), int(rng.integers(1, 9))
@@ -101,13 +103,10 @@ def test_combine_then_grouped_norm(gpu, rng):
         bb = gpu.upload(b, "b")
         xb.fill(np.nan)
         iv, bv, Rv, Xv = Rows(ib, T, hc, 3, hc), Rows(bb, T, d), Rows(rb, T, hc * d), Rows(xb, T, hc * d, 16)
-        g = gpu.graph("combine_norm")
-        if fused:
-            N.grouped_rms_norm(g, Rv, Xv, hc, eps, gb, combine=(iv, bv))
-            assert len(g.ops) == 1
-        else:
-            hc_combine(g, Rv, bv, iv, fuse=True)
-            N.grouped_rms_norm(g, Rv, Xv, hc, eps, gb)
+        g = graph(gpu, "combine_norm", fused, Fusion.COMBINE_NORM)
+        hc_combine(g, Rv, bv, iv)
+        N.grouped_rms_norm(g, Rv, Xv, hc, eps, gb)
+        assert len(g.ops) == (1 if fused else 2)
         g.run()
         X = xb.read(np.float32)
         assert np.isnan(X[:16]).all() and np.isnan(X[16 + T * hc * d:]).all()
@@ -122,8 +121,10 @@ def test_combine_then_grouped_norm(gpu, rng):
 
 @pytest.mark.parametrize("combine", [True, False])
 def test_grouped_norm_with_inject(gpu, rng, combine):
-    """inject=(W_inj, ι): the groups' workgroups also compute ι = X W_injᵀ from the X they write;
-    X equals the plain norm's bit for bit, ι the inject matmul's to f32 rounding (another order)."""
+    """Fusion.NORM_INJECT: the groups' workgroups also compute ι = X W_injᵀ (an f32 matmul of X to
+    hc values) from the X they write; X equals the plain norm's bit for bit, ι the inject matmul's
+    to f32 rounding (another order)."""
+    from vkflash.gpu.ops.hc import hc_combine
     from vkflash.gpu.ops.matmul import QWeight, matmul
 
     hc, d, T = int(rng.integers(2, 5)), int(rng.integers(1, 20)) * 32, int(rng.integers(1, 9))
@@ -140,14 +141,12 @@ def test_grouped_norm_with_inject(gpu, rng, combine):
         xb.fill(np.nan)
         ob.fill(np.nan)
         Rv, Xv, ov = Rows(rb, T, hc * d), Rows(xb, T, hc * d), Rows(ob, T, hc, 5, 8)
-        cmb = (Rows(ib, T, hc), Rows(bb, T, d)) if combine else None
-        g = gpu.graph("norm_inject")
-        if fused:
-            N.grouped_rms_norm(g, Rv, Xv, hc, 1e-6, gb, combine=cmb, inject=(Rows(wb, hc, hc * d), ov))
-            assert len(g.ops) == 1
-        else:
-            N.grouped_rms_norm(g, Rv, Xv, hc, 1e-6, gb, combine=cmb)
-            matmul(g, QWeight(wb, 0, hc * d, hc), Xv, ov)
+        g = graph(gpu, "norm_inject", fused, Fusion.NORM_INJECT, Fusion.COMBINE_NORM)
+        if combine:
+            hc_combine(g, Rv, Rows(bb, T, d), Rows(ib, T, hc))
+        N.grouped_rms_norm(g, Rv, Xv, hc, 1e-6, gb)
+        matmul(g, QWeight(wb, 0, hc * d, hc), Xv, ov)
+        assert len(g.ops) == (1 if fused else 2 + combine)
         g.run()
         o = ob.read(np.float32)
         out[fused] = xb.read(np.float32).reshape(T, hc * d), o[5:].reshape(T, 8)[:, :hc], o
@@ -170,9 +169,9 @@ def test_inject_replays(gpu, rng):
     W = (rng.standard_normal((hc, hc * d)) / np.sqrt(hc * d)).astype(np.float32)
     rb, xb, gb = gpu.buffer(4 * T * hc * d, "R"), gpu.buffer(4 * T * hc * d, "X"), gpu.upload(gam, "gamma")
     ib, bb, wb, ob = gpu.buffer(4 * T * hc, "iota"), gpu.buffer(4 * T * d, "b"), gpu.upload(W, "w_inj"), gpu.buffer(4 * T * hc, "o")
-    g = gpu.graph("inject_replays")
-    N.grouped_rms_norm(g, Rows(rb, T, hc * d), Rows(xb, T, hc * d), hc, 1e-6, gb,
-                       combine=(Rows(ib, T, hc), Rows(bb, T, d)), inject=(Rows(wb, hc, hc * d), Rows(ob, T, hc)))
+    g = graph(gpu, "inject_replays", True)
+    g.add(N.Norm(N.Mode.RMS, Rows(rb, T, hc * d), Rows(xb, T, hc * d), 1e-6, hc, gb, 0, 1.0, "norm",
+                 combine=(Rows(ib, T, hc), Rows(bb, T, d)), inject=(Rows(wb, hc, hc * d), Rows(ob, T, hc))))
     for replay in range(3):
         R, b = _rows(rng, T, hc * d), rng.standard_normal((T, d)).astype(np.float32)
         iota = (rng.standard_normal((T, hc)) * 8).astype(np.float32)
@@ -234,13 +233,16 @@ def test_validation(gpu):
         N.l2_norm(g, Rows(b, 2, 10), Rows(b, 2, 11, 50), 1e-6)
     with pytest.raises(ValueError, match="eps"):
         N.rms_norm(g, Rows(b, 2, 10), Rows(b, 2, 10, 50), float("nan"))
+    def fused(x: Rows, y: Rows, groups: int, **parts) -> N.Norm:
+        return N.Norm(N.Mode.RMS, x, y, 1e-6, groups, None, 0, 1.0, "bad", **parts)
+
     with pytest.raises(ValueError, match="ι must be 2x2"):
-        N.grouped_rms_norm(g, Rows(b, 2, 10), Rows(b, 2, 10, 50), 2, 1e-6, combine=(Rows(c, 2, 3), Rows(c, 2, 5)))
+        fused(Rows(b, 2, 10), Rows(b, 2, 10, 50), 2, combine=(Rows(c, 2, 3), Rows(c, 2, 5)))
     with pytest.raises(ValueError, match="must not overlap"):
-        N.grouped_rms_norm(g, Rows(b, 2, 10), Rows(b, 2, 10, 50), 2, 1e-6, combine=(Rows(c, 2, 2), Rows(b, 2, 5, 5)))
+        fused(Rows(b, 2, 10), Rows(b, 2, 10, 50), 2, combine=(Rows(c, 2, 2), Rows(b, 2, 5, 5)))
     big, pos = gpu.buffer(4 * 1200, "big"), gpu.buffer(16, "pos")
     with pytest.raises(ValueError, match="at most 512"):
-        N.rms_norm(g, Rows(big, 2, 600), Rows(big, 2, 600), 1e-6, rope=N.Rope(1, 64, 1e4, pos))
+        fused(Rows(big, 2, 600), Rows(big, 2, 600), 1, rope=N.Rope(1, 64, 1e4, pos))
     with pytest.raises(ValueError, match="n_rot must be even"):
-        N.rms_norm(g, Rows(b, 2, 10), Rows(b, 2, 10), 1e-6, rope=N.Rope(1, 3, 1e4, pos))
+        fused(Rows(b, 2, 10), Rows(b, 2, 10), 1, rope=N.Rope(1, 3, 1e4, pos))
     assert not g.ops

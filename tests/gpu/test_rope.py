@@ -117,9 +117,12 @@ def test_validation(gpu):
 
 @pytest.mark.parametrize("dh,n_rot", [(64, 16), (256, 64), (30, 30)])
 def test_norm_rope_fused_in_place(gpu, rng, dh, n_rot):
-    """rms_norm(..., rope=) in one dispatch, in place on strided q rows (q then gate per head):
-    equal to rms_norm then rope_neox within a few ulp, near the float64 oracle, gates untouched."""
-    from vkflash.gpu.ops.norm import Rope, rms_norm
+    """Fusion.NORM_ROPE: rms_norm then rope_neox in one dispatch, in place on strided q rows (q then
+    gate per head): equal to the two dispatches within a few ulp, near the float64 oracle, gates
+    untouched."""
+    from fusion_util import graph
+    from vkflash.gpu.ops.norm import rms_norm
+    from vkflash.gpu.options import Fusion
 
     T, H, theta, eps = int(rng.integers(1, 7)), int(rng.integers(1, 5)), float(rng.choice([1e4, 1e7])), 1e-6
     qg = rng.standard_normal((T, H, 2, dh)).astype(np.float32) * np.exp(rng.uniform(-3, 3, (T, H, 1, 1)))
@@ -131,13 +134,10 @@ def test_norm_rope_fused_in_place(gpu, rng, dh, n_rot):
     for fused in (True, False):
         xb = gpu.upload(qg, "qg")
         rows = Rows(xb, T * H, dh, 0, 2 * dh)
-        g = gpu.graph("norm_rope")
-        if fused:
-            rms_norm(g, rows, rows, eps, gb, rope=Rope(H, n_rot, theta, pb))
-            assert len(g.ops) == 1
-        else:
-            rms_norm(g, rows, rows, eps, gb)
-            R.rope_neox(g, rows, rows, H, n_rot, theta, pb)
+        g = graph(gpu, "norm_rope", fused, Fusion.NORM_ROPE)
+        rms_norm(g, rows, rows, eps, gb)
+        R.rope_neox(g, rows, rows, H, n_rot, theta, pb)
+        assert len(g.ops) == (1 if fused else 2)
         g.run()
         out[fused] = xb.read(np.float32).reshape(T, H, 2, dh)
     np.testing.assert_array_equal(out[True][:, :, 1], qg[:, :, 1])  # gate halves untouched

@@ -4,25 +4,19 @@ in-flight bound (VKFLASH_MAX_INFLIGHT, VKFLASH_SERIALIZE_SUBMISSIONS) seen throu
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
 
 from chain import chain, chain_ref
-from vkflash import settings
 from vkflash.gpu import cost, trace
 from vkflash.gpu.graph import Graph
+from vkflash.gpu.options import GpuOptions
 from vkflash.gpu.ops.views import Rows
 
 ALPHAS = np.array([-1.0, -0.5, 0.5, 1.0, -2.0], np.float32)
 PER_US = cost.Rates(B=1e6, F=1e6, t0=0.0)
 """Rates under which an op of nbytes = c costs exactly c µs (costs set directly in the tests)."""
-
-
-def _settings(**knobs: str) -> settings.Settings:
-    """The process environment with these knobs set."""
-    return settings.load(env={**os.environ, **knobs})
 
 
 def _check_runs(runs: list[range], costs: np.ndarray, budget: float, max_ops: int) -> None:
@@ -81,15 +75,15 @@ def _planned_groups(rng: np.random.Generator, budget_us: int) -> list[list[int]]
     return groups
 
 
-def _chain_graph(gpu, name: str, n: int, alphas: np.ndarray, split: bool = True):
+def _chain_graph(gpu, name: str, n: int, alphas: np.ndarray, split: bool = True, **knobs: str):
     pb, qb = gpu.buffer(4 * n, f"{name}.P"), gpu.buffer(4 * n, f"{name}.Q")
-    g = Graph(gpu, name, split=split)
+    g = Graph(gpu, name, split=split, options=GpuOptions.from_knobs(**knobs))
     chain(g, Rows.flat(pb, n), Rows.flat(qb, n), alphas)
     return g, pb, qb
 
 
 @pytest.mark.gpu
-def test_graph_cut_where_the_budget_says(gpu, rng, monkeypatch):
+def test_graph_cut_where_the_budget_says(gpu, rng):
     """A dependent chain whose op costs put the cuts at known places: submissions hold exactly the
     planned groups in op order, and P, Q equal the unsplit graph's and NumPy's after replays."""
     budget_us = int(rng.integers(2000, 50000))
@@ -97,8 +91,7 @@ def test_graph_cut_where_the_budget_says(gpu, rng, monkeypatch):
     costs = [c for grp in groups for c in grp]
     n = int(rng.integers(100, 2000))
     alphas = rng.choice(ALPHAS, len(costs))
-    monkeypatch.setattr(settings, "_current", _settings(VKFLASH_SUBMIT_BUDGET_MS=str(budget_us / 1000)))
-    g, pb, qb = _chain_graph(gpu, "budget", n, alphas)
+    g, pb, qb = _chain_graph(gpu, "budget", n, alphas, VKFLASH_SUBMIT_BUDGET_MS=str(budget_us / 1000))
     g.rates = PER_US
     for op, c in zip(g.ops, costs):
         op.nbytes = c
@@ -122,13 +115,12 @@ def test_graph_cut_where_the_budget_says(gpu, rng, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_unsplit_graph_stays_one_submission(gpu, rng, monkeypatch):
+def test_unsplit_graph_stays_one_submission(gpu, rng):
     """split=False ignores the budget even when every op alone exceeds it; it refuses an op limit."""
-    monkeypatch.setattr(settings, "_current", _settings(VKFLASH_SUBMIT_BUDGET_MS="1"))
     n, steps = int(rng.integers(50, 500)), int(rng.integers(5, 20))
     alphas = rng.choice(ALPHAS, steps)
     for split, want in ((True, steps), (False, 1)):
-        g, pb, qb = _chain_graph(gpu, f"split{split}", n, alphas, split=split)
+        g, pb, qb = _chain_graph(gpu, f"split{split}", n, alphas, split=split, VKFLASH_SUBMIT_BUDGET_MS="1")
         g.rates = PER_US
         for op in g.ops:
             op.nbytes = 1500  # 1.5 ms each against a 1 ms budget
@@ -150,11 +142,10 @@ def test_in_flight_bound(gpu, rng, monkeypatch, serialize):
     flight, the limit reached when there are enough submissions, and the results still exact."""
     inflight = int(rng.integers(1, 5))
     limit = 1 if serialize else inflight
-    monkeypatch.setattr(settings, "_current", _settings(VKFLASH_MAX_INFLIGHT=str(inflight),
-                                                   VKFLASH_SERIALIZE_SUBMISSIONS=str(int(serialize))))
     n, steps = int(rng.integers(50, 500)), int(rng.integers(8, 30))
     alphas = rng.choice(ALPHAS, steps)
-    g, pb, qb = _chain_graph(gpu, "inflight", n, alphas)
+    g, pb, qb = _chain_graph(gpu, "inflight", n, alphas, VKFLASH_MAX_INFLIGHT=str(inflight),
+                             VKFLASH_SERIALIZE_SUBMISSIONS=str(int(serialize)))
     g.max_ops = int(rng.integers(1, 3))
     g.record()
     n_subs = len(g.submissions)

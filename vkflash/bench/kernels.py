@@ -143,7 +143,7 @@ def elementwise_rows(gpu: Gpu, quick: bool) -> list[Row]:
     idx = gpu.buffer(4, "idx")
     g = gpu.graph("bench.argmax")
     for lg in logits:
-        argmax.argmax(g, Rows.flat(lg, vocab), scratch, idx)
+        argmax.argmax(g, Rows.flat(lg, vocab), idx, scratch=scratch)
     out.append(_rate("argmax", f"{vocab}", g, len(logits), vocab * 4, reps * 10))
     return out
 

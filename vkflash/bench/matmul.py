@@ -72,7 +72,7 @@ def gemm_tflops(gpu: Gpu, size: int | None = None, n_tok: int | None = None, qty
     nbytes = size * row_bytes(qtype, size)
     ws = _weights(gpu, qtype, size, size, 3, rng)
     x = gpu.upload(rng.standard_normal(n_tok * size, dtype=np.float32), "bench.x")
-    cm = use_coopmat(gpu.caps, qtype)
+    cm = use_coopmat(gpu, qtype)
     g = gpu.graph("bench.gemm")
     calls = 3 if quick else 12
     ys = [gpu.buffer(4 * n_tok * size, f"bench.y{i}") for i in range(3)]

@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from vkflash import settings
 from vkflash.bench.kernels import copy_bandwidth
 from vkflash.engine.gpu_forward import GpuForward, steps
 from vkflash.engine.graphs.common import Head
@@ -157,17 +155,6 @@ def timed_decode(fwd: GpuForward, token: int, n: int) -> tuple[float, int]:
     return time.perf_counter() - t0, token
 
 
-@contextmanager
-def timestamped() -> Iterator[None]:
-    """Graphs recorded inside get GPU timestamps (as with VKFLASH_PERF_LOGGER, without its log)."""
-    old = settings.current()
-    settings.install(settings.Settings({**old.values, "VKFLASH_PERF_LOGGER": True}, dict(old.sources)))
-    try:
-        yield
-    finally:
-        settings.install(old)
-
-
 def gpu_ns(g: Graph) -> float:
     """GPU time of the graph's last replay: first to last timestamp of each submission."""
     period = g.gpu.caps.timestamp_period_ns
@@ -183,8 +170,9 @@ def decode_cost(fwd: GpuForward, token: int, n: int) -> tuple[DecodeCost, int]:
     for this, then the graph is recorded plainly again)."""
     stats = fwd.graph_stats(1, Head.LAST)
     g = fwd.graph(1, Head.LAST)
-    with timestamped():
-        g.record()
+    plain = g.options
+    g.options = replace(plain, tracing=replace(plain.tracing, stamps=True))
+    g.record()
     wall, gpu = [], []
     try:
         for _ in range(n):
@@ -193,6 +181,7 @@ def decode_cost(fwd: GpuForward, token: int, n: int) -> tuple[DecodeCost, int]:
             wall.append(time.perf_counter() - t0)
             gpu.append(gpu_ns(g) / 1e9)
     finally:
+        g.options = plain
         g.record()
     return DecodeCost(stats.dispatches, stats.submissions, stats.barriers, 1e6 * float(np.mean(wall)),
                       1e6 * float(np.mean(gpu))), token

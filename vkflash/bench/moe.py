@@ -76,7 +76,7 @@ def _routed_graph(gpu: Gpu, name: str, s: Shape, T: int, calls: int, compact: bo
     routings = _routings(gpu, T, s, rng)
     for i in range(calls):
         ids, w = routings[i % ROTATE]
-        moe_routed(g, x, ids, w, ex, h, ys, plan=plan, compact=compact, name=f"moe{i}")
+        moe_routed(g, x, ids, w, ex, ys, h, plan=plan, compact=compact, name=f"moe{i}")
     return g, ex
 
 

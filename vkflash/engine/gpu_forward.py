@@ -21,7 +21,7 @@ from vkflash.engine import graphs
 from vkflash.engine.api import InvalidRequest
 from vkflash.engine.caches import allocate_kv, cache_type
 from vkflash.engine.dump import read_taps, tapped
-from vkflash.engine.graphs.common import Head, HeadBuffers, StepModel, decode_splits
+from vkflash.engine.graphs.common import Head, HeadBuffers, StepModel
 from vkflash.engine.step_params import StepParams
 from vkflash.engine.weights_gpu import device_embeddable, host_row_gather, upload_weights
 from vkflash.formats.gguf_file import GGUFFile
@@ -86,21 +86,15 @@ class GpuForward:
         # a table the embed kernel cannot decode is gathered on the host; keep it on the GPU only as LM head
         skip = ["token_embd.weight"] if host_embed and "output.weight" in gf.tensors else []
         self._gather = host_row_gather(gf, "token_embd.weight") if host_embed else None
-        transforms = self.arch.weight_transforms(gf, hp) if hasattr(self.arch, "weight_transforms") else None
-        stacks = (self.arch.weight_stacks(gf, hp)
-                  if hasattr(self.arch, "weight_stacks") and s["VKFLASH_STACK_WEIGHTS"] else ())
-        weights = upload_weights(self.gpu, gf, hp, skip, progress, transforms, stacks)
-        n_split = decode_splits(self.n_ctx)
+        stacks = self.arch.weight_stacks(gf, hp) if self.gpu.options.stack_weights else ()
+        weights = upload_weights(self.gpu, gf, hp, skip, progress, self.arch.weight_transforms(gf, hp), stacks)
         rows = logits_rows or max(1, min(self.ub, LOGITS_BUDGET // (4 * hp.V)))
         kv_type = cache_type(s["KV"] if kv is None else kv)
         kv_caches = allocate_kv(self.gpu, hp, self.n_ctx, kv_type, self.arch.attention_layers(hp))
-        extra = self.arch.extra_dim(hp) if hasattr(self.arch, "extra_dim") else 0
-        state = (self.arch.allocate_state(self.gpu, gf, hp, self.n_ctx, kv_type, self.ub)
-                 if hasattr(self.arch, "allocate_state") else None)
-        self.model = StepModel(self.gpu, hp, weights, kv_caches,
-                               StepParams.allocate(self.gpu, self.ub, hp.d if host_embed else 0, extra),
-                               HeadBuffers.allocate(self.gpu, hp.V, rows), n_split, state)
-        self.scratch = self.arch.Scratch.allocate(self.gpu, hp, self.ub, n_split)
+        state = self.arch.allocate_state(self.gpu, gf, hp, self.n_ctx, kv_type, self.ub)
+        params = StepParams.allocate(self.gpu, self.ub, hp.d if host_embed else 0, self.arch.extra_dim(hp))
+        self.model = StepModel(self.gpu, hp, weights, kv_caches, params, HeadBuffers.allocate(self.gpu, hp.V, rows),
+                               state)
         self._graphs: dict[tuple[int, Head], Graph] = {}
         self._n = 0
         self._seq: list[int] = []  # the tokens fed (a recurrent model replays a prefix it cannot restore)
@@ -176,8 +170,10 @@ class GpuForward:
         key = (n, head)
         g = self._graphs.get(key)
         if g is None:
+            if not 1 <= n <= self.ub:
+                raise ValueError(f"a step of {n} tokens; this forward's steps hold 1..{self.ub}")
             g = Graph(self.gpu, f"{self.hp.arch}.{head.value}.{n}", split=n > 1)
-            self.arch.build(g, self.model, self.scratch, n, head)
+            self.arch.build(g, self.model, n, head)
             self._graphs[key] = g
         return g
 

@@ -1,22 +1,26 @@
 """The GPU: one Kompute manager on the chosen device, its capabilities, buffers and pipelines.
 
-`Gpu()` opens VKFLASH_DEVICE (alias GGML_VK_VISIBLE_DEVICES). Algorithms (pipeline + bound
-buffers) are created once per distinct (kernel, buffers, workgroups, spec constants) and shared
-by every dispatch that needs the same one.
+`Gpu()` opens VKFLASH_DEVICE (alias GGML_VK_VISIBLE_DEVICES) with the `GpuOptions` the knob
+table says (how its graphs are fused, split and submitted). Algorithms (pipeline + bound buffers)
+are created once per distinct (kernel, buffers, workgroups, spec constants) and shared by every
+dispatch that needs the same one. The arena holds every graph's intermediates (gpu/alloc.py).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import copy
+from typing import TYPE_CHECKING, Sequence
 
 import kp
 import numpy as np
 
 from vkflash import settings
 from vkflash.errors import DeviceError
+from vkflash.gpu.alloc import Arena
 from vkflash.gpu.compile_shaders import compile_variant
 from vkflash.gpu.device import Capabilities, probe
 from vkflash.gpu.memory import STAGING_BYTES, Buffer, allocate
+from vkflash.gpu.options import GpuOptions
 
 if TYPE_CHECKING:
     from vkflash.gpu.graph import Dispatch, Graph
@@ -25,8 +29,9 @@ if TYPE_CHECKING:
 class Gpu:
     """One Vulkan device driven through Kompute."""
 
-    def __init__(self, index: int | None = None) -> None:
+    def __init__(self, index: int | None = None, options: GpuOptions | None = None) -> None:
         self.index = settings.current()["VKFLASH_DEVICE"] if index is None else index
+        self.options = options or GpuOptions.from_settings()
         self.caps: Capabilities = probe(self.index)
         try:
             self.mgr = kp.Manager(self.index)
@@ -35,6 +40,16 @@ class Gpu:
         self._algos: dict[tuple, "kp.Algorithm"] = {}
         self._spirv: dict[str, bytes] = {}
         self._staging: "Staging | None" = None
+        self.arena = Arena(self)
+
+    def with_options(self, options: GpuOptions, own_arena: bool = False) -> "Gpu":
+        """The same device, buffers and pipelines (and arena, unless `own_arena`), building graphs
+        with other options."""
+        other = copy.copy(self)
+        other.options = options
+        if own_arena:
+            other.arena = Arena(other)
+        return other
 
     # --- buffers --------------------------------------------------------------------------
     def buffer(self, nbytes: int, name: str = "", host: bool = False) -> Buffer:
@@ -51,7 +66,7 @@ class Gpu:
     def spin_wait(self) -> bool:
         """Whether submissions poll their fence (VKFLASH_SPIN_WAIT; auto: not on CPU drivers, where
         the polling core is one the driver computes on)."""
-        v = settings.current()["VKFLASH_SPIN_WAIT"]
+        v = self.options.spin_wait
         return v == "1" or (v == "auto" and self.caps.device_type != "cpu")
 
     @property
@@ -66,17 +81,22 @@ class Gpu:
             self._spirv[kernel.name] = compile_variant(kernel.shader, dict(kernel.defines))
         return self._spirv[kernel.name]
 
-    def algorithm(self, op: "Dispatch") -> "kp.Algorithm":
-        """The shared kp.Algorithm for this dispatch's kernel, buffers, workgroups and constants."""
-        key = (op.kernel.name, tuple(b.id for b in op.buffers), op.groups, op.spec, len(op.push) or 1)
+    def algorithm(self, op: "Dispatch", buffers: Sequence[Buffer]) -> "kp.Algorithm":
+        """The shared kp.Algorithm for this dispatch's kernel, (physical) buffers, workgroups and constants."""
+        key = (op.kernel.name, tuple(b.id for b in buffers), op.groups, op.spec, len(op.push) or 1)
         algo = self._algos.get(key)
         if algo is None:
             spec = np.array((op.kernel.workgroup(self.caps), *op.spec), np.uint32)
             push = np.zeros(len(op.push) or 1, np.uint32)
-            algo = self.mgr.algorithm([b.tensor for b in op.buffers], self.spirv(op.kernel), list(op.groups),
+            algo = self.mgr.algorithm([b.tensor for b in buffers], self.spirv(op.kernel), list(op.groups),
                                       spec, push)
             self._algos[key] = algo
         return algo
+
+    def retire(self, buf: Buffer) -> None:
+        """Forget the algorithms bound to a buffer being replaced (the arena grows one)."""
+        for key in [k for k in self._algos if buf.id in k[1]]:
+            del self._algos[key]
 
     def graph(self, name: str, max_ops_per_submission: int = 0) -> "Graph":
         from vkflash.gpu.graph import Graph

@@ -1,13 +1,20 @@
-"""Record once, replay: a step graph of dispatches recorded into Kompute sequences.
+"""Step graphs: the ops a step states, the fusion pass, the allocator, record once and replay.
 
-A Graph is an ordered list of dispatches. `record()` turns it into one or more submissions
-(kp sequences), with a compute→compute barrier only where a dispatch depends on an earlier one
-(read-after-write, write-after-read/write on the same buffer) and one at the start of each
-submission (it orders against everything submitted before). A graph is cut, in op order, into
-submissions whose estimated GPU time (gpu/cost.py) stays under VKFLASH_SUBMIT_BUDGET_MS, unless it
-is built with split=False (decode: always one submission). `run()` replays the recorded sequences: nothing is re-recorded per step; per-step values (positions, token ids, lengths)
-live in a host-visible step-params buffer the shaders read. Submissions are bounded in flight
-(VKFLASH_MAX_INFLIGHT) or serialized (VKFLASH_SERIALIZE_SUBMISSIONS=1).
+A Graph is built as an ordered list of ops: typed `Node`s (the fusable ops of gpu/ops, e.g. a
+matmul or a norm) and plain `Dispatch`es (kernel launches). On first use it is *lowered*: the
+fusion pass (gpu/fuse.py, configured by the Gpu's `GpuOptions`) rewrites node patterns into fused
+kernels, then every node emits its dispatches; `ops` is that final dispatch list. Intermediates
+are virtual buffers (`tensor()`, `temp()`), placed by the liveness allocator (gpu/alloc.py) in the
+Gpu's arena when the graph is recorded.
+
+`record()` turns the dispatches into one or more submissions (kp sequences), with a
+compute→compute barrier only where a dispatch depends on an earlier one (read-after-write,
+write-after-read/write on the same physical buffer) and one at the start of each submission (it
+orders against everything submitted before). A graph is cut, in op order, into submissions whose
+estimated GPU time (gpu/cost.py) stays under the options' submission budget, unless it is built
+with split=False (decode: always one submission). `run()` replays the recorded sequences: nothing
+is re-recorded per step; per-step values (positions, token ids, lengths) live in a host-visible
+step-params buffer the shaders read. Submissions are bounded in flight or serialized.
 """
 
 from __future__ import annotations
@@ -19,19 +26,46 @@ from typing import TYPE_CHECKING, Sequence
 import kp
 import numpy as np
 
-from vkflash import settings
 from vkflash.errors import DeviceError
 from vkflash.gpu import cost, trace
 from vkflash.gpu.memory import Buffer
+from vkflash.gpu.ops.views import Rows
 
 if TYPE_CHECKING:
     from vkflash.gpu.context import Gpu
+    from vkflash.gpu.options import GpuOptions
     from vkflash.gpu.registry import Kernel
+
+ROW_ALIGN = 4
+"""Row strides of graph tensors are whole multiples of this many elements (16-byte vec4 loads)."""
+
+
+class Node:
+    """A fusable op not yet turned into dispatches: the fusion pass matches these by type."""
+
+    name: str
+
+    def inputs(self) -> tuple[Rows | Buffer, ...]:
+        """Views (or whole buffers) the op reads."""
+        raise NotImplementedError
+
+    def outputs(self) -> tuple[Rows | Buffer, ...]:
+        """Views (or whole buffers) the op writes."""
+        raise NotImplementedError
+
+    def lower(self, g: "Graph") -> None:
+        """Emit the op's dispatches into g (g.dispatch)."""
+        raise NotImplementedError
+
+    def named(self) -> tuple[tuple[str, Rows], ...]:
+        """Values final right after this op, by name (verify's taps): its first output by default."""
+        outs = self.outputs()
+        return ((self.name, outs[0]),) if outs and isinstance(outs[0], Rows) else ()
 
 
 @dataclass
 class Dispatch:
-    """One kernel launch: what it runs, on which buffers, and what it reads and writes."""
+    """One kernel launch: what it runs, on which buffers, and which of them it writes."""
 
     name: str
     kernel: "Kernel"
@@ -39,11 +73,19 @@ class Dispatch:
     groups: tuple[int, int, int]
     push: tuple[int, ...]
     spec: tuple[int, ...]
-    reads: frozenset[int]
-    writes: frozenset[int]
+    written: frozenset[int]  # indices into buffers
     desc: str = ""
     nbytes: int = 0  # bytes the op moves (for GB/s in the perf logger)
     flops: int = 0
+
+    def inputs(self) -> tuple[Buffer, ...]:
+        return tuple(b for i, b in enumerate(self.buffers) if i not in self.written)
+
+    def outputs(self) -> tuple[Buffer, ...]:
+        return tuple(self.buffers[i] for i in sorted(self.written))
+
+    def lower(self, g: "Graph") -> None:
+        g.emit(self)
 
 
 @dataclass(frozen=True)
@@ -70,29 +112,45 @@ class Submission:
 
 
 class Graph:
-    """Dispatches of one step (e.g. decode, or prefill of one ubatch bucket).
+    """The ops of one step (e.g. decode, or prefill of one ubatch bucket).
 
     split=False records one submission whatever its cost; otherwise submissions are bounded by the
     GPU-time budget under `rates` (the device's assumed ones) and by max_ops_per_submission (0: any).
+    `options` default to the Gpu's.
     """
 
-    def __init__(self, gpu: "Gpu", name: str, max_ops_per_submission: int = 0, split: bool = True) -> None:
+    def __init__(self, gpu: "Gpu", name: str, max_ops_per_submission: int = 0, split: bool = True,
+                 options: "GpuOptions | None" = None) -> None:
         if not split and max_ops_per_submission:
             raise ValueError(f"{name}: an unsplit graph cannot have an op limit per submission")
         self.gpu = gpu
         self.name = name
-        self.ops: list[Dispatch] = []
+        self.options = options or gpu.options
+        self.nodes: list[Node | Dispatch] = []
         self.max_ops = max_ops_per_submission
         self.split = split
         self.rates: cost.Rates = cost.assumed_rates(gpu.caps)
         self.submissions: list[Submission] = []
+        self.owned: list[Buffer] = []  # buffers the graph's kernels keep between replays
+        self.temp_bytes = 0  # arena bytes this graph's intermediates need (set when recorded)
+        self._ops: list[Dispatch] | None = None
+        self._sink: list[Dispatch] | None = None  # where dispatches go while lowering
+        self._phys: dict[int, Buffer] = {}
+        self._generation = -1
         self._pending: list[Submission] = []
-        # where a named value lives when it is not the leading rows of its op's output buffer:
-        # name -> (the dispatch after which it is final, buffer, element offset, rows, columns,
-        # row stride), for `vkflash verify`'s taps
+        # where a named value lives: name -> (the dispatch after which it is final, buffer, element
+        # offset, rows, columns, row stride), for `vkflash verify`'s taps
         self.views: dict[str, View] = {}
 
     # --- building -------------------------------------------------------------------------
+    def add(self, node: Node) -> None:
+        """Append a fusable op (while lowering: emit it at once)."""
+        if self._sink is not None:
+            node.lower(self)
+            return
+        self.nodes.append(node)
+        self._changed()
+
     def dispatch(self, kernel: str, buffers: Sequence[Buffer], groups: Sequence[int], push: Sequence[int] = (),
                  spec: Sequence[int] = (), name: str = "", writes: Sequence[int] | None = None,
                  desc: str = "", nbytes: int = 0, flops: int = 0) -> Dispatch:
@@ -107,20 +165,73 @@ class Graph:
         if any(x < 1 or x > m for x, m in zip(g, lim)):
             raise ValueError(f"{kernel}: workgroup count {g} outside 1..{lim}")
         w = {len(buffers) - 1} if writes is None else set(writes)
-        op = Dispatch(
-            name=name or kernel, kernel=k, buffers=tuple(buffers), groups=g,
-            push=tuple(int(x) & 0xFFFFFFFF for x in push), spec=tuple(int(x) for x in spec),
-            reads=frozenset(b.id for i, b in enumerate(buffers) if i not in w),
-            writes=frozenset(buffers[i].id for i in w), desc=desc, nbytes=nbytes, flops=flops)
-        self.ops.append(op)
-        self.submissions = []  # a changed graph must be recorded again
+        op = Dispatch(name=name or kernel, kernel=k, buffers=tuple(buffers), groups=g,
+                      push=tuple(int(x) & 0xFFFFFFFF for x in push), spec=tuple(int(x) for x in spec),
+                      written=frozenset(w), desc=desc, nbytes=nbytes, flops=flops)
+        if self._sink is not None:
+            self._sink.append(op)
+        else:
+            self.nodes.append(op)
+            self._changed()
         return op
+
+    def emit(self, op: Dispatch) -> None:
+        """A built dispatch into the lowered list (Dispatch.lower)."""
+        assert self._sink is not None, "emit() is for lowering"
+        self._sink.append(op)
+
+    def tensor(self, n_rows: int, n_cols: int, name: str) -> Rows:
+        """A new intermediate of n_rows × n_cols f32 (row stride rounded up to ROW_ALIGN), tappable
+        as `name` after the last dispatch of that name."""
+        stride = -(-n_cols // ROW_ALIGN) * ROW_ALIGN
+        rows = Rows(self.temp(4 * n_rows * stride, name), n_rows, n_cols, 0, stride)
+        self.views.setdefault(name, View(name, rows.buf, 0, n_rows, n_cols, stride))
+        return rows
+
+    def temp(self, nbytes: int, name: str) -> Buffer:
+        """A new intermediate buffer: memory from the arena, valid only within one replay."""
+        return Buffer.virtual(nbytes, name)
+
+    def own(self, nbytes: int, name: str) -> Buffer:
+        """A zeroed buffer of this graph's kernels that keeps its contents between replays."""
+        b = self.gpu.buffer(nbytes, name)
+        b.fill(0, np.uint32)
+        self.owned.append(b)
+        return b
 
     def expose(self, name: str, buf: Buffer, off: int, n_rows: int, n_cols: int, stride: int,
                after: str | None = None) -> None:
         """Declare that the value `name` is the (n_rows × n_cols, row stride) block at element
         `off` of `buf`, final after the last dispatch named `after` (default: `name`)."""
         self.views[name] = View(after or name, buf, off, n_rows, n_cols, stride)
+
+    def _changed(self) -> None:
+        self._ops = None
+        self.submissions = []  # a changed graph must be lowered and recorded again
+
+    # --- lowering -------------------------------------------------------------------------
+    @property
+    def ops(self) -> list[Dispatch]:
+        """The dispatches the graph runs: its nodes after the fusion pass, lowered (once)."""
+        if self._ops is None:
+            from vkflash.gpu.fuse import fuse
+
+            self._sink = []
+            try:
+                for node in fuse(self):
+                    node.lower(self)
+                    if isinstance(node, Node):
+                        for name, v in node.named():
+                            self.views.setdefault(name, View(node.name, v.buf, v.off, v.n_rows, v.n_cols, v.stride))
+                self._ops = self._sink
+            finally:
+                self._sink = None
+        return self._ops
+
+    @property
+    def nbytes(self) -> int:
+        """Memory of this graph: its intermediates' arena share and the buffers it owns."""
+        return self.temp_bytes + sum(b.nbytes for b in self.owned)
 
     # --- recording ------------------------------------------------------------------------
     def estimates(self) -> list[float]:
@@ -131,37 +242,47 @@ class Graph:
         """The op list cut into submissions, in order (one when split=False)."""
         if not self.split:
             return [list(self.ops)]
-        budget = settings.current()["VKFLASH_SUBMIT_BUDGET_MS"] / 1e3
+        budget = self.options.submit_budget_ms / 1e3
         return [self.ops[r.start:r.stop] for r in cost.cut(self.estimates(), budget, self.max_ops)]
 
+    def physical(self, b: Buffer) -> Buffer:
+        """The buffer a dispatch really binds for b (an intermediate's arena buffer once recorded)."""
+        return self._phys.get(b.id, b) if b.is_virtual else b
+
     def record(self) -> None:
-        """Record every submission once (barriers only on real dependencies); the budget and rates
-        in effect now decide the cuts, so record again after changing them."""
-        timestamps = trace.wants_timestamps()
+        """Place the intermediates and record every submission once (barriers only on real
+        dependencies); the budget and rates in effect now decide the cuts."""
+        timestamps = self.options.tracing.timestamps
+        ops = self.ops
+        self._phys, self.temp_bytes = self.gpu.arena.place(ops)
+        self._generation = self.gpu.arena.generation
         self.submissions = []
-        for ops in self._split():
-            n_kp = 2 + 2 * len(ops)  # upper bound: a barrier before every op, one to the host
+        every = not self.options.dep_barriers
+        for run in self._split():
+            n_kp = 2 + 2 * len(run)  # upper bound: a barrier before every op, one to the host
             seq = self.gpu.mgr.sequence(0, n_kp + 1 if timestamps else 0)
             seq.set_spin_wait(self.gpu.spin_wait)
-            sub = Submission(ops, seq, timestamps=timestamps)
+            sub = Submission(run, seq, timestamps=timestamps)
             seq.record(kp.OpBarrier())
             sub.n_recorded = 1
             written: set[int] = set()
             read: set[int] = set()
-            every = not settings.current()["VKFLASH_DEP_BARRIERS"]
-            for op in ops:
-                if every or op.reads & written or op.writes & (written | read):
+            for op in run:
+                bufs = [self.physical(b) for b in op.buffers]
+                writes = {bufs[i].id for i in op.written}
+                reads = {b.id for i, b in enumerate(bufs) if i not in op.written}
+                if every or reads & written or writes & (written | read):
                     seq.record(kp.OpBarrier())
                     sub.n_recorded += 1
                     written, read = set(), set()
                 # Host writes are visible at submit and every dependency gets an OpBarrier, so the
                 # stock per-tensor transfer barrier would only cost time.
-                seq.record(kp.OpAlgoDispatch(self.gpu.algorithm(op), np.array(op.push or (0,), np.uint32),
+                seq.record(kp.OpAlgoDispatch(self.gpu.algorithm(op, bufs), np.array(op.push or (0,), np.uint32),
                                              transfer_barrier=False))
                 sub.op_slots.append(sub.n_recorded)
                 sub.n_recorded += 1
-                written |= op.writes
-                read |= op.reads
+                written |= writes
+                read |= reads
             # The fence alone does not make shader writes visible to host reads of mapped memory.
             seq.record(kp.OpBarrier(kp.STAGE_COMPUTE, kp.STAGE_HOST, kp.ACCESS_SHADER_WRITE, kp.ACCESS_HOST_READ))
             sub.n_recorded += 1
@@ -179,11 +300,11 @@ class Graph:
         self.wait()
 
     def submit(self) -> None:
-        """Replay without waiting for the last submission (at most MAX_INFLIGHT in flight)."""
-        if not self.submissions:
+        """Replay without waiting for the last submission (at most max_inflight in flight); records
+        first when never recorded or when the arena replaced a buffer it uses."""
+        if not self.submissions or self._generation != self.gpu.arena.generation:
             self.record()
-        s = settings.current()
-        limit = 1 if s["VKFLASH_SERIALIZE_SUBMISSIONS"] else s["VKFLASH_MAX_INFLIGHT"]
+        limit = 1 if self.options.serialize else self.options.max_inflight
         for sub in self.submissions:
             while len(self._pending) >= limit:
                 self._finish(self._pending.pop(0))

@@ -5,6 +5,9 @@ memcpy into the mapped memory, no staging copy. On discrete devices buffers are 
 filled/read through a bounded host-visible staging ring with a compute-shader copy (much faster
 than vkCmdCopyBuffer on the H200). A single buffer may not exceed the device's storage range:
 larger tensors must be split by the caller (`check_size` says so).
+
+A step graph's intermediates are *virtual* buffers (`Buffer.virtual`): a size and a name, no
+memory, until the graph's allocator (gpu/alloc.py) places them in shared arena buffers.
 """
 
 from __future__ import annotations
@@ -29,12 +32,21 @@ STAGING_BYTES = 64 << 20
 class Buffer:
     """A GPU storage buffer of `nbytes` (rounded up to 4), bound whole to shaders."""
 
-    gpu: "Gpu"
-    tensor: "kp.Tensor"
+    gpu: "Gpu | None"
+    tensor: "kp.Tensor | None"
     nbytes: int
     host_visible: bool
     name: str = ""
     id: int = field(default_factory=lambda: next(_ids))
+
+    @classmethod
+    def virtual(cls, nbytes: int, name: str) -> "Buffer":
+        """An intermediate of a step graph: memory comes from the arena when the graph is recorded."""
+        return cls(None, None, max(4, (nbytes + 3) // 4 * 4), False, name)
+
+    @property
+    def is_virtual(self) -> bool:
+        return self.tensor is None
 
     @property
     def words(self) -> int:
@@ -42,7 +54,12 @@ class Buffer:
 
     def _mapped(self) -> np.ndarray:
         """The mapped memory as bytes (host-visible buffers only)."""
-        return self.tensor.data().view(np.uint8)
+        return self._real().data().view(np.uint8)
+
+    def _real(self) -> "kp.Tensor":
+        if self.tensor is None:
+            raise ValueError(f"buffer {self.name!r} is a graph intermediate: it has no memory of its own")
+        return self.tensor
 
     def write(self, data: np.ndarray, offset: int = 0) -> None:
         """Copy `data` (any dtype, C-contiguous) into the buffer at byte `offset`."""
@@ -52,6 +69,7 @@ class Buffer:
         if self.host_visible:
             self._mapped()[offset:offset + raw.nbytes] = raw
         else:
+            self._real()
             self.gpu.staging.upload(self, raw, offset)
 
     def read(self, dtype: np.dtype | type = np.float32, count: int | None = None, offset: int = 0) -> np.ndarray:
@@ -62,6 +80,7 @@ class Buffer:
             raise ValueError(f"read past the end of buffer {self.name!r}")
         if self.host_visible:
             return self._mapped()[offset:offset + n * dt.itemsize].copy().view(dt)
+        self._real()
         return self.gpu.staging.download(self, offset, n * dt.itemsize).view(dt)
 
     def fill(self, value: float | int, dtype: np.dtype | type = np.float32) -> None:

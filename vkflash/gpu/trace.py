@@ -6,7 +6,8 @@
 - VKFLASH_PERF_LOGGER=1: per-op GPU time aggregated by name and shape, printed by `report()`
   (and at exit) as `NAME: count x avg us = total us (GFLOP/s)`.
 - VKFLASH_TRACE_FILE=x.json: a Chrome/Perfetto timeline of submissions and ops.
-All write to stderr so they never mix with generated text.
+All write to stderr so they never mix with generated text. The knobs are read once, into the
+`Tracing` of a Gpu's options (gpu/options.py), when the Gpu is created.
 """
 
 from __future__ import annotations
@@ -29,13 +30,26 @@ _job_ids = itertools.count()
 OUT: TextIO = sys.stderr
 
 
-def _on(name: str) -> bool:
-    return bool(settings.current()[name])
+@dataclass(frozen=True)
+class Tracing:
+    """Which traces a Gpu's graphs write; `stamps` records GPU timestamps without printing them
+    (`vkflash bench` reads them)."""
 
+    job_log: bool = False
+    submit_trace: bool = False
+    perf_logger: bool = False
+    file: str = ""
+    stamps: bool = False
 
-def wants_timestamps() -> bool:
-    """GPU timestamps are recorded only when a knob needs them (they cost a little)."""
-    return _on("VKFLASH_JOB_LOG") or _on("VKFLASH_PERF_LOGGER") or bool(settings.current()["VKFLASH_TRACE_FILE"])
+    @property
+    def timestamps(self) -> bool:
+        """GPU timestamps are recorded only when something reads them (they cost a little)."""
+        return self.stamps or self.job_log or self.perf_logger or bool(self.file)
+
+    @classmethod
+    def from_settings(cls, s: settings.Settings) -> "Tracing":
+        return cls(bool(s["VKFLASH_JOB_LOG"]), bool(s["VKFLASH_SUBMIT_TRACE"]), bool(s["VKFLASH_PERF_LOGGER"]),
+                   str(s["VKFLASH_TRACE_FILE"]))
 
 
 @dataclass
@@ -50,6 +64,7 @@ class _Perf:
 class _State:
     perf: dict[str, _Perf] = field(default_factory=lambda: defaultdict(_Perf))
     events: list[dict] = field(default_factory=list)
+    file: str = ""  # where report() writes the timeline
     t0: float = field(default_factory=time.perf_counter)
 
 
@@ -63,7 +78,7 @@ def op_line(op) -> str:
 
 def before_submit(graph: "Graph", sub: "Submission") -> None:
     sub.job_id = next(_job_ids)  # type: ignore[attr-defined]
-    if _on("VKFLASH_SUBMIT_TRACE"):
+    if graph.options.tracing.submit_trace:
         OUT.write(f"submit {sub.job_id} {graph.name} ops={len(sub.ops)}\n")  # type: ignore[attr-defined]
         for op in sub.ops:
             OUT.write(f"  {op_line(op)}\n")
@@ -82,23 +97,25 @@ def finished(graph: "Graph", sub: "Submission", t_wait: float) -> None:
     period = graph.gpu.caps.timestamp_period_ns
     gpu_ms = (ts[sub.n_recorded] - ts[0]) * period / 1e6
     host_ms = (time.perf_counter() - sub.t_submit) * 1e3  # type: ignore[attr-defined]
-    if _on("VKFLASH_JOB_LOG"):
+    tr = graph.options.tracing
+    if tr.job_log:
         OUT.write(f"job {sub.job_id} {graph.name} ops={len(sub.ops)} barriers={sub.n_recorded - len(sub.ops) - 1} "  # type: ignore[attr-defined]
                   f"gpu={gpu_ms:.3f}ms host={host_ms:.3f}ms\n")
         OUT.flush()
     for op, slot in zip(sub.ops, sub.op_slots):
         ns = (ts[slot + 1] - ts[slot]) * period
-        if _on("VKFLASH_PERF_LOGGER"):
+        if tr.perf_logger:
             p = STATE.perf[op_line(op)]
             p.count += 1
             p.total_ns += ns
             p.flops += op.flops
             p.nbytes += op.nbytes
-        if settings.current()["VKFLASH_TRACE_FILE"]:
+        if tr.file:
             start_us = (sub.t_submit - STATE.t0) * 1e6 + (ts[slot] - ts[0]) * period / 1e3  # type: ignore[attr-defined]
             STATE.events.append({"name": op.name, "cat": op.kernel.name, "ph": "X", "pid": 0, "tid": 0,
                                  "ts": start_us, "dur": ns / 1e3, "args": {"desc": op.desc}})
-    if settings.current()["VKFLASH_TRACE_FILE"]:
+    if tr.file:
+        STATE.file = tr.file
         STATE.events.append({"name": f"submit {sub.job_id} {graph.name}", "ph": "X", "pid": 0, "tid": 1,  # type: ignore[attr-defined]
                              "ts": (sub.t_submit - STATE.t0) * 1e6, "dur": host_ms * 1e3})  # type: ignore[attr-defined]
 
@@ -115,9 +132,8 @@ def report(out: TextIO | None = None) -> None:
             out.write(f"{name}: {p.count} x {avg_us:.2f} us = {p.total_ns / 1e3:.2f} us{rate}\n")
         out.flush()
         STATE.perf.clear()
-    path = settings.current()["VKFLASH_TRACE_FILE"]
-    if path and STATE.events:
-        with open(path, "w") as f:
+    if STATE.file and STATE.events:
+        with open(STATE.file, "w") as f:
             json.dump({"traceEvents": STATE.events}, f)
 
 

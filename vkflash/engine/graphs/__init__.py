@@ -1,22 +1,19 @@
-"""Step graphs per architecture: each arch module offers `attention_layers(hp)`, a `Scratch` with
-`allocate(gpu, hp, ub, n_split)`, and `build(g, model, scratch, n, head)` listing its gpu ops.
-Optional hooks: `weight_transforms(gf, hp)` (upload re-layouts), `weight_stacks(gf, hp)` (projections
-uploaded as one buffer, VKFLASH_STACK_WEIGHTS), `extra_dim(hp)` (f32 per-token
-params rows), `allocate_state(gpu, gf, hp, n_ctx, kv_type, ub)` → an object with reset(),
-before_step(params, ids), stepped(ids) and truncate(back) -> bool (recurrent and QSA state)."""
+"""Step graphs per architecture: each arch module has an `ArchGraph` (engine/graphs/common.py)
+that states its forward as plain GPU ops, names its weight layout and allocates its state."""
 
 from __future__ import annotations
 
-from types import ModuleType
-
-from vkflash.engine.graphs import qwen2, qwen3next, qwen4exp
+from vkflash.engine.graphs.common import ArchGraph
+from vkflash.engine.graphs.qwen2 import Qwen2Graph
+from vkflash.engine.graphs.qwen3next import Qwen3NextGraph
+from vkflash.engine.graphs.qwen4exp import Qwen4ExpGraph
 from vkflash.errors import ModelError
 
-ARCHS: dict[str, ModuleType] = {"qwen2": qwen2, "qwen3next": qwen3next, "qwen4exp": qwen4exp}
+ARCHS: dict[str, ArchGraph] = {"qwen2": Qwen2Graph(), "qwen3next": Qwen3NextGraph(), "qwen4exp": Qwen4ExpGraph()}
 
 
-def for_arch(arch: str) -> ModuleType:
-    """The step-graph module of `arch`; ModelError when the GPU forward does not have it yet."""
+def for_arch(arch: str) -> ArchGraph:
+    """The step graphs of `arch`; ModelError when the GPU forward does not have it yet."""
     try:
         return ARCHS[arch]
     except KeyError:

@@ -1,32 +1,35 @@
-"""What every arch's step graph shares: the model's GPU parts, the output head choice, the
-token embedding (E1) and the LM head with device argmax (O3 / N2, greedy sampling)."""
+"""What every arch's step graph shares: the `ArchGraph` protocol the arch modules implement, the
+model's GPU parts a step is built from, the output head choice, the token embedding (E1) and
+the LM head with device argmax (O3 / N2, greedy sampling).
+
+A step graph states the model one plain op at a time, as the reference does, on intermediates
+made with `Graph.tensor` and named like the reference's dump names; how the ops run (fusions,
+buffers, submissions) is gpu/'s business (gpu/fuse.py, gpu/alloc.py).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vkflash.engine.caches import KVCaches
 from vkflash.engine.step_params import StepParams
-from vkflash.engine.weights_gpu import GpuWeights, Stack
+from vkflash.engine.weights_gpu import GpuWeights, Stack, Transform
+from vkflash.formats.gguf_file import GGUFFile
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops import argmax as argmax_op
+from vkflash.gpu.ops.attention import CacheType
 from vkflash.gpu.ops.copy import copy_words
 from vkflash.gpu.ops.embed import embed
-from vkflash.gpu.ops.attention import Heads, kv_append
 from vkflash.gpu.ops.matmul import matmul
 from vkflash.gpu.ops.norm import rms_norm
 from vkflash.gpu.ops.views import Rows
 from vkflash.model.hparams import HParams
-from vkflash.settings import current
 
 if TYPE_CHECKING:
     from vkflash.gpu.context import Gpu
     from vkflash.gpu.graph import Graph
-
-SPLIT_MAX_TOKENS = 8
-"""Steps of at most this many tokens (decode, MTP verify) use flash-decode (split KV + combine)."""
 
 
 class Head(Enum):
@@ -39,25 +42,22 @@ class Head(Enum):
 
 @dataclass
 class HeadBuffers:
-    """LM head outputs: logits [rows, V] f32, argmax scratch, and the argmax ids (host-visible)."""
+    """LM head outputs the host reads: logits [rows, V] f32 and the argmax ids (host-visible)."""
 
     rows: int
     logits: Buffer
-    scratch: Buffer
     ids: Buffer
 
     @classmethod
     def allocate(cls, gpu: "Gpu", V: int, rows: int) -> "HeadBuffers":
-        return cls(rows, gpu.buffer(4 * rows * V, "logits"),
-                   gpu.buffer(argmax_op.scratch_bytes(gpu.caps, V, rows), "argmax.scratch"),
-                   gpu.buffer(4 * rows, "argmax.ids", host=True))
+        return cls(rows, gpu.buffer(4 * rows * V, "logits"), gpu.buffer(4 * rows, "argmax.ids", host=True))
 
 
 @dataclass
 class StepModel:
-    """Everything a step graph is built from: weights, caches, step params, head buffers,
-    `n_split` (the KV splits of flash-decode) and `state`, the arch's other per-sequence state
-    (recurrent states, QSA caches: see the arch's `allocate_state`), None for qwen2."""
+    """Everything a step graph is built from: weights, caches, step params, head buffers and
+    `state`, the arch's other per-sequence state (recurrent states, QSA caches: see the arch's
+    `allocate_state`), None for qwen2."""
 
     gpu: "Gpu"
     hp: HParams
@@ -65,7 +65,6 @@ class StepModel:
     kv: KVCaches
     params: StepParams
     head: HeadBuffers
-    n_split: int
     state: Any = None
 
     @property
@@ -73,45 +72,80 @@ class StepModel:
         """Embedding rows come from the host (params) instead of the embed kernel."""
         return self.params.emb_dim > 0
 
-    def splits(self, n: int) -> int:
-        """KV splits of the attention of an n-token step."""
-        return self.n_split if n <= SPLIT_MAX_TOKENS else 1
+
+class SequenceState(Protocol):
+    """An arch's per-sequence state beyond K/V (recurrent rows, indexer caches, PLE history)."""
+
+    def reset(self) -> None:
+        """A new, empty sequence."""
+
+    def before_step(self, params: StepParams, ids: Any) -> None:
+        """Host work before a step's replay (e.g. PLE rows into the params)."""
+
+    def stepped(self, ids: Any) -> None:
+        """A step of `ids` ran."""
+
+    def truncate(self, back: int) -> bool:
+        """Drop the last `back` tokens from checkpoint slots; False when it cannot."""
 
 
-def decode_splits(n_ctx: int) -> int:
-    """Flash-decode splits for a cache of n_ctx positions: about one per 128 positions, at most 64
-    (× kv heads workgroups: about one wave on a GPU of 100+ compute units; 16 left the H200 idle)."""
-    return max(1, min(64, -(-n_ctx // 128)))
+class ArchGraph(Protocol):
+    """What the GPU forward needs from an arch: its layers, weight layout, state and step graph."""
+
+    def attention_layers(self, hp: HParams) -> list[int]:
+        """Layers with a K/V cache."""
+
+    def weight_transforms(self, gf: GGUFFile, hp: HParams) -> dict[str, Transform]:
+        """Upload-time re-layouts of file tensors, by name."""
+
+    def weight_stacks(self, gf: GGUFFile, hp: HParams) -> list[Stack]:
+        """Projections of one input that may share a buffer (taken where the types allow)."""
+
+    def extra_dim(self, hp: HParams) -> int:
+        """f32 values per token the host writes into the step params before each step (0: none)."""
+
+    def allocate_state(self, gpu: "Gpu", gf: GGUFFile, hp: HParams, n_ctx: int, kv: CacheType,
+                       ub: int) -> SequenceState | None:
+        """The per-sequence state beyond K/V (None: the arch has none)."""
+
+    def build(self, g: "Graph", m: StepModel, n: int, head: Head) -> None:
+        """The ops of an n-token step with `head`'s logits."""
 
 
-def embed_tokens(g: "Graph", m: StepModel, x: Rows) -> None:
-    """(E1) x_t = token_embd[id_t] for the step's tokens (ids in the params buffer)."""
-    n = x.n_rows
+def embed_tokens(g: "Graph", m: StepModel, n: int) -> Rows:
+    """(E1) x_t = token_embd[id_t] for the step's n tokens (ids in the params buffer)."""
+    x = g.tensor(n, m.hp.d, "inp_embd")
     if m.host_embed:
         copy_words(g, m.params.buf, m.params.emb, x.buf, x.off, n * x.n_cols, name="inp_embd")
-        return
+        return x
     t = m.weights["token_embd.weight"]
     embed(g, t.buf, int(t.qtype), m.hp.V, m.params.buf, n, x, ids_off=m.params.ids, name="inp_embd")
+    return x
 
 
-def lm_head(g: "Graph", m: StepModel, h: Rows, tmp: Rows, head: Head, norm: str = "output_norm.weight") -> None:
-    """(N2) logits = W_out(rms(h) ⊙ output_norm) for the rows `head` asks for, then their argmax.
+def head_rows(h: Rows, head: Head) -> Rows:
+    """The rows of h the head computes logits for."""
+    return h if head is Head.ALL else h.rows(h.n_rows - 1, 1)
 
-    h: the residual of the step's n rows; tmp: an n-row scratch view of the same width.
-    """
+
+def logits_and_argmax(g: "Graph", m: StepModel, y: Rows) -> None:
+    """(O3) logits = W_out y for the head's rows, and their argmax (greedy sampling on the device)."""
+    if y.n_rows > m.head.rows:
+        raise ValueError(f"head: {y.n_rows} logit rows, the buffers hold {m.head.rows}")
+    out = m.weights.get("output.weight") or m.weights["token_embd.weight"]
+    logits = Rows(m.head.logits, y.n_rows, m.hp.V)
+    matmul(g, out.matrix(), y, logits, name="result_output")
+    argmax_op.argmax(g, logits, m.head.ids, name="argmax")
+
+
+def lm_head(g: "Graph", m: StepModel, h: Rows, head: Head) -> None:
+    """(N2) logits = W_out(rms(h) ⊙ output_norm) for the rows `head` asks for, then their argmax."""
     if head is Head.NONE:
         return
-    n, d = h.n_rows, h.n_cols
-    if head is Head.LAST:
-        h, tmp = Rows(h.buf, 1, d, h.off + (n - 1) * h.stride), Rows(tmp.buf, 1, d, tmp.off)
-    rows = h.n_rows
-    if rows > m.head.rows:
-        raise ValueError(f"lm_head: {rows} logit rows, the buffers hold {m.head.rows}")
-    rms_norm(g, h, tmp, m.hp.eps, m.weights[norm].buf, name="result_norm")
-    out = m.weights.get("output.weight") or m.weights["token_embd.weight"]
-    logits = Rows(m.head.logits, rows, m.hp.V)
-    matmul(g, out.matrix(), tmp, logits, name="result_output")
-    argmax_op.argmax(g, logits, m.head.scratch, m.head.ids, name="argmax")
+    h = head_rows(h, head)
+    y = g.tensor(h.n_rows, h.n_cols, "result_norm")
+    rms_norm(g, h, y, m.hp.eps, m.weights["output_norm.weight"].buf, name="result_norm")
+    logits_and_argmax(g, m, y)
 
 
 def run_stacks(members: list[str]) -> list[Stack]:
@@ -126,35 +160,12 @@ def run_stacks(members: list[str]) -> list[Stack]:
     return out
 
 
-def projections(g: "Graph", w: GpuWeights, x: Rows, y: Rows, parts: list[tuple[str, str]]) -> None:
-    """y's columns, in order, are x times each (tensor, op name) of `parts`; neighbours that are
-    consecutive rows of one stacked buffer run as one matmul, named e.g. `blk.0.gdn_qkv+gdn_z`.
-    Each part's columns stay tappable under its own op name."""
-    col, i = 0, 0
-    while i < len(parts):
-        j = i + 1  # the longest run of parts from i that is one stacked weight
-        while j < len(parts) and w.stacked(*(t for t, _ in parts[i:j + 1])) is not None:
-            j += 1
-        W = w.stacked(*(t for t, _ in parts[i:j]))
-        assert W is not None
-        run = parts[i:j]
-        name = "+".join([run[0][1]] + [op.rsplit(".", 1)[-1] for _, op in run[1:]])
-        matmul(g, W, x, Rows(y.buf, x.n_rows, W.n_out, y.off + col, y.stride), name=name)
-        for t, op in run:
-            cols = w[t].matrix().n_out
-            g.expose(op, y.buf, y.off + col, x.n_rows, cols, y.stride, after=name)
-            col += cols
-        i = j
+def project(g: "Graph", w: GpuWeights, x: Rows, y: Rows, parts: list[tuple[str, str]]) -> None:
+    """y's columns, in order, are x times each (tensor, op name) of `parts` (one matmul each)."""
+    col = 0
+    for t, op in parts:
+        W = w[t].matrix()
+        matmul(g, W, x, y.cols(col, W.n_out), name=op)
+        col += W.n_out
     if col != y.n_cols:
-        raise ValueError(f"projections: {col} columns for a {y.n_cols}-column output")
-
-
-def append_kv(g: "Graph", m: StepModel, i: int, k: Heads, v: Heads, b: str) -> None:
-    """(A4) layer i's K and V rows into its caches at the step's positions: one dispatch
-    (`cache_kv`), two (`cache_k`, `cache_v`) with VKFLASH_DISABLE_FUSION=1."""
-    p, cache = m.params, m.kv[i]
-    if current()["VKFLASH_DISABLE_FUSION"]:
-        kv_append(g, p.buf, p.pos, k, cache.k, name=b + "cache_k")
-        kv_append(g, p.buf, p.pos, v, cache.v, name=b + "cache_v")
-        return
-    kv_append(g, p.buf, p.pos, k, cache.k, name=b + "cache_kv", second=(v, cache.v))
+        raise ValueError(f"project: {col} columns for a {y.n_cols}-column output")

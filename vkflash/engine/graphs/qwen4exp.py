@@ -24,37 +24,31 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from vkflash.engine.caches import IndexerCache, allocate_indexer
-from vkflash.engine.graphs.common import Head, StepModel, embed_tokens, projections
-from vkflash.engine.graphs.hybrid import (HybridScratch, QSABuffers, QSAConfig, attention_sublayer, moe_sublayer,
-                                          gdn_sublayer, hybrid_stacks, hybrid_transforms)
+from vkflash.engine.graphs.common import Head, StepModel, embed_tokens, head_rows, logits_and_argmax, project
+from vkflash.engine.graphs.hybrid import (QSAConfig, attention_sublayer, gdn_sublayer, hybrid_stacks,
+                                          hybrid_transforms, moe_sublayer)
 from vkflash.engine.state import RecurrentState, n_draft
 from vkflash.engine.step_params import StepParams
 from vkflash.engine.weights_gpu import Stack, Stored, Transform, as_f32, host_row_gather
 from vkflash.formats.gguf_file import GGUFFile, TensorInfo
 from vkflash.formats.quant_blocks import row_bytes
-from vkflash.gpu.memory import Buffer
-from vkflash.gpu.ops import argmax as argmax_op
 from vkflash.gpu.ops import eltwise as E
 from vkflash.gpu.ops import gdn
 from vkflash.gpu.ops.attention import CacheType
-from vkflash.gpu.ops.hc import fuse_hc, hc_broadcast, hc_combine, hc_mix, hc_pre
-from vkflash.gpu.ops.matmul import GEMV_MAX_COLS, hc_mix_matmul, matmul
-from vkflash.gpu.ops.norm import MAX_HC, grouped_rms_norm
+from vkflash.gpu.ops.hc import hc_broadcast, hc_combine, hc_mix, hc_pre
+from vkflash.gpu.ops.matmul import matmul
+from vkflash.gpu.ops.norm import grouped_rms_norm
 from vkflash.gpu.ops.ple import ple_gate
 from vkflash.gpu.ops.views import Rows
 from vkflash.model.hparams import HParams
 from vkflash.model.ple_hash import PleHashParams, ple_rows
+from vkflash.model.qwen4exp import ple_params
 
 if TYPE_CHECKING:
     from vkflash.gpu.context import Gpu
     from vkflash.gpu.graph import Graph
 
 LR_ALIGN = 32  # matmul rows are whole 32-element groups: a smaller HC low rank is zero-padded
-
-
-def attention_layers(hp: HParams) -> list[int]:
-    """The trunk layers that are not GDN."""
-    return [i for i in range(hp.L) if not hp.is_gdn[i]]
 
 
 def lr_padded(hp: HParams) -> int:
@@ -98,55 +92,14 @@ def _ple_conv_taps(hp: HParams) -> Transform:
     return tf
 
 
-def weight_transforms(gf: GGUFFile, hp: HParams) -> dict[str, Transform]:
-    """GDN/MoE re-layouts, zero-padded HC low rank, 2-D gains as flat f32, expanded PLE conv taps."""
-    out = hybrid_transforms(gf, hp)
-    pad = lr_padded(hp) != hp.lr
-    for name, info in gf.tensors.items():
-        if pad and (name.endswith("_down.weight") and ("hc_" in name or "output_hc" in name)):
-            out[name] = _pad_down(hp)
-        elif pad and (name.endswith("_up.weight") and ("hc_" in name or "output_hc" in name)):
-            out[name] = _pad_up(hp)
-        elif name.endswith("ple_conv1d.weight"):
-            out[name] = _ple_conv_taps(hp)
-        elif name.endswith("norm.weight") and (len(info.ne) > 1 or info.ggml_type is not Q.F32):
-            out[name] = as_f32
-    return out
-
-
-def weight_stacks(gf: GGUFFile, hp: HParams) -> list[Stack]:
-    """hybrid_stacks, and each block mixer's W_dn (padded) with its W_inj: both read X."""
-    out = hybrid_stacks(gf, hp)
-    for i in range(hp.L):
-        for X in ("attn", "ffn"):
-            p = f"blk.{i}.hc_{X}_"
-            out.append(Stack(p + "down+inject", (p + "down.weight", p + "inject.weight")))
-    if hp.has_ple:
-        b = f"blk.{hp.ple_layer}."
-        out.append(Stack(b + "ple_key+value", (b + "ple_key.weight", b + "ple_value.weight")))
-    return out
-
-
-def extra_dim(hp: HParams) -> int:
-    """The PLE rows e (n_p·D_p = d floats per token) travel in the step-params buffer."""
-    return hp.d if hp.has_ple else 0
-
-
-def _hash_params(hp: HParams) -> PleHashParams:
-    return PleHashParams(ngram_size=hp.N, heads_per_ngram=hp.h_g, eos=hp.ple_eos,
-                         multipliers=np.array(hp.ple_mult, np.uint64),
-                         head_offsets=np.array(hp.ple_offsets, np.uint64),
-                         head_vocab_sizes=np.array(hp.ple_sizes, np.uint64))
-
-
 @dataclass
 class Qwen4State:
-    """Per-sequence state beyond K/V: recurrent rows (engine/state.py), QSA indexer caches and
-    scratch, and the host side of PLE (hash constants, table row gather)."""
+    """Per-sequence state beyond K/V: recurrent rows (engine/state.py), QSA indexer caches and the
+    QSA knobs in effect when it was made, and the host side of PLE (hash constants, table row gather)."""
 
     rec: RecurrentState
     idx: dict[int, IndexerCache]
-    qsa: QSABuffers | None
+    qsa: QSAConfig
     ple_hash: PleHashParams | None
     ple_gather: Callable[[np.ndarray], np.ndarray] | None
 
@@ -168,131 +121,41 @@ class Qwen4State:
         return self.rec.truncate(back)
 
 
-def allocate_state(gpu: "Gpu", gf: GGUFFile, hp: HParams, n_ctx: int, kv: CacheType, ub: int) -> Qwen4State:
-    """Recurrent rows with n_draft+1 slots, indexer caches and QSA scratch (for the QSA knobs in
-    effect now: BLKTOPK, GP, POOLED), PLE host side."""
-    rec = RecurrentState.allocate(gpu, hp, n_draft(), ple_taps(hp) - 1 if hp.has_ple else 0)
-    idx = allocate_indexer(gpu, hp, n_ctx, kv)
-    qsa = QSABuffers.allocate(gpu, hp, ub, n_ctx, min(c.r for c in idx.values()), QSAConfig.from_settings()) \
-        if idx else None
-    if hp.has_ple:
-        return Qwen4State(rec, idx, qsa, _hash_params(hp), host_row_gather(gf, "per_layer_token_embd.weight"))
-    return Qwen4State(rec, idx, qsa, None, None)
-
-
-@dataclass
-class Scratch:
-    """The wide residual R [ub, hc·d] and the HC, PLE and sublayer activations."""
-
-    ub: int
-    R: Buffer
-    x: Buffer  # embedding rows, [ub, d]
-    a: Buffer  # block output b of a Combine, [ub, d]
-    X: Buffer  # grouped-normed R, [ub, hc·d]
-    ell: Buffer  # [ℓ (lr_padded) | ι (hc)] per token: W_dn X and W_inj X side by side
-    gpre: Buffer  # W_up ℓ, [ub, hc·d]
-    kvp: Buffer  # PLE [k_p (normalised in place to K̃), hc·d | v_p, d]
-    qt: Buffer  # PLE Q̃, [ub, hc·d]
-    lam: Buffer  # λ, [ub, hc]
-    V: Buffer  # [ub, hc·d]
-    Vt: Buffer  # Ṽ, [ub, hc·d]
-    y: Buffer  # conv output, [ub, hc·d]
-    hy: HybridScratch
-
-    @classmethod
-    def allocate(cls, gpu: "Gpu", hp: HParams, ub: int, n_split: int) -> "Scratch":
-        wide, d = hp.hc * hp.d, hp.d
-
-        def buf(cols: int, name: str) -> Buffer:
-            return gpu.buffer(4 * ub * cols, name)
-
-        ple = 1 if hp.has_ple else 0
-        return cls(ub, buf(wide, "R"), buf(d, "x"), buf(d, "a"), buf(wide, "hc.X"), buf(lr_padded(hp) + -(-hp.hc // 4) * 4, "hc.ell"),
-                   buf(wide, "hc.gpre"), buf((wide + d) * ple or 1, "ple.kv"),
-                   buf(wide * ple or 1, "ple.q"), buf(hp.hc * ple or 1, "ple.gate"), buf(wide * ple or 1, "ple.V"),
-                   buf(wide * ple or 1, "ple.Vt"), buf(wide * ple or 1, "ple.y"),
-                   HybridScratch.allocate(gpu, hp, ub, n_split))
-
-
-@dataclass(frozen=True)
-class Pending:
-    """A Combine (H6) R += 2σ(ι/hc)·b not yet applied: the next Mix's norm applies it on the way
-    (one dispatch, VKFLASH_HC_FUSE), or `apply` does on its own. Named like the reference's op."""
-
-    b: Rows
-    iota: Rows
-    name: str
-
-    def last_row(self) -> Pending:
-        """The Combine of the last token only (a head that reads one row)."""
-        n = self.b.n_rows - 1
-        return Pending(Rows(self.b.buf, 1, self.b.n_cols, self.b.off + n * self.b.stride, self.b.stride),
-                       Rows(self.iota.buf, 1, self.iota.n_cols, self.iota.off + n * self.iota.stride,
-                            self.iota.stride), self.name)
-
-    def apply(self, g: "Graph", R: Rows) -> None:
-        hc_combine(g, R, self.b, self.iota, name=self.name)
-
-
-def hc_mixer(g: "Graph", m: StepModel, s: Scratch, R: Rows, prefix: str, u: Rows, inject: bool,
-             name: str, pending: Pending | None = None) -> Rows | None:
-    """(H1)–(H5): u = Mix(R) after the pending Combine; for block mixers also ι = W_inj X, returned
-    as a view. W_dn and W_inj read the same X: one matmul when the two are stacked; in decode an
-    unstacked f32 W_inj (as real files store it) rides on the norm instead."""
-    hp, w = m.hp, m.weights
-    n, hc, d, lr = R.n_rows, hp.hc, hp.d, lr_padded(hp)
-    X = Rows(s.X, n, hc * d)
-    width = lr + -(-hc // 4) * 4  # ℓ rows stay 16-byte aligned for the vec4 loads of the up matmul
-    iota = Rows(s.ell, n, hc, lr, width) if inject else None
-    fuse = fuse_hc()
-    norm_inject = None  # (W_inj, ι) when an unstacked f32 W_inj rides on the norm (decode)
-    if iota is not None and fuse and n <= GEMV_MAX_COLS and hc <= MAX_HC:
-        inj = w[prefix + "_inject.weight"]
-        if inj.qtype is Q.F32 and w.stacked(prefix + "_down.weight", prefix + "_inject.weight") is None:
-            norm_inject = (Rows(inj.buf, hc, hc * d), iota)
-    gamma = w[prefix + "_norm.weight"].buf
-    norm_name = pending.name if pending is not None and fuse else f"{name}.norm"
-    if pending is not None and fuse:
-        grouped_rms_norm(g, R, X, hc, hp.eps, gamma, name=norm_name, combine=(pending.iota, pending.b),
-                         inject=norm_inject)
-        g.expose(pending.name, R.buf, R.off, R.n_rows, R.n_cols, R.stride)  # R after the Combine
-    else:
-        if pending is not None:
-            pending.apply(g, R)
-        grouped_rms_norm(g, R, X, hc, hp.eps, gamma, name=norm_name, inject=norm_inject)
+def mix(g: "Graph", m: StepModel, R: Rows, prefix: str, name: str, inject: bool) -> tuple[Rows, Rows | None]:
+    """(H1)–(H5): u = Mix(R) with the mixer's weights `prefix`_*; for block mixers also ι = W_inj X."""
+    hp, w, n = m.hp, m.weights, R.n_rows
+    hc, d, lr = hp.hc, hp.d, lr_padded(hp)
+    X = g.tensor(n, hc * d, f"{name}.norm")
+    grouped_rms_norm(g, R, X, hc, hp.eps, w[prefix + "_norm.weight"].buf, name=f"{name}.norm")  # (H1)
+    ell_iota = g.tensor(n, lr + hc * inject, f"{prefix}_lr")  # [ℓ | ι] per token
+    ell = ell_iota.cols(0, lr)
     parts = [(prefix + "_down.weight", f"{name}.down")]
-    if norm_inject is not None:
-        g.expose(f"{prefix}_inject", s.ell, lr, n, hc, width, after=norm_name)
-    elif inject:  # named after its weight, not as a part of `name`: u is the mix's output, ι a second one
+    if inject:  # named after its weight, not as a part of `name`: u is the mix's output, ι a second one
         parts.append((prefix + "_inject.weight", f"{prefix}_inject"))
-    projections(g, w, X, Rows(s.ell, n, lr + hc * (len(parts) > 1), 0, width), parts)
-    ell, up = Rows(s.ell, n, lr, 0, width), w[prefix + "_up.weight"].matrix()
-    if n <= GEMV_MAX_COLS and fuse:  # decode: silu, W_up and the mix in one GEMV
-        hc_mix_matmul(g, up, ell, X, u, hc, name=name)
-    else:
-        hc_pre(g, ell, ell, hc, name=f"{name}.pre")
-        gpre = Rows(s.gpre, n, hc * d)
-        matmul(g, up, ell, gpre, name=f"{name}.up")
-        hc_mix(g, gpre, X, u, hc, name=name)
-    return iota
+    project(g, w, X, ell_iota, parts)  # (H2) ℓ_pre = W_dn X, (H5) ι = W_inj X
+    hc_pre(g, ell, ell, hc, name=f"{name}.pre")  # (H2) ℓ = silu(ℓ_pre / hc)
+    g_pre = g.tensor(n, hc * d, f"{name}.up")
+    matmul(g, w[prefix + "_up.weight"].matrix(), ell, g_pre, name=f"{name}.up")  # (H3)
+    u = g.tensor(n, d, name)
+    hc_mix(g, g_pre, X, u, hc, name=name)  # (H3)+(H4)
+    return u, ell_iota.cols(lr, hc) if inject else None
 
 
-def ple_block(g: "Graph", m: StepModel, s: Scratch, i: int, n: int, R: Rows, st: RecurrentState, n_slots: int) -> None:
+def ple_block(g: "Graph", m: StepModel, i: int, R: Rows, st: RecurrentState, n_slots: int) -> None:
     """(P5)–(P10): R += V + silu(dilated conv of Ṽ) with the gate λ from K̃·Q̃; conv state in place."""
-    hp, w, p = m.hp, m.weights, m.params
+    hp, w, p, n = m.hp, m.weights, m.params, R.n_rows
     hc, d = hp.hc, hp.d
     b = f"blk.{i}."
     e = Rows(p.buf, n, d, p.extra)
-    width = hc * d + d  # [k_p | v_p] per token: both read e (one matmul when stacked)
-    kp, vp = Rows(s.kvp, n, hc * d, 0, width), Rows(s.kvp, n, d, hc * d, width)
-    projections(g, w, e, Rows(s.kvp, n, width), [(b + "ple_key.weight", b + "ple_key"),
-                                                 (b + "ple_value.weight", b + "ple_value")])  # (P5)
-    grouped_rms_norm(g, kp, kp, hc, hp.eps, w[b + "ple_norm_key.weight"].buf, name=b + "ple_norm_key")  # (P6)
-    qt = Rows(s.qt, n, hc * d)
-    grouped_rms_norm(g, R, qt, hc, hp.eps, w[b + "ple_norm_query.weight"].buf, name=b + "ple_norm_query")
-    V = Rows(s.V, n, hc * d)
-    ple_gate(g, kp, qt, vp, Rows(s.lam, n, hc), V, hc, name=b + "ple_gate")  # (P7)–(P8)
-    Vt, y = Rows(s.Vt, n, hc * d), Rows(s.y, n, hc * d)
+    kv = g.tensor(n, hc * d + d, b + "ple_kv")  # [k_p | v_p] per token
+    project(g, w, e, kv, [(b + "ple_key.weight", b + "ple_key"), (b + "ple_value.weight", b + "ple_value")])  # (P5)
+    kp, vp = kv.cols(0, hc * d), kv.cols(hc * d, d)
+    Kt, Qt = g.tensor(n, hc * d, b + "ple_norm_key"), g.tensor(n, hc * d, b + "ple_norm_query")
+    grouped_rms_norm(g, kp, Kt, hc, hp.eps, w[b + "ple_norm_key.weight"].buf, name=b + "ple_norm_key")  # (P6)
+    grouped_rms_norm(g, R, Qt, hc, hp.eps, w[b + "ple_norm_query.weight"].buf, name=b + "ple_norm_query")
+    lam, V = g.tensor(n, hc, b + "ple_gate"), g.tensor(n, hc * d, b + "ple_V")
+    ple_gate(g, Kt, Qt, vp, lam, V, hc, name=b + "ple_gate")  # (P7)–(P8)
+    Vt, y = g.tensor(n, hc * d, b + "ple_norm_conv"), g.tensor(n, hc * d, b + "ple_conv")
     grouped_rms_norm(g, V, Vt, hc, hp.eps, w[b + "ple_norm_conv.weight"].buf, name=b + "ple_norm_conv")  # (P9)
     conv = st.ple_conv
     assert conv is not None
@@ -302,55 +165,75 @@ def ple_block(g: "Graph", m: StepModel, s: Scratch, i: int, n: int, R: Rows, st:
     E.add(g, R, y, R, name=b + "ple_out")
 
 
-def head(g: "Graph", m: StepModel, s: Scratch, n: int, which: Head, pending: Pending) -> None:
-    """(O2)–(O3): logits = W_out Mix(R; output_hc) for the rows `which` asks for, then their argmax;
-    the last layer's Combine is applied to those rows on the way (to all rows without a head)."""
-    hp, wide = m.hp, m.hp.hc * m.hp.d
-    if which is Head.NONE:
-        pending.apply(g, Rows(s.R, n, wide))
-        return
-    R = Rows(s.R, n, wide) if which is Head.ALL else Rows(s.R, 1, wide, (n - 1) * wide)
-    rows = R.n_rows
-    if rows > m.head.rows:
-        raise ValueError(f"head: {rows} logit rows, the buffers hold {m.head.rows}")
-    y = Rows(s.x, rows, hp.d)
-    hc_mixer(g, m, s, R, "output_hc", y, False, "result_norm", pending if rows == n else pending.last_row())
-    out = m.weights.get("output.weight") or m.weights["token_embd.weight"]
-    logits = Rows(m.head.logits, rows, hp.V)
-    matmul(g, out.matrix(), y, logits, name="result_output")
-    argmax_op.argmax(g, logits, m.head.scratch, m.head.ids, name="argmax")
+class Qwen4ExpGraph:
+    """ArchGraph of qwen4exp: HC residual streams around GDN / QSA-attention and MoE sublayers, PLE."""
 
+    def attention_layers(self, hp: HParams) -> list[int]:
+        """The trunk layers that are not GDN."""
+        return [i for i in range(hp.L) if not hp.is_gdn[i]]
 
-def build(g: "Graph", m: StepModel, s: Scratch, n: int, which: Head) -> None:
-    """The whole forward of an n-token step (tokens, positions and PLE rows from the params buffer).
-    Each Combine rides on the next Mix's norm (Pending)."""
-    if not 1 <= n <= s.ub:
-        raise ValueError(f"qwen4exp step of {n} tokens; the scratch holds 1..{s.ub}")
-    hp, st = m.hp, m.state
-    hc, d = hp.hc, hp.d
-    R, x, a, u = Rows(s.R, n, hc * d), Rows(s.x, n, d), Rows(s.a, n, d), Rows(s.hy.u, n, d)
-    n_slots = st.rec.slots_for(n)
-    embed_tokens(g, m, x)  # (E1)
-    hc_broadcast(g, x, R, hc, name="hc_copy")  # (H0) hc identical copies
-    pending: Pending | None = None
-    for i in range(hp.L):
-        b = f"blk.{i}."
-        if i == hp.ple_layer:  # (L1) on the combined R
-            if pending is not None:
-                pending.apply(g, R)
-                pending = None
-            ple_block(g, m, s, i, n, R, st.rec, n_slots)
-        iota = hc_mixer(g, m, s, R, b + "hc_attn", u, True, b + "hc_attn_mix", pending)  # (L2)
-        if hp.is_gdn[i]:  # (L3)
-            gdn_sublayer(g, m, s.hy, i, n, u, a, False, st.rec.gdn[i], n_slots, gdn.HeadMap.TILED, gdn.Gate.SIGMOID)
-        else:
-            qsa = (st.idx[i], st.qsa) if i in st.idx else None
-            attention_sublayer(g, m, s.hy, i, n, u, a, False, qsa)
-        assert iota is not None
-        pending = Pending(a, iota, b + "attn_residual")  # (L4)
-        iota = hc_mixer(g, m, s, R, b + "hc_ffn", u, True, b + "hc_ffn_mix", pending)  # (L5)
-        moe_sublayer(g, m, s.hy, i, n, u, a, False)  # (L6)
-        assert iota is not None
-        pending = Pending(a, iota, b + "l_out")  # (L7)
-    assert pending is not None
-    head(g, m, s, n, which, pending)
+    def weight_transforms(self, gf: GGUFFile, hp: HParams) -> dict[str, Transform]:
+        """GDN/MoE re-layouts, zero-padded HC low rank, 2-D gains as flat f32, expanded PLE conv taps."""
+        out = hybrid_transforms(gf, hp)
+        pad = lr_padded(hp) != hp.lr
+        for name, info in gf.tensors.items():
+            if pad and (name.endswith("_down.weight") and ("hc_" in name or "output_hc" in name)):
+                out[name] = _pad_down(hp)
+            elif pad and (name.endswith("_up.weight") and ("hc_" in name or "output_hc" in name)):
+                out[name] = _pad_up(hp)
+            elif name.endswith("ple_conv1d.weight"):
+                out[name] = _ple_conv_taps(hp)
+            elif name.endswith("norm.weight") and (len(info.ne) > 1 or info.ggml_type is not Q.F32):
+                out[name] = as_f32
+        return out
+
+    def weight_stacks(self, gf: GGUFFile, hp: HParams) -> list[Stack]:
+        """hybrid_stacks, and each block mixer's W_dn (padded) with its W_inj: both read X."""
+        out = hybrid_stacks(gf, hp)
+        for i in range(hp.L):
+            for X in ("attn", "ffn"):
+                p = f"blk.{i}.hc_{X}_"
+                out.append(Stack(p + "down+inject", (p + "down.weight", p + "inject.weight")))
+        if hp.has_ple:
+            b = f"blk.{hp.ple_layer}."
+            out.append(Stack(b + "ple_key+value", (b + "ple_key.weight", b + "ple_value.weight")))
+        return out
+
+    def extra_dim(self, hp: HParams) -> int:
+        """The PLE rows e (n_p·D_p = d floats per token) travel in the step-params buffer."""
+        return hp.d if hp.has_ple else 0
+
+    def allocate_state(self, gpu: "Gpu", gf: GGUFFile, hp: HParams, n_ctx: int, kv: CacheType,
+                       ub: int) -> Qwen4State:
+        """Recurrent rows with n_draft+1 slots, indexer caches, the QSA knobs in effect now (BLKTOPK,
+        GP, POOLED), PLE host side."""
+        rec = RecurrentState.allocate(gpu, hp, n_draft(), ple_taps(hp) - 1 if hp.has_ple else 0)
+        idx = allocate_indexer(gpu, hp, n_ctx, kv)
+        if hp.has_ple:
+            return Qwen4State(rec, idx, QSAConfig.from_settings(), ple_params(hp),
+                              host_row_gather(gf, "per_layer_token_embd.weight"))
+        return Qwen4State(rec, idx, QSAConfig.from_settings(), None, None)
+
+    def build(self, g: "Graph", m: StepModel, n: int, head: Head) -> None:
+        """The whole forward of an n-token step (tokens, positions and PLE rows from the params buffer)."""
+        hp, st = m.hp, m.state
+        R = g.tensor(n, hp.hc * hp.d, "R")
+        n_slots = st.rec.slots_for(n)
+        hc_broadcast(g, embed_tokens(g, m, n), R, hp.hc, name="hc_copy")  # (E1), (H0)
+        for i in range(hp.L):
+            b = f"blk.{i}."
+            if i == hp.ple_layer:  # (L1)
+                ple_block(g, m, i, R, st.rec, n_slots)
+            u, iota = mix(g, m, R, b + "hc_attn", b + "hc_attn_mix", True)  # (L2)
+            if hp.is_gdn[i]:  # (L3)
+                a = gdn_sublayer(g, m, i, u, st.rec.gdn[i], n_slots, gdn.HeadMap.TILED, gdn.Gate.SIGMOID)
+            else:
+                a = attention_sublayer(g, m, i, u, (st.idx[i], st.qsa) if i in st.idx else None)
+            assert iota is not None
+            hc_combine(g, R, a, iota, name=b + "attn_residual")  # (L4)
+            u, iota = mix(g, m, R, b + "hc_ffn", b + "hc_ffn_mix", True)  # (L5)
+            assert iota is not None
+            hc_combine(g, R, moe_sublayer(g, m, i, u), iota, name=b + "l_out")  # (L6), (L7)
+        if head is not Head.NONE:  # (O2), (O3)
+            y, _ = mix(g, m, head_rows(R, head), "output_hc", "result_norm", False)
+            logits_and_argmax(g, m, y)

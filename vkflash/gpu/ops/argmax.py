@@ -32,10 +32,14 @@ def scratch_bytes(caps: "Capabilities", n: int, n_rows: int = 1) -> int:
     return 8 * n_rows * n_parts(caps, n)
 
 
-def argmax(g: "Graph", x: Rows, scratch: Buffer, out: Buffer, out_off: int = 0, name: str = "argmax") -> None:
-    """out[out_off + r] = the first index of max(x_r) (uint32) for every row r of x."""
+def argmax(g: "Graph", x: Rows, out: Buffer, out_off: int = 0, scratch: Buffer | None = None,
+           name: str = "argmax") -> None:
+    """out[out_off + r] = the first index of max(x_r) (uint32) for every row r of x (the pass-1
+    pairs in `scratch`, default an intermediate)."""
     caps = g.gpu.caps
     parts = n_parts(caps, x.n_cols)
+    if scratch is None:
+        scratch = g.temp(scratch_bytes(caps, x.n_cols, x.n_rows), f"{name}.scratch")
     if x.n_rows > MAX_ROWS:
         raise ValueError(f"{name}: {x.n_rows} rows, at most {MAX_ROWS}")
     if x.stride == 0 and x.n_rows > 1:

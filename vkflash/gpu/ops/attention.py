@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vkflash.formats.quant_simple import deq_q8_0
+from vkflash.gpu.graph import Node
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops.views import F32, Rows, f32_bits, grid
 from vkflash.gpu.registry import Kernel, kernel
@@ -128,27 +129,53 @@ def _check_append(name: str, params: Buffer, pos_off: int, src: Heads, cache: Ca
         raise ValueError(f"{name}: positions [{pos_off}, {pos_off + src.n_tokens}) overflow the params buffer")
 
 
-def kv_append(g: "Graph", params: Buffer, pos_off: int, src: Heads, cache: Cache, name: str = "kv_append",
-              second: tuple[Heads, Cache] | None = None) -> None:
+@dataclass(frozen=True)
+class KvAppend(Node):
+    """cache[p_t] = round(src[t]) at the positions params[pos_off + t]; `second` = (src2, cache2)
+    appended in the same dispatch (Fusion.KV_APPEND: a layer's V beside its K)."""
+
+    params: Buffer
+    pos_off: int
+    src: Heads
+    cache: Cache
+    name: str
+    second: tuple[Heads, Cache] | None = None
+
+    def __post_init__(self) -> None:
+        _check_append(self.name, self.params, self.pos_off, self.src, self.cache)
+        if self.second is not None:
+            src2, cache2 = self.second
+            _check_append(self.name, self.params, self.pos_off, src2, cache2)
+            if (src2.n_tokens, cache2.type, cache2.n_ctx) != (self.src.n_tokens, self.cache.type, self.cache.n_ctx):
+                raise ValueError(f"{self.name}: the two pairs differ in tokens, cache type or length")
+
+    def inputs(self) -> tuple[Rows | Buffer, ...]:
+        return (self.params, self.src.rows) + ((self.second[0].rows,) if self.second is not None else ())
+
+    def outputs(self) -> tuple[Buffer, ...]:
+        return (self.cache.buf,) + ((self.second[1].buf,) if self.second is not None else ())
+
+    def lower(self, g: "Graph") -> None:
+        src, cache = self.src, self.cache
+        src2, cache2 = self.second if self.second is not None else (src, cache)
+        T = src.n_tokens
+        kname = f"kv_append_{cache.type.value}"
+        wg = kernel(kname).workgroup(g.gpu.caps)
+        n_pairs = 2 if self.second is not None else 1
+        n_blocks = n_pairs * T * src.n_heads * src.dim // 32
+        g.dispatch(kname, [self.params, src.rows.buf, cache.buf, src2.rows.buf, cache2.buf],
+                   [grid(n_blocks, wg, MAX_GROUPS)],
+                   push=[T, src.n_heads, src.off, src.rows.stride, self.pos_off, cache.n_ctx, src2.off,
+                         src2.rows.stride],
+                   spec=[src.dim, int(self.second is not None)], writes=[2, 4] if self.second is not None else [2],
+                   name=self.name, desc=f"T={T} {n_pairs}x{src.n_heads}x{src.dim} {cache.type.value}",
+                   nbytes=n_pairs * T * src.n_heads * (F32 * src.dim + cache.type.row_bytes(src.dim)))
+
+
+def kv_append(g: "Graph", params: Buffer, pos_off: int, src: Heads, cache: Cache, name: str = "kv_append") -> None:
     """(A4, Q1) cache[p_t, h, :] = round(src[t, h, :]) with p_t = params[pos_off + t] (int32) for each
-    token t of `src`; positions outside [0, n_ctx) are skipped. `second` = (src2, cache2) of the same
-    shape and type (a layer's V beside its K) is appended in the same dispatch."""
-    _check_append(name, params, pos_off, src, cache)
-    src2, cache2 = second if second is not None else (src, cache)
-    if second is not None:
-        _check_append(name, params, pos_off, src2, cache2)
-        if (src2.n_tokens, cache2.type, cache2.n_ctx) != (src.n_tokens, cache.type, cache.n_ctx):
-            raise ValueError(f"{name}: the two pairs differ in tokens, cache type or length")
-    T = src.n_tokens
-    kname = f"kv_append_{cache.type.value}"
-    wg = kernel(kname).workgroup(g.gpu.caps)
-    n_pairs = 2 if second is not None else 1
-    n_blocks = n_pairs * T * src.n_heads * src.dim // 32
-    g.dispatch(kname, [params, src.rows.buf, cache.buf, src2.rows.buf, cache2.buf], [grid(n_blocks, wg, MAX_GROUPS)],
-               push=[T, src.n_heads, src.off, src.rows.stride, pos_off, cache.n_ctx, src2.off, src2.rows.stride],
-               spec=[src.dim, int(second is not None)], writes=[2, 4] if second is not None else [2], name=name,
-               desc=f"T={T} {n_pairs}x{src.n_heads}x{src.dim} {cache.type.value}",
-               nbytes=n_pairs * T * src.n_heads * (F32 * src.dim + cache.type.row_bytes(src.dim)))
+    token t of `src`; positions outside [0, n_ctx) are skipped."""
+    g.add(KvAppend(params, pos_off, src, cache, name))
 
 
 @dataclass(frozen=True)
@@ -182,16 +209,31 @@ def flash_tiles(dim: int, rows: int, shared_bytes: int) -> tuple[int, int]:
     raise ValueError(f"head dim {dim} does not fit {shared_bytes} B of shared memory")
 
 
+SPLIT_MAX_TOKENS = 8
+"""Steps of at most this many tokens (decode, MTP verify) use flash-decode (split KV + combine)."""
+
+
+def decode_splits(n_ctx: int) -> int:
+    """Flash-decode splits for a cache of n_ctx positions: about one per 128, at most 64 (× kv heads
+    workgroups: about one wave on a GPU of 100+ compute units; 16 left the H200 idle)."""
+    return max(1, min(64, -(-n_ctx // 128)))
+
+
 def attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v: Cache, out: Heads, *,
               gate: Heads | None = None, mask: CellMask | None = None, cells: CellList | None = None,
-              n_split: int = 1, partial: Buffer | None = None, scale: float | None = None,
+              n_split: int | None = None, partial: Buffer | None = None, scale: float | None = None,
               name: str = "attn") -> None:
     """(A5)–(A7) out[t, h] = softmax_j((q_{t,h}·k_{j,g})·scale + M_t[j]) · v_{j,g} (⊙ σ(gate_{t,h}) if
     gate), g = ⌊h/(H/H_kv)⌋, for queries at positions p0 + t with p0 = params[param_off] and
     n_kv = params[param_off + 1] keys (or list slots). M is causal, ∩ `mask` when given; `cells`
-    gathers keys by position list. n_split > 1 (flash-decode) needs `partial` of
-    partial_bytes(...) and adds a combine dispatch."""
+    gathers keys by position list. n_split (default: flash-decode splits for steps of at most
+    SPLIT_MAX_TOKENS tokens, else 1) > 1 adds a combine dispatch; its partials go to `partial`
+    (default: an intermediate of the graph)."""
     T, H, Dh, H_kv = q.n_tokens, q.n_heads, q.dim, k.n_heads
+    if n_split is None:
+        n_split = decode_splits(k.n_ctx) if T <= SPLIT_MAX_TOKENS else 1
+    if n_split > 1 and partial is None:
+        partial = g.temp(partial_bytes(T, H, Dh, n_split), f"{name}.partial")
     if (v.n_heads, v.dim, v.type, v.n_ctx) != (H_kv, k.dim, k.type, k.n_ctx) or k.dim != Dh:
         raise ValueError(f"{name}: K {k.n_heads}x{k.dim} {k.type.value} [{k.n_ctx}], V {v.n_heads}x{v.dim} "
                          f"{v.type.value} [{v.n_ctx}] and q heads of {Dh} must agree")

@@ -7,9 +7,11 @@ view of an input (in place).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
+from vkflash.gpu.graph import Node
 from vkflash.gpu.ops.views import Rows, check_alias, check_same_shape, f32_bits, grid
 from vkflash.gpu.registry import Kernel, kernel
 
@@ -46,20 +48,44 @@ def _broadcast(op: str, a: Rows, b: Rows) -> Rows:
     raise ValueError(f"{op}: b has {b.n_rows} rows; needs {a.n_rows} or 1 (broadcast)")
 
 
+@dataclass(frozen=True)
+class Eltwise(Node):
+    """y = op(a, b): b is None for unary ops, or a's shape (one row repeated: stride 0)."""
+
+    op: Op
+    a: Rows
+    b: Rows | None
+    y: Rows
+    alpha: float
+    name: str
+
+    def inputs(self) -> tuple[Rows, ...]:
+        return (self.a,) if self.b is None else (self.a, self.b)
+
+    def outputs(self) -> tuple[Rows, ...]:
+        return (self.y,)
+
+    def lower(self, g: "Graph") -> None:
+        a, y = self.a, self.y
+        bb = self.b or a
+        wg = kernel("eltwise").workgroup(g.gpu.caps)
+        n = a.size
+        g.dispatch("eltwise", [a.buf, bb.buf, y.buf], [grid(n, wg, MAX_GROUPS)],
+                   push=[a.n_cols, a.n_rows, a.off, a.stride, bb.off, bb.stride, y.off, y.stride,
+                         f32_bits(self.alpha)],
+                   spec=[int(self.op)], name=self.name, desc=f"{self.op.name} {a.n_rows}x{a.n_cols}",
+                   nbytes=4 * n * (3 if self.op in BINARY else 2))
+
+
 def eltwise(g: "Graph", op: Op, a: Rows, b: Rows | None, y: Rows, alpha: float = 1.0, name: str = "") -> None:
     """y = op(a, b) elementwise (b only for binary ops; alpha for ADD_SCALED and SCALE)."""
     label = name or op.name.lower()
     if (op in BINARY) != (b is not None):
         raise ValueError(f"{label}: {op.name} takes {'two inputs' if op in BINARY else 'one input'}")
-    bb = _broadcast(label, a, b) if b is not None else a
+    bb = _broadcast(label, a, b) if b is not None else None
     check_same_shape(label, a=a, y=y)
-    check_alias(label, y, a, bb)
-    wg = kernel("eltwise").workgroup(g.gpu.caps)
-    n = a.size
-    g.dispatch("eltwise", [a.buf, bb.buf, y.buf], [grid(n, wg, MAX_GROUPS)],
-               push=[a.n_cols, a.n_rows, a.off, a.stride, bb.off, bb.stride, y.off, y.stride, f32_bits(alpha)],
-               spec=[int(op)], name=label, desc=f"{op.name} {a.n_rows}x{a.n_cols}",
-               nbytes=4 * n * (3 if op in BINARY else 2))
+    check_alias(label, y, a, *((bb,) if bb is not None else ()))
+    g.add(Eltwise(op, a, bb, y, alpha, label))
 
 
 def add(g: "Graph", a: Rows, b: Rows, y: Rows, name: str = "add") -> None:

@@ -1,6 +1,7 @@
 """Gated DeltaNet ops (MODEL.md §5.4 G2–G9): causal conv + silu with state, gates, the gated delta
 rule (a step-by-step decode/verify variant with checkpoint slots and a chunked prefill variant) and
 the gated RMSNorm. Every op covers a whole ubatch in one dispatch; states are f32 and updated in place.
+The fusion pass computes the gates inside the delta-rule kernel (Fusion.GDN_GATES).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
+from vkflash.gpu.graph import Node
 from vkflash.gpu.ops.views import F32, Rows, check_alias, check_same_shape, f32_bits, grid
 from vkflash.gpu.registry import Kernel, kernel
 
@@ -126,11 +128,40 @@ def conv(g: "Graph", m: Rows, w: Rows, state: Rows, c: Rows, slots: Rows | None 
                flops=2 * K * T * C)
 
 
+@dataclass(frozen=True)
+class Gates(Node):
+    """(G2, G3) β = σ(b), g = softplus(a + dt_bias) ⊙ ssm_a."""
+
+    b: Rows
+    a: Rows
+    dt_bias: Rows
+    ssm_a: Rows
+    beta: Rows
+    gate: Rows
+    name: str
+
+    def inputs(self) -> tuple[Rows, ...]:
+        return (self.b, self.a, self.dt_bias, self.ssm_a)
+
+    def outputs(self) -> tuple[Rows, ...]:
+        return (self.beta, self.gate)
+
+    def lower(self, g: "Graph") -> None:
+        b, a, dt_bias, ssm_a, beta, gate = self.b, self.a, self.dt_bias, self.ssm_a, self.beta, self.gate
+        T, n_v = b.n_rows, b.n_cols
+        wg = kernel("gdn_gates").workgroup(g.gpu.caps)
+        g.dispatch("gdn_gates", [b.buf, a.buf, dt_bias.buf, ssm_a.buf, beta.buf, gate.buf],
+                   [grid(T * n_v, wg, MAX_GROUPS)],
+                   push=[n_v, T, b.off, b.stride, a.off, a.stride, dt_bias.off, ssm_a.off,
+                         beta.off, beta.stride, gate.off, gate.stride],
+                   name=self.name, writes=[4, 5], desc=f"{T}x{n_v}", nbytes=F32 * (4 * T * n_v + 2 * n_v))
+
+
 def gates(g: "Graph", b: Rows, a: Rows, dt_bias: Rows, ssm_a: Rows, beta: Rows, gate: Rows,
           name: str = "gdn_gates") -> None:
     """(G2, G3) β = σ(b), g = softplus(a + dt_bias) ⊙ ssm_a for T rows of n_v heads (ssm_a < 0 as stored)."""
     check_same_shape(name, b=b, a=a, beta=beta, g=gate)
-    T, n_v = b.n_rows, b.n_cols
+    n_v = b.n_cols
     for k, v in (("dt_bias", dt_bias), ("ssm_a", ssm_a)):
         if (v.n_rows, v.n_cols) != (1, n_v):
             raise ValueError(f"{name}: {k} is {v.n_rows}x{v.n_cols}, needs 1x{n_v}")
@@ -138,11 +169,7 @@ def gates(g: "Graph", b: Rows, a: Rows, dt_bias: Rows, ssm_a: Rows, beta: Rows, 
     check_alias(name, gate, b, a, dt_bias, ssm_a)
     if beta.overlaps(gate):
         raise ValueError(f"{name}: β and g outputs overlap")
-    wg = kernel("gdn_gates").workgroup(g.gpu.caps)
-    g.dispatch("gdn_gates", [b.buf, a.buf, dt_bias.buf, ssm_a.buf, beta.buf, gate.buf], [grid(T * n_v, wg, MAX_GROUPS)],
-               push=[n_v, T, b.off, b.stride, a.off, a.stride, dt_bias.off, ssm_a.off,
-                     beta.off, beta.stride, gate.off, gate.stride],
-               name=name, writes=[4, 5], desc=f"{T}x{n_v}", nbytes=F32 * (4 * T * n_v + 2 * n_v))
+    g.add(Gates(b, a, dt_bias, ssm_a, beta, gate, name))
 
 
 def _divisors_down(S: int, top: int) -> list[int]:
@@ -178,14 +205,58 @@ def plan_delta(g: "Graph", shape: GDNShape, T: int, variant: Variant | None = No
     raise ValueError(f"gdn_delta: S = {S} with chunks {chunks} does not fit {g.gpu.caps.shared_memory} B of shared memory")
 
 
+@dataclass(frozen=True)
+class Delta(Node):
+    """The gated delta rule (see `delta`); raw_gates = (dt_bias, ssm_a) makes beta/gate the raw b, a
+    projections, the gates computed in the kernel (Fusion.GDN_GATES)."""
+
+    c: Rows
+    beta: Rows
+    gate: Rows
+    state: Rows
+    o: Rows
+    shape: GDNShape
+    eps: float
+    plan: DeltaPlan
+    slots: Rows | None
+    raw_gates: tuple[Rows, Rows] | None
+    name: str
+
+    def __post_init__(self) -> None:
+        if self.raw_gates is not None:
+            for k, v in zip(("dt_bias", "ssm_a"), self.raw_gates):
+                if (v.n_rows, v.n_cols) != (1, self.shape.n_v):
+                    raise ValueError(f"{self.name}: {k} is {v.n_rows}x{v.n_cols}, needs 1x{self.shape.n_v}")
+
+    def inputs(self) -> tuple[Rows, ...]:
+        return (self.c, self.beta, self.gate, self.state) + (self.raw_gates or ())
+
+    def outputs(self) -> tuple[Rows, ...]:
+        return (self.o, self.state) + ((self.slots,) if self.slots is not None else ())
+
+    def lower(self, g: "Graph") -> None:
+        c, beta, gate, state, o, shape, plan = self.c, self.beta, self.gate, self.state, self.o, self.shape, self.plan
+        T, S, n_v = c.n_rows, shape.S, shape.n_v
+        n_slots = self.slots.n_rows // n_v if self.slots is not None else 0
+        dt, sa = self.raw_gates if self.raw_gates is not None else (beta, beta)
+        sl = self.slots if self.slots is not None else state
+        g.dispatch("gdn_delta", [c.buf, beta.buf, gate.buf, state.buf, o.buf, sl.buf, dt.buf, sa.buf],
+                   [n_v * (S // plan.cols)],
+                   push=[shape.n_k, n_v, T, c.off, c.stride, beta.off, beta.stride, gate.off, gate.stride,
+                         state.off, o.off, o.stride, sl.off, n_slots, f32_bits(self.eps), dt.off, sa.off],
+                   spec=[int(plan.variant), S, int(shape.head_map), *plan.spec_tail, int(self.raw_gates is not None)],
+                   name=self.name, writes=[3, 4, 5],
+                   desc=f"{plan.variant.name.lower()} {T}x{n_v}x{S} cols {plan.cols} chunk {plan.chunk} slots {n_slots}",
+                   nbytes=F32 * (T * (shape.C + 2 * n_v + n_v * S) + (2 + n_slots) * n_v * S * S),
+                   flops=6 * T * n_v * S * S)
+
+
 def delta(g: "Graph", c: Rows, beta: Rows, gate: Rows, state: Rows, o: Rows, shape: GDNShape, eps: float,
           variant: Variant | None = None, slots: Rows | None = None, chunk: int | None = None,
-          raw_gates: tuple[Rows, Rows] | None = None, name: str = "gdn_delta") -> DeltaPlan:
+          name: str = "gdn_delta") -> DeltaPlan:
     """(G6–G8, GC1–GC6) o = gated delta rule over the T rows of c (= conv output q | k | v) with
     β, g (T × n_v); state [n_v, S·S] (row = key index) is updated in place. slots (step variant
-    only; n_slots·n_v rows of S·S, n_slots ≤ T) get the state s tokens before the batch end.
-    With raw_gates = (dt_bias, ssm_a), `beta` and `gate` are the raw projections b, a and the
-    gates of `gates()` are computed in the kernel (one dispatch fewer)."""
+    only; n_slots·n_v rows of S·S, n_slots ≤ T) get the state s tokens before the batch end."""
     T, S, n_v = c.n_rows, shape.S, shape.n_v
     if c.n_cols != shape.C:
         raise ValueError(f"{name}: conv rows have {c.n_cols} values, need 2·n_k·S + n_v·S = {shape.C}")
@@ -200,7 +271,6 @@ def delta(g: "Graph", c: Rows, beta: Rows, gate: Rows, state: Rows, o: Rows, sha
         raise ValueError(f"{name}: eps must be ≥ 0, got {eps}")
     _check_dense(name, state=state)
     plan = plan_delta(g, shape, T, variant, chunk)
-    n_slots = 0
     if slots is not None:
         if plan.variant != Variant.STEP:
             raise ValueError(f"{name}: checkpoint slots need the step variant")
@@ -212,21 +282,7 @@ def delta(g: "Graph", c: Rows, beta: Rows, gate: Rows, state: Rows, o: Rows, sha
         check_alias(name, slots, c, beta, gate, state, o)
     check_alias(name, o, c, beta, gate, state)
     check_alias(name, state, c, beta, gate)
-    if raw_gates is not None:
-        for k, v in zip(("dt_bias", "ssm_a"), raw_gates):
-            if (v.n_rows, v.n_cols) != (1, n_v):
-                raise ValueError(f"{name}: {k} is {v.n_rows}x{v.n_cols}, needs 1x{n_v}")
-    dt, sa = raw_gates if raw_gates is not None else (beta, beta)
-    sl = slots if slots is not None else state
-    g.dispatch("gdn_delta", [c.buf, beta.buf, gate.buf, state.buf, o.buf, sl.buf, dt.buf, sa.buf],
-               [n_v * (S // plan.cols)],
-               push=[shape.n_k, n_v, T, c.off, c.stride, beta.off, beta.stride, gate.off, gate.stride,
-                     state.off, o.off, o.stride, sl.off, n_slots, f32_bits(eps), dt.off, sa.off],
-               spec=[int(plan.variant), S, int(shape.head_map), *plan.spec_tail, int(raw_gates is not None)],
-               name=name, writes=[3, 4, 5],
-               desc=f"{plan.variant.name.lower()} {T}x{n_v}x{S} cols {plan.cols} chunk {plan.chunk} slots {n_slots}",
-               nbytes=F32 * (T * (shape.C + 2 * n_v + n_v * S) + (2 + n_slots) * n_v * S * S),
-               flops=6 * T * n_v * S * S)
+    g.add(Delta(c, beta, gate, state, o, shape, eps, plan, slots, None, name))
     return plan
 
 

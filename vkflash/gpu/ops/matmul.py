@@ -9,12 +9,13 @@ x and y are f32 row views (one row per token). `matmul()` picks the kernel from 
                            weights always take the scalar GEMM: rounding them (and x) to f16 would
                            undo what F32 storage is for (routers, MODEL.md §7.4) and moves router
                            logits by ~1e-3, enough to flip near-tied experts.
-The epilogue (scale, bias, sigmoid/silu, ⊙ tensor, + residual) is fused into the store; with
-VKFLASH_MM_TILE_EPILOG=0 (or VKFLASH_DISABLE_FUSION=1) it runs as separate eltwise dispatches.
-An expert stack {K, out, E} is addressed by QWeight.row0 = e·out (see shaders/mul_mat_vec.comp).
-Two fused decode GEMVs (n_tok ≤ 8) combine stacked row blocks in the store, one dispatch each:
-`glu_matmul` (silu(gate) ⊙ up of a stacked [gate; up] weight) and `hc_mix_matmul` (the
-hyper-connection up projection with hc_pre before it and hc_mix after it).
+The epilogue (scale, bias, sigmoid/silu, ⊙ tensor, + residual) is applied in the store: the
+fusion pass folds the eltwise ops after a matmul into it (Fusion.EPILOGUE); an explicit epilogue
+with that fusion off runs as separate eltwise dispatches. An expert stack {K, out, E} is addressed
+by QWeight.row0 = e·out (see shaders/mul_mat_vec.comp). Two fused decode GEMVs (n_tok ≤ 8), made
+by the fusion pass, combine stacked row blocks in the store, one dispatch each: `GluGemv`
+(silu(gate) ⊙ up of a stacked [gate; up] weight) and `HcMixGemv` (the hyper-connection up
+projection with hc_pre before it and hc_mix after it).
 """
 
 from __future__ import annotations
@@ -24,14 +25,16 @@ from typing import TYPE_CHECKING, Callable, Literal
 
 from gguf import GGMLQuantizationType as Q
 
-from vkflash import settings
 from vkflash.formats.quant_blocks import row_bytes
+from vkflash.gpu.graph import Node
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops import eltwise
+from vkflash.gpu.options import Fusion
 from vkflash.gpu.ops.views import Rows, check_alias, f32_bits
 from vkflash.gpu.registry import Kernel, kernel
 
 if TYPE_CHECKING:
+    from vkflash.gpu.context import Gpu
     from vkflash.gpu.device import Capabilities
     from vkflash.gpu.graph import Graph
 
@@ -134,18 +137,11 @@ class Epilogue:
 PLAIN = Epilogue()
 
 
-def use_coopmat(caps: "Capabilities", qtype: int) -> bool:
+def use_coopmat(gpu: "Gpu", qtype: int) -> bool:
     """Whether GEMMs of this weight type run on cooperative matrices here (never F32 weights)."""
     if Q(qtype) not in COOPMAT_TYPES:
         return False
-    k = kernel(f"mul_mat_cm_{Q(qtype).name.lower()}")
-    return k.usable(caps) and not settings.current()["VKFLASH_DISABLE_COOPMAT"]
-
-
-def fuse_epilogue() -> bool:
-    """Whether epilogues are fused into the matmul store (VKFLASH_MM_TILE_EPILOG, VKFLASH_DISABLE_FUSION)."""
-    s = settings.current()
-    return bool(s["VKFLASH_MM_TILE_EPILOG"]) and not s["VKFLASH_DISABLE_FUSION"]
+    return kernel(f"mul_mat_cm_{Q(qtype).name.lower()}").usable(gpu.caps) and gpu.options.coopmat
 
 
 def _check(w: QWeight, x: Rows, y: Rows, ep: Epilogue) -> None:
@@ -238,26 +234,51 @@ def _plain_epilogue(g: "Graph", tmp: Rows, y: Rows, ep: Epilogue, name: str) -> 
         step(tmp, y if i == len(steps) - 1 else tmp)
 
 
+@dataclass(frozen=True)
+class MatMul(Node):
+    """y[n, r] = epilogue(Σ_k W[r, k]·x[n, k]); coopmat None: the device and options decide."""
+
+    w: QWeight
+    x: Rows
+    y: Rows
+    epilogue: Epilogue
+    name: str
+    coopmat: bool | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.w, self.x, self.y, self.epilogue)
+        if self.coopmat and Q(self.w.qtype) not in COOPMAT_TYPES:
+            raise ValueError(f"matmul: {Q(self.w.qtype).name} weights have no cooperative-matrix GEMM")
+
+    def inputs(self) -> tuple[Rows | Buffer, ...]:
+        ep = self.epilogue
+        return (self.w.buf, self.x) + tuple(v for v in (ep.bias, ep.mul, ep.res) if v is not None)
+
+    def outputs(self) -> tuple[Rows, ...]:
+        return (self.y,)
+
+    def lower(self, g: "Graph") -> None:
+        cm = use_coopmat(g.gpu, self.w.qtype) if self.coopmat is None else self.coopmat
+        if cm and not kernel(f"mul_mat_cm_{self.w.type_name}").usable(g.gpu.caps):
+            raise ValueError(f"matmul: {g.gpu.caps.name} offers no f16 cooperative matrix")
+        _dispatch(g, self.w, self.x, self.y, self.epilogue, cm, self.name)
+
+
 def matmul(g: "Graph", w: QWeight, x: Rows, y: Rows, epilogue: Epilogue = PLAIN, name: str = "mul_mat",
-           coopmat: bool | None = None, fuse: bool | None = None) -> None:
+           coopmat: bool | None = None) -> None:
     """y[n, r] = epilogue(Σ_k W[r, k]·x[n, k]) for every token row n of x.
 
-    coopmat / fuse default to the device and the knobs (use_coopmat, fuse_epilogue); tests pass
-    them explicitly to compare the paths.
+    coopmat defaults to the device and options (use_coopmat); tests pass it to compare the paths.
+    An epilogue with Fusion.EPILOGUE off runs as eltwise ops after a plain matmul.
     """
-    _check(w, x, y, epilogue)
-    cm = use_coopmat(g.gpu.caps, w.qtype) if coopmat is None else coopmat
-    if cm and Q(w.qtype) not in COOPMAT_TYPES:
-        raise ValueError(f"matmul: {Q(w.qtype).name} weights have no cooperative-matrix GEMM")
-    if cm and not kernel(f"mul_mat_cm_{w.type_name}").usable(g.gpu.caps):
-        raise ValueError(f"matmul: {g.gpu.caps.name} offers no f16 cooperative matrix")
-    if epilogue.flags == 0 or (fuse_epilogue() if fuse is None else fuse):
-        _dispatch(g, w, x, y, epilogue, cm, name)
+    if epilogue.flags == 0 or g.options.fuses(Fusion.EPILOGUE):
+        g.add(MatMul(w, x, y, epilogue, name, coopmat))
         return
+    _check(w, x, y, epilogue)
     # plain path: matmul into y, or into a scratch view when an epilogue input aliases y
     aliased = any(v is not None and v.buf is y.buf and v.overlaps(y) for v in (epilogue.mul, epilogue.res))
-    tmp = Rows(g.gpu.buffer(4 * y.size, f"{name}.tmp"), y.n_rows, y.n_cols) if aliased else y
-    _dispatch(g, w, x, tmp, PLAIN, cm, name)
+    tmp = g.tensor(y.n_rows, y.n_cols, f"{name}.tmp") if aliased else y
+    g.add(MatMul(w, x, tmp, PLAIN, name, coopmat))
     _plain_epilogue(g, tmp, y, epilogue, name)
 
 
@@ -288,41 +309,69 @@ def stacked_gemv(g: "Graph", w: QWeight, x: Rows, y: Rows, mode: int, name: str,
                nbytes=nbytes, flops=2 * w.k * w.n_out * n_tok)
 
 
-def glu_matmul(g: "Graph", w: QWeight, x: Rows, y: Rows, name: str = "glu", fuse: bool | None = None) -> None:
-    """y = silu(x W_gateᵀ) ⊙ (x W_upᵀ) for a stacked W = [gate; up] of 2F rows: one GEMV dispatch when fused.
+@dataclass(frozen=True)
+class GluGemv(Node):
+    """y = silu(x W_gateᵀ) ⊙ (x W_upᵀ) for a stacked W = [gate; up] of 2F rows, ≤ GEMV_MAX_COLS
+    tokens, one GEMV dispatch (Fusion.GLU; rounds like the two matmuls it replaces)."""
 
-    Fused for n_tok ≤ GEMV_MAX_COLS when `fuse` (default: fuse_epilogue()) is on; otherwise two
-    matmuls (silu epilogue, then ⊙ y epilogue), which round identically.
-    """
-    if w.n_out % 2 or y.n_cols != w.n_out // 2:
-        raise ValueError(f"{name}: stacked weight has {w.n_out} rows, y {y.n_cols} columns: "
-                         "need 2F rows and F columns")
-    f = w.n_out // 2
-    gate, up = replace(w, n_out=f), replace(w, row0=w.row0 + f, n_out=f)
-    _check(gate, x, y, PLAIN)
-    if x.n_rows <= GEMV_MAX_COLS and (fuse_epilogue() if fuse is None else fuse):
-        stacked_gemv(g, w, x, y, GEMV_GLU, name, w.nbytes + 4 * (x.size + y.size))
-        return
-    matmul(g, gate, x, y, Epilogue(act="silu"), name=f"{name}.gate", fuse=fuse)
-    matmul(g, up, x, y, Epilogue(mul=y), name=f"{name}.up", fuse=fuse)
+    w: QWeight
+    x: Rows
+    y: Rows
+    name: str
+
+    def __post_init__(self) -> None:
+        w, x, y = self.w, self.x, self.y
+        if w.n_out % 2 or y.n_cols != w.n_out // 2:
+            raise ValueError(f"{self.name}: stacked weight has {w.n_out} rows, y {y.n_cols} columns: "
+                             "need 2F rows and F columns")
+        _check(replace(w, n_out=w.n_out // 2), x, y, PLAIN)
+        if x.n_rows > GEMV_MAX_COLS:
+            raise ValueError(f"{self.name}: {x.n_rows} tokens, the fused GEMV takes at most {GEMV_MAX_COLS}")
+
+    def inputs(self) -> tuple[Rows | Buffer, ...]:
+        return (self.w.buf, self.x)
+
+    def outputs(self) -> tuple[Rows, ...]:
+        return (self.y,)
+
+    def lower(self, g: "Graph") -> None:
+        stacked_gemv(g, self.w, self.x, self.y, GEMV_GLU, self.name, self.w.nbytes + 4 * (self.x.size + self.y.size))
 
 
-def hc_mix_matmul(g: "Graph", w_up: QWeight, ell_pre: Rows, X: Rows, u: Rows, hc: int, name: str = "hc_mix") -> None:
-    """u = (1/hc)·Σ_c σ(W_up,c silu(ℓ_pre/hc)) ⊙ X_c in one GEMV dispatch (hc_pre, the up matmul, hc_mix).
+@dataclass(frozen=True)
+class HcMixGemv(Node):
+    """u = (1/hc)·Σ_c σ(W_up,c silu(ℓ_pre/hc)) ⊙ X_c in one GEMV dispatch (hc_pre, the up matmul and
+    hc_mix; Fusion.HC_MIX): W_up has hc·d rows (row c·d + i: stream c, position i) of lr =
+    ell_pre.n_cols; X is T × hc·d, u T × d, T ≤ GEMV_MAX_COLS."""
 
-    Decode only (T = ell_pre.n_rows ≤ GEMV_MAX_COLS); for longer batches the caller runs hc_pre, matmul, hc_mix.
-    W_up has hc·d rows (row c·d + i: stream c, position i) of lr = ell_pre.n_cols; X is T × hc·d, u T × d.
-    """
-    T, d = ell_pre.n_rows, u.n_cols
-    if T > GEMV_MAX_COLS:
-        raise ValueError(f"{name}: {T} tokens, the fused GEMV takes at most {GEMV_MAX_COLS}")
-    if hc < 1:
-        raise ValueError(f"{name}: hc must be ≥ 1, got {hc}")
-    if w_up.n_out != hc * d:
-        raise ValueError(f"{name}: W_up has {w_up.n_out} rows, expected hc·d = {hc}·{d}")
-    if (X.n_rows, X.n_cols) != (T, hc * d) or u.n_rows != T:
-        raise ValueError(f"{name}: X is {X.n_rows}x{X.n_cols} and u {u.n_rows}x{d}, "
-                         f"expected X {T}x{hc * d}, u {T}x{d}")
-    _check(replace(w_up, n_out=d), ell_pre, u, PLAIN)
-    check_alias(name, u, X)
-    stacked_gemv(g, w_up, ell_pre, u, GEMV_HC, name, w_up.nbytes + 4 * (ell_pre.size + X.size + u.size), X, hc)
+    w_up: QWeight
+    ell_pre: Rows
+    X: Rows
+    u: Rows
+    hc: int
+    name: str
+
+    def __post_init__(self) -> None:
+        w_up, ell_pre, X, u, hc, name = self.w_up, self.ell_pre, self.X, self.u, self.hc, self.name
+        T, d = ell_pre.n_rows, u.n_cols
+        if T > GEMV_MAX_COLS:
+            raise ValueError(f"{name}: {T} tokens, the fused GEMV takes at most {GEMV_MAX_COLS}")
+        if hc < 1:
+            raise ValueError(f"{name}: hc must be ≥ 1, got {hc}")
+        if w_up.n_out != hc * d:
+            raise ValueError(f"{name}: W_up has {w_up.n_out} rows, expected hc·d = {hc}·{d}")
+        if (X.n_rows, X.n_cols) != (T, hc * d) or u.n_rows != T:
+            raise ValueError(f"{name}: X is {X.n_rows}x{X.n_cols} and u {u.n_rows}x{d}, "
+                             f"expected X {T}x{hc * d}, u {T}x{d}")
+        _check(replace(w_up, n_out=d), ell_pre, u, PLAIN)
+        check_alias(name, u, X)
+
+    def inputs(self) -> tuple[Rows | Buffer, ...]:
+        return (self.w_up.buf, self.ell_pre, self.X)
+
+    def outputs(self) -> tuple[Rows, ...]:
+        return (self.u,)
+
+    def lower(self, g: "Graph") -> None:
+        stacked_gemv(g, self.w_up, self.ell_pre, self.u, GEMV_HC, self.name,
+                     self.w_up.nbytes + 4 * (self.ell_pre.size + self.X.size + self.u.size), self.X, self.hc)

@@ -9,7 +9,8 @@ tiled expert GEMM (mul_mat_id.comp) then launches a fixed grid of live_cap() slo
 workgroups exit at once (VKFLASH_MMID_COMPACT=0: every expert × max tiles instead). Decode
 (T ≤ 8) skips the plan: the expert GEMV (mul_mat_id_vec.comp) reads the ids itself. Each
 (token, slot) result w_j·down(h) gets its own row t·k + j; moe_combine sums the k slots in slot
-order (deterministic, no atomics) and adds the σ-gated shared expert.
+order (deterministic, no atomics) and adds the σ-gated shared expert; the fusion pass folds the
+shared expert's down projection into that sum for decode (`MoeOutGemv`, Fusion.MOE_OUT).
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from typing import TYPE_CHECKING
 
 from gguf import GGMLQuantizationType as Q
 
-from vkflash import settings
 from vkflash.formats.quant_blocks import row_bytes
+from vkflash.gpu.graph import Node
 from vkflash.gpu.memory import Buffer
-from vkflash.gpu.ops.matmul import GEMV_MAX_COLS, GEMV_MOE, TYPES, Epilogue, QWeight, matmul, stacked_gemv
+from vkflash.gpu.ops.matmul import GEMV_MAX_COLS, GEMV_MOE, TYPES, QWeight, stacked_gemv
 from vkflash.gpu.ops.views import F32, Rows, grid
 from vkflash.gpu.registry import Kernel, kernel
 
@@ -203,11 +204,6 @@ def moe_prepass(g: "Graph", ids: Rows, plan: MoEPlan, name: str = "moe_prepass")
                nbytes=4 * (plan.T * plan.k + plan.words))
 
 
-def compact_grid() -> bool:
-    """Whether the expert GEMM launches only the plan's live pairs (VKFLASH_MMID_COMPACT)."""
-    return bool(settings.current()["VKFLASH_MMID_COMPACT"])
-
-
 def _check_stacks(name: str, w: ExpertStack, w2: ExpertStack | None, E: int) -> None:
     if w.n_exp != E:
         raise ValueError(f"{name}: weight has {w.n_exp} experts, the routing {E}")
@@ -258,7 +254,7 @@ def expert_gemm(g: "Graph", plan: MoEPlan, mode: Mode, w: ExpertStack, x: Rows, 
     caps = g.gpu.caps
     if kernel(f"mul_mat_id_{w.type_name}").workgroup(caps) != GEMM_WG:
         raise ValueError(f"{name}: the expert GEMM needs {GEMM_WG} invocations per workgroup (16×16)")
-    cm = compact_grid() if compact is None else compact
+    cm = g.options.mmid_compact if compact is None else compact
     slots = plan.live_cap if cm else plan.E * plan.max_tiles
     gy, gz = _folded(caps, slots)
     nb = 2 if w2 is not None else 1
@@ -311,17 +307,22 @@ class RoutedExperts:
         return g.buf is u.buf and g.qtype == u.qtype and g.expert_rows == u.expert_rows
 
 
-def moe_routed(g: "Graph", x: Rows, ids: Rows, wts: Rows, w: RoutedExperts, h: Rows, ys: Rows,
+def moe_routed(g: "Graph", x: Rows, ids: Rows, wts: Rows, w: RoutedExperts, ys: Rows, h: Rows | None = None,
                plan: MoEPlan | None = None, compact: bool | None = None, name: str = "moe") -> None:
     """ys[t·k + j] = w[t, j]·W_d^{(e)}(silu(W_g^{(e)} x_t) ⊙ W_u^{(e)} x_t), e = ids[t, j] (M4, routed part).
 
-    With a plan (prefill) the prepass and the tiled expert GEMM run; without one (T ≤ 8, decode)
-    the expert GEMV reads the ids directly. h (T·k × F) is scratch.
+    Up to DECODE_MAX_T tokens (decode) the expert GEMV reads the ids directly; more tokens go
+    through the prepass `plan` (default: an intermediate) and the tiled expert GEMM. h (T·k × F,
+    default: an intermediate) holds the expert hidden rows.
     """
     T, k = ids.n_rows, ids.n_cols
+    if h is None:
+        h = g.tensor(T * k, w.gate.n_out, f"{name}.h")
+    if plan is None and T > DECODE_MAX_T:
+        E = w.gate.n_exp
+        bn = tile_width(T, k, E)
+        plan = MoEPlan(g.temp(4 * plan_words(T, k, E, bn), f"{name}.plan"), T, k, E, bn)
     if plan is None:
-        if T > DECODE_MAX_T:
-            raise ValueError(f"{name}: {T} tokens need a plan (the GEMV path takes at most {DECODE_MAX_T})")
         if w.fused:
             expert_gemv(g, ids, Mode.GATE_UP, w.gate, x, h, w2=w.up, name=f"{name}.gate_up")
         else:
@@ -340,128 +341,90 @@ def moe_routed(g: "Graph", x: Rows, ids: Rows, wts: Rows, w: RoutedExperts, h: R
     expert_gemm(g, plan, Mode.DOWN, w.down, h, ys, wts=wts, compact=compact, name=f"{name}.down")
 
 
-def moe_combine(g: "Graph", ys: Rows, f: Rows, k: int, shared: Rows | None = None, gate: Rows | None = None,
-                name: str = "moe_combine") -> None:
-    """f[t] = Σ_j ys[t·k + j] (slot order) + σ(gate[t])·shared[t] (shared part optional, both or neither)."""
-    T, d = f.n_rows, f.n_cols
-    if (ys.n_rows, ys.n_cols) != (T * k, d):
-        raise ValueError(f"{name}: ys is {ys.n_rows}x{ys.n_cols}, expected {T * k}x{d}")
-    if (shared is None) != (gate is None):
-        raise ValueError(f"{name}: the shared output and its gate come together")
-    if shared is not None and gate is not None:
-        if (shared.n_rows, shared.n_cols) != (T, d) or (gate.n_rows, gate.n_cols) != (T, 1):
-            raise ValueError(f"{name}: shared must be {T}x{d} and gate {T}x1")
-    for v in (ys, shared, gate):
-        if v is not None and v.overlaps(f):
-            raise ValueError(f"{name}: f overlaps an input")
-    s, gl = shared or ys, gate or ys
-    wg = kernel("moe_combine").workgroup(g.gpu.caps)
-    g.dispatch("moe_combine", [ys.buf, s.buf, gl.buf, f.buf], [grid(T * d, wg, MAX_GROUPS)],
-               push=[T, d, k, ys.off, ys.stride, s.off, s.stride, gl.off, gl.stride, f.off, f.stride],
-               spec=[int(shared is not None)], name=name, desc=f"T={T} d={d} k={k}",
-               nbytes=4 * (T * d * (k + 2 if shared is not None else k + 1)))
-
-
-def shared_out_combine(g: "Graph", w_down: QWeight, h: Rows, ys: Rows, gate: Rows, f: Rows, k: int, shared: Rows,
-                       name: str = "moe_out") -> None:
-    """f[t] = Σ_j ys[t·k + j] + σ(gate[t])·(W_d^s h[t]): the shared expert's down projection and
-    the MoE combine (M4). Decode (T ≤ 8, fusion on): one GEMV whose store is the combine; else the
-    matmul into `shared` (scratch, T × d) and moe_combine, which round alike."""
-    T, d = h.n_rows, f.n_cols
-    if (ys.n_rows, ys.n_cols) != (T * k, d) or (gate.n_rows, gate.n_cols) != (T, 1) or f.n_rows != T:
-        raise ValueError(f"{name}: ys {ys.n_rows}x{ys.n_cols}, gate {gate.n_rows}x{gate.n_cols}, f {f.n_rows}x{d} "
-                         f"do not fit T={T}, k={k}")
-    if (w_down.k, w_down.n_out) != (h.n_cols, d):
-        raise ValueError(f"{name}: W_d^s is {w_down.n_out}x{w_down.k}, expected {d}x{h.n_cols}")
-    fused = T <= GEMV_MAX_COLS and not settings.current()["VKFLASH_DISABLE_FUSION"] and ys.stride == f.stride
-    if not fused:
-        matmul(g, w_down, h, shared, name=f"{name}.shared")
-        moe_combine(g, ys, f, k, shared=shared, gate=gate, name=name)
-        return
-    for v in (ys, gate, h):
-        if v.overlaps(f):
-            raise ValueError(f"{name}: f overlaps an input")
-    stacked_gemv(g, w_down, h, f, GEMV_MOE, name, w_down.nbytes + 4 * (h.size + ys.size + f.size + T),
-                 moe=(ys, gate, k))
-
-
-# ---- the whole MoE FFN (M1–M4) ----------------------------------------------------------------
-
 @dataclass(frozen=True)
-class MoEWeights:
-    """One layer's MoE weights on the GPU: router W_r (E × d), routed experts, shared gate w_sg
-    (one row of d), shared FFN gate/up (F_s × d) and down (d × F_s)."""
+class MoeCombine(Node):
+    """f[t] = Σ_j ys[t·k + j] (slot order) + σ(gate[t])·shared[t] (shared part optional)."""
 
-    router: QWeight
-    experts: RoutedExperts
-    sh_gate_inp: QWeight
-    sh_gate: QWeight
-    sh_up: QWeight
-    sh_down: QWeight
+    ys: Rows
+    f: Rows
+    k: int
+    shared: Rows | None
+    gate: Rows | None
+    name: str
 
     def __post_init__(self) -> None:
-        ex, d, F_s = self.experts, self.experts.gate.k, self.sh_gate.n_out
-        shapes = {"router": (self.router, d, ex.gate.n_exp), "shared gate": (self.sh_gate_inp, d, 1),
-                  "shared ffn gate": (self.sh_gate, d, F_s), "shared ffn up": (self.sh_up, d, F_s),
-                  "shared ffn down": (self.sh_down, F_s, d)}
-        for label, (w, k, n) in shapes.items():
-            if (w.k, w.n_out) != (k, n):
-                raise ValueError(f"moe: {label} is {w.k}x{w.n_out} ({{in, out}}), expected {k}x{n}")
+        ys, f, k, shared, gate, name = self.ys, self.f, self.k, self.shared, self.gate, self.name
+        T, d = f.n_rows, f.n_cols
+        if (ys.n_rows, ys.n_cols) != (T * k, d):
+            raise ValueError(f"{name}: ys is {ys.n_rows}x{ys.n_cols}, expected {T * k}x{d}")
+        if (shared is None) != (gate is None):
+            raise ValueError(f"{name}: the shared output and its gate come together")
+        if shared is not None and gate is not None:
+            if (shared.n_rows, shared.n_cols) != (T, d) or (gate.n_rows, gate.n_cols) != (T, 1):
+                raise ValueError(f"{name}: shared must be {T}x{d} and gate {T}x1")
+        for v in (ys, shared, gate):
+            if v is not None and v.overlaps(f):
+                raise ValueError(f"{name}: f overlaps an input")
 
-    @property
-    def dims(self) -> tuple[int, int, int, int]:
-        """(d, E, F, F_s)."""
-        ex = self.experts
-        return ex.gate.k, ex.gate.n_exp, ex.gate.n_out, self.sh_gate.n_out
+    def inputs(self) -> tuple[Rows, ...]:
+        return (self.ys,) + tuple(v for v in (self.shared, self.gate) if v is not None)
+
+    def outputs(self) -> tuple[Rows, ...]:
+        return (self.f,)
+
+    def lower(self, g: "Graph") -> None:
+        ys, f, k = self.ys, self.f, self.k
+        T, d = f.n_rows, f.n_cols
+        s, gl = self.shared or ys, self.gate or ys
+        wg = kernel("moe_combine").workgroup(g.gpu.caps)
+        g.dispatch("moe_combine", [ys.buf, s.buf, gl.buf, f.buf], [grid(T * d, wg, MAX_GROUPS)],
+                   push=[T, d, k, ys.off, ys.stride, s.off, s.stride, gl.off, gl.stride, f.off, f.stride],
+                   spec=[int(self.shared is not None)], name=self.name, desc=f"T={T} d={d} k={k}",
+                   nbytes=4 * (T * d * (k + 2 if self.shared is not None else k + 1)))
+
+
+def moe_combine(g: "Graph", ys: Rows, f: Rows, k: int, shared: Rows | None = None, gate: Rows | None = None,
+                name: str = "moe_combine") -> None:
+    """(M4) f[t] = Σ_j ys[t·k + j] (slot order) + σ(gate[t])·shared[t] (shared part optional, both or neither)."""
+    g.add(MoeCombine(ys, f, k, shared, gate, name))
 
 
 @dataclass(frozen=True)
-class MoEScratch:
-    """Intermediates of moe_ffn for up to T_max tokens (allocate once, reuse across layers)."""
+class MoeOutGemv(Node):
+    """f[t] = Σ_j ys[t·k + j] + σ(gate[t])·(W_d^s h[t]): the shared expert's down projection with the
+    MoE combine as its store, one GEMV for ≤ GEMV_MAX_COLS tokens (Fusion.MOE_OUT; rounds like the
+    matmul + moe_combine it replaces)."""
 
-    T_max: int
+    w_down: QWeight
+    h: Rows
+    ys: Rows
+    gate: Rows
+    f: Rows
     k: int
-    z: Buffer  # router logits, T × E
-    ids: Buffer  # T × k int32
-    wts: Buffer  # T × k
-    plan: Buffer
-    h: Buffer  # routed silu(gate) ⊙ up, T·k × F
-    ys: Buffer  # routed weighted outputs, T·k × d
-    hs: Buffer  # shared silu(gate) ⊙ up, T × F_s
-    s: Buffer  # shared output, T × d
-    gl: Buffer  # shared gate logits, T × 1
+    name: str
 
-    @classmethod
-    def create(cls, gpu, T_max: int, k: int, d: int, E: int, F: int, F_s: int) -> "MoEScratch":
-        plan = max(plan_words(T_max, k, E, bn) for bn in TILES)  # live_cap grows with T, falls with bn
-        sizes = {"z": T_max * E, "ids": T_max * k, "wts": T_max * k, "plan": plan, "h": T_max * k * F,
-                 "ys": T_max * k * d, "hs": T_max * F_s, "s": T_max * d, "gl": T_max}
-        return cls(T_max, k, **{n: gpu.buffer(4 * m, f"moe.{n}") for n, m in sizes.items()})
+    def __post_init__(self) -> None:
+        T, d, name = self.h.n_rows, self.f.n_cols, self.name
+        ys, gate, f, k = self.ys, self.gate, self.f, self.k
+        if (ys.n_rows, ys.n_cols) != (T * k, d) or (gate.n_rows, gate.n_cols) != (T, 1) or f.n_rows != T:
+            raise ValueError(f"{name}: ys {ys.n_rows}x{ys.n_cols}, gate {gate.n_rows}x{gate.n_cols}, f {f.n_rows}x{d} "
+                             f"do not fit T={T}, k={k}")
+        if (self.w_down.k, self.w_down.n_out) != (self.h.n_cols, d):
+            raise ValueError(f"{name}: W_d^s is {self.w_down.n_out}x{self.w_down.k}, expected {d}x{self.h.n_cols}")
+        if T > GEMV_MAX_COLS or ys.stride != f.stride:
+            raise ValueError(f"{name}: the fused GEMV takes ≤ {GEMV_MAX_COLS} tokens and ys rows strided like f's")
+        for v in (ys, gate, self.h):
+            if v.overlaps(f):
+                raise ValueError(f"{name}: f overlaps an input")
 
+    def inputs(self) -> tuple[Rows | Buffer, ...]:
+        return (self.w_down.buf, self.h, self.ys, self.gate)
 
-def moe_ffn(g: "Graph", u: Rows, w: MoEWeights, k: int, f: Rows, scratch: MoEScratch,
-            compact: bool | None = None, name: str = "moe") -> None:
-    """f = Σ_i w_i·W_d^{(I_i)}(silu(W_g^{(I_i)}u) ⊙ W_u^{(I_i)}u) + σ(w_sg·u)·W_d^s(silu(W_g^s u) ⊙ W_u^s u).
+    def outputs(self) -> tuple[Rows, ...]:
+        return (self.f,)
 
-    Router logits through the matmul ops, then moe_router; T ≤ DECODE_MAX_T tokens take the expert
-    GEMV, more the prepass + expert GEMM; the shared FFN runs through the dense matmul ops (silu
-    and ⊙ fused in their stores); moe_combine adds it all per token.
-    """
-    d, E, F, F_s = w.dims
-    T = u.n_rows
-    if (f.n_rows, f.n_cols) != (T, d) or u.n_cols != d:
-        raise ValueError(f"{name}: u is {u.n_rows}x{u.n_cols} and f {f.n_rows}x{f.n_cols}, expected {T}x{d}")
-    if T > scratch.T_max or k != scratch.k:
-        raise ValueError(f"{name}: scratch is for {scratch.T_max} tokens of k = {scratch.k}, got {T} and k = {k}")
-    z, ids, wts = Rows(scratch.z, T, E), Rows(scratch.ids, T, k), Rows(scratch.wts, T, k)
-    matmul(g, w.router, u, z, name=f"{name}.router_logits")  # (M1)
-    moe_router(g, z, ids, wts, k, name=f"{name}.router")  # (M1)–(M3)
-    plan = None if T <= DECODE_MAX_T else MoEPlan(scratch.plan, T, k, E, tile_width(T, k, E))
-    ys = Rows(scratch.ys, T * k, d)
-    moe_routed(g, u, ids, wts, w.experts, Rows(scratch.h, T * k, F), ys, plan, compact, name=name)
-    hs, s, gl = Rows(scratch.hs, T, F_s), Rows(scratch.s, T, d), Rows(scratch.gl, T, 1)
-    matmul(g, w.sh_gate, u, hs, Epilogue(act="silu"), name=f"{name}.shexp_gate")
-    matmul(g, w.sh_up, u, hs, Epilogue(mul=hs), name=f"{name}.shexp_up")
-    matmul(g, w.sh_down, hs, s, name=f"{name}.shexp_down")
-    matmul(g, w.sh_gate_inp, u, gl, name=f"{name}.shexp_gate_inp")
-    moe_combine(g, ys, f, k, s, gl, name=f"{name}.combine")  # (M4)
+    def lower(self, g: "Graph") -> None:
+        T = self.h.n_rows
+        stacked_gemv(g, self.w_down, self.h, self.f, GEMV_MOE, self.name,
+                     self.w_down.nbytes + 4 * (self.h.size + self.ys.size + self.f.size + T),
+                     moe=(self.ys, self.gate, self.k))

@@ -1,7 +1,9 @@
 """Row norms (MODEL.md §2, §5.4 G6): RMSNorm, grouped RMSNorm of wide HC rows, and L2 norm.
 
 One shader (shaders/norm.comp), one workgroup per normalised group with a subgroup +
-shared-memory reduction of Σx². ε is passed as f32 bits; all statistics are f32 (§7.4).
+shared-memory reduction of Σx². ε is passed as f32 bits; all statistics are f32 (§7.4). The
+fusion pass (gpu/fuse.py) folds a following RoPE, a preceding HC combine and the HC inject
+projection into the same dispatch (`Norm`'s optional parts).
 """
 
 from __future__ import annotations
@@ -10,8 +12,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
-import numpy as np
-
+from vkflash.gpu.graph import Node
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops.rope import check_neox
 from vkflash.gpu.ops.views import F32, Rows, check_alias, check_same_shape, f32_bits, grid
@@ -44,77 +45,115 @@ class Rope:
     pos_off: int = 0
 
 
-def _norm(g: "Graph", mode: Mode, x: Rows, y: Rows, eps: float, n_groups: int, gamma: Buffer | None,
-          gamma_off: int, post: float, name: str, combine: tuple[Rows, Rows] | None = None,
-          rope: Rope | None = None, inject: tuple[Rows, Rows] | None = None) -> None:
-    """Normalise each of the n_groups equal groups of every row of x into y (after the HC
-    combine x_c += 2σ(ι_c/n_groups)·b in place when `combine` = (ι, b); then RoPE'd by `rope`;
-    with inject = (W_inj, ι_out), also ι_out = y W_injᵀ per row)."""
-    check_same_shape(name, x=x, y=y)
-    check_alias(name, y, x)
-    iota, b = combine if combine is not None else (x, x)
-    w_inj, i_out = inject if inject is not None else (x, x)
-    if inject is not None:
-        if rope is not None or not 1 <= n_groups <= MAX_HC:
-            raise ValueError(f"{name}: the inject projection needs 1..{MAX_HC} groups and no RoPE")
-        if (w_inj.n_rows, w_inj.n_cols, w_inj.stride) != (n_groups, x.n_cols, x.n_cols):
-            raise ValueError(f"{name}: W_inj must be {n_groups} dense rows of {x.n_cols}")
-        if (i_out.n_rows, i_out.n_cols) != (x.n_rows, n_groups) or i_out.overlaps(x) or i_out.overlaps(y):
-            raise ValueError(f"{name}: ι out must be {x.n_rows}x{n_groups}, apart from x and y")
-    if rope is not None:
-        check_neox(name, x, rope.n_heads, rope.n_rot, rope.theta, rope.pos, rope.pos_off)
-        if n_groups != 1 or combine is not None or x.n_cols > MAX_DH:
-            raise ValueError(f"{name}: norm+RoPE takes plain rows of at most {MAX_DH} (got {x.n_cols})")
-    if combine is not None:
-        if (iota.n_rows, iota.n_cols) != (x.n_rows, n_groups) or (b.n_rows, b.n_cols) != (x.n_rows, x.n_cols // n_groups):
-            raise ValueError(f"{name}: ι must be {x.n_rows}x{n_groups} and b {x.n_rows}x{x.n_cols // n_groups}")
-        if x.overlaps(y) or iota.overlaps(x) or b.overlaps(x):
-            raise ValueError(f"{name}: the combined residual must not overlap y, ι or b")
-    if n_groups < 1 or x.n_cols % n_groups:
-        raise ValueError(f"{name}: row of {x.n_cols} does not split into {n_groups} groups")
-    if not eps >= 0:
-        raise ValueError(f"{name}: eps must be ≥ 0, got {eps}")
-    if gamma is not None:
-        Rows(gamma, 1, x.n_cols, gamma_off)  # bounds check: gamma spans the whole row
-    n = x.n_cols // n_groups
-    total = x.n_rows * n_groups
-    writes = [2] + [0] * (combine is not None) + [7, 8] * (inject is not None)
-    part = x.buf
-    if inject is not None:  # per row: a finished-groups counter, then the groups' partial ι sums
-        part = g.gpu.buffer(4 * x.n_rows * (1 + n_groups * n_groups), f"{name}.inject_partials")
-        part.fill(0, np.uint32)
-    g.dispatch("norm", [x.buf, gamma if gamma is not None else x.buf, y.buf, iota.buf, b.buf,
-                        rope.pos if rope is not None else x.buf, w_inj.buf, i_out.buf, part],
-               [grid(total, 1, MAX_GROUPS)],
-               push=[n, n_groups, x.n_rows, x.off, x.stride, y.off, y.stride, gamma_off, f32_bits(eps), f32_bits(post),
-                     iota.off, iota.stride, b.off, b.stride] + ([rope.n_heads, rope.n_rot, rope.pos_off,
-                                                                f32_bits(rope.theta)] if rope else [1, 2, 0, 0])
-               + [w_inj.off, i_out.off, i_out.stride, f32_bits(1.0 / n_groups)],
-               spec=[int(mode), int(gamma is not None), int(combine is not None), int(rope is not None),
-                     int(inject is not None)],
-               writes=sorted(writes), name=name,
-               desc=f"{mode.name} {x.n_rows}x{n_groups}x{n}{' +combine' if combine else ''}",
-               nbytes=F32 * (x.size * ((3 if gamma is not None else 2) + 2 * (combine is not None))
-                             + (b.size if combine is not None else 0) + (w_inj.size if inject is not None else 0)))
+@dataclass(frozen=True)
+class Norm(Node):
+    """Normalise each of the `groups` equal groups of every row of x into y (after the HC combine
+    x_c += 2σ(ι_c/groups)·b in place when `combine` = (ι, b); then RoPE'd by `rope`; with inject =
+    (W_inj, ι_out), also ι_out = y W_injᵀ per row). The combine, RoPE and inject parts come from
+    the fusion pass; `taps` name the values of ops it fused away."""
+
+    mode: Mode
+    x: Rows
+    y: Rows
+    eps: float
+    groups: int
+    gamma: Buffer | None
+    gamma_off: int
+    post: float
+    name: str
+    combine: tuple[Rows, Rows] | None = None
+    rope: Rope | None = None
+    inject: tuple[Rows, Rows] | None = None
+    taps: tuple[tuple[str, Rows], ...] = ()
+
+    def __post_init__(self) -> None:
+        x, y, name, n_groups = self.x, self.y, self.name, self.groups
+        check_same_shape(name, x=x, y=y)
+        check_alias(name, y, x)
+        if self.inject is not None:
+            w_inj, i_out = self.inject
+            if self.rope is not None or not 1 <= n_groups <= MAX_HC:
+                raise ValueError(f"{name}: the inject projection needs 1..{MAX_HC} groups and no RoPE")
+            if (w_inj.n_rows, w_inj.n_cols, w_inj.stride) != (n_groups, x.n_cols, x.n_cols):
+                raise ValueError(f"{name}: W_inj must be {n_groups} dense rows of {x.n_cols}")
+            if (i_out.n_rows, i_out.n_cols) != (x.n_rows, n_groups) or i_out.overlaps(x) or i_out.overlaps(y):
+                raise ValueError(f"{name}: ι out must be {x.n_rows}x{n_groups}, apart from x and y")
+        if self.rope is not None:
+            r = self.rope
+            check_neox(name, x, r.n_heads, r.n_rot, r.theta, r.pos, r.pos_off)
+            if n_groups != 1 or self.combine is not None or x.n_cols > MAX_DH:
+                raise ValueError(f"{name}: norm+RoPE takes plain rows of at most {MAX_DH} (got {x.n_cols})")
+        if self.combine is not None:
+            iota, b = self.combine
+            if (iota.n_rows, iota.n_cols) != (x.n_rows, n_groups) or (b.n_rows, b.n_cols) != (x.n_rows, x.n_cols // n_groups):
+                raise ValueError(f"{name}: ι must be {x.n_rows}x{n_groups} and b {x.n_rows}x{x.n_cols // n_groups}")
+            if x.overlaps(y) or iota.overlaps(x) or b.overlaps(x):
+                raise ValueError(f"{name}: the combined residual must not overlap y, ι or b")
+        if n_groups < 1 or x.n_cols % n_groups:
+            raise ValueError(f"{name}: row of {x.n_cols} does not split into {n_groups} groups")
+        if not self.eps >= 0:
+            raise ValueError(f"{name}: eps must be ≥ 0, got {self.eps}")
+        if self.gamma is not None:
+            Rows(self.gamma, 1, x.n_cols, self.gamma_off)  # bounds check: gamma spans the whole row
+
+    def inputs(self) -> tuple[Rows | Buffer, ...]:
+        out: list[Rows | Buffer] = [self.x]
+        if self.gamma is not None:
+            out.append(Rows(self.gamma, 1, self.x.n_cols, self.gamma_off))
+        if self.combine is not None:
+            out += list(self.combine)
+        if self.rope is not None:
+            out.append(self.rope.pos)
+        if self.inject is not None:
+            out.append(self.inject[0])
+        return tuple(out)
+
+    def outputs(self) -> tuple[Rows, ...]:
+        return ((self.y,) + ((self.x,) if self.combine is not None else ())
+                + ((self.inject[1],) if self.inject is not None else ()))
+
+    def named(self) -> tuple[tuple[str, Rows], ...]:
+        return self.taps or ((self.name, self.y),)
+
+    def lower(self, g: "Graph") -> None:
+        x, y, n_groups, rope = self.x, self.y, self.groups, self.rope
+        iota, b = self.combine if self.combine is not None else (x, x)
+        w_inj, i_out = self.inject if self.inject is not None else (x, x)
+        gamma = self.gamma
+        n = x.n_cols // n_groups
+        writes = [2] + [0] * (self.combine is not None) + [7, 8] * (self.inject is not None)
+        part = x.buf
+        if self.inject is not None:  # per row: a finished-groups counter, then the groups' partial ι sums
+            part = g.own(4 * x.n_rows * (1 + n_groups * n_groups), f"{self.name}.inject_partials")
+        g.dispatch("norm", [x.buf, gamma if gamma is not None else x.buf, y.buf, iota.buf, b.buf,
+                            rope.pos if rope is not None else x.buf, w_inj.buf, i_out.buf, part],
+                   [grid(x.n_rows * n_groups, 1, MAX_GROUPS)],
+                   push=[n, n_groups, x.n_rows, x.off, x.stride, y.off, y.stride, self.gamma_off, f32_bits(self.eps),
+                         f32_bits(self.post), iota.off, iota.stride, b.off, b.stride]
+                   + ([rope.n_heads, rope.n_rot, rope.pos_off, f32_bits(rope.theta)] if rope else [1, 2, 0, 0])
+                   + [w_inj.off, i_out.off, i_out.stride, f32_bits(1.0 / n_groups)],
+                   spec=[int(self.mode), int(gamma is not None), int(self.combine is not None), int(rope is not None),
+                         int(self.inject is not None)],
+                   writes=sorted(writes), name=self.name,
+                   desc=f"{self.mode.name} {x.n_rows}x{n_groups}x{n}{' +combine' if self.combine else ''}",
+                   nbytes=F32 * (x.size * ((3 if gamma is not None else 2) + 2 * (self.combine is not None))
+                                 + (b.size if self.combine is not None else 0)
+                                 + (w_inj.size if self.inject is not None else 0)))
 
 
 def rms_norm(g: "Graph", x: Rows, y: Rows, eps: float, gamma: Buffer | None = None, gamma_off: int = 0,
-             name: str = "rms_norm", rope: Rope | None = None) -> None:
-    """y = x/√(mean(x²)+ε) ⊙ γ per row (γ of n_cols elements at gamma_off, optional); with `rope`,
-    then NeoX RoPE of each head row in the same dispatch (attention q/k: A2 + A3)."""
-    _norm(g, Mode.RMS, x, y, eps, 1, gamma, gamma_off, 1.0, name, rope=rope)
+             name: str = "rms_norm") -> None:
+    """y = x/√(mean(x²)+ε) ⊙ γ per row (γ of n_cols elements at gamma_off, optional)."""
+    g.add(Norm(Mode.RMS, x, y, eps, 1, gamma, gamma_off, 1.0, name))
 
 
 def grouped_rms_norm(g: "Graph", x: Rows, y: Rows, n_groups: int, eps: float, gamma: Buffer | None = None,
-                     gamma_off: int = 0, name: str = "grouped_rms_norm",
-                     combine: tuple[Rows, Rows] | None = None, inject: tuple[Rows, Rows] | None = None) -> None:
-    """Each row of hc·d values is hc = n_groups streams of d, each RMS-normalised; then ⊙ γ ∈ R^{hc·d}.
-    With combine = (ι, b), first x_c += 2σ(ι_c/hc)·b in place (HC H6; x is then the residual R);
-    with inject = (W_inj f32 hc × hc·d, ι_out), also ι_out = y W_injᵀ (HC H5; summed from each group's
-    workgroup by the row's last one)."""
-    _norm(g, Mode.RMS, x, y, eps, n_groups, gamma, gamma_off, 1.0, name, combine, inject=inject)
+                     gamma_off: int = 0, name: str = "grouped_rms_norm") -> None:
+    """Each row of hc·d values is hc = n_groups streams of d, each RMS-normalised; then ⊙ γ ∈ R^{hc·d}
+    (HC H1, PLE P6/P9)."""
+    g.add(Norm(Mode.RMS, x, y, eps, n_groups, gamma, gamma_off, 1.0, name))
 
 
 def l2_norm(g: "Graph", x: Rows, y: Rows, eps: float, scale: float = 1.0, name: str = "l2_norm") -> None:
     """y = scale · x/√(Σx²+ε) per row (GDN q̂, k̂ of §5.4 G6; scale = 1/√S folds q̂'s extra factor)."""
-    _norm(g, Mode.L2, x, y, eps, 1, None, 0, scale, name)
+    g.add(Norm(Mode.L2, x, y, eps, 1, None, 0, scale, name))

@@ -7,8 +7,10 @@ replays with new positions without re-recording.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+from vkflash.gpu.graph import Node
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops.views import F32, Rows, check_alias, check_same_shape, f32_bits, grid
 from vkflash.gpu.registry import Kernel, kernel
@@ -36,6 +38,37 @@ def check_neox(name: str, x: Rows, n_heads: int, n_rot: int, theta: float, pos: 
     return n_tokens
 
 
+@dataclass(frozen=True)
+class RopeNeox(Node):
+    """y = NeoX RoPE of x's head rows (see rope_neox)."""
+
+    x: Rows
+    y: Rows
+    n_heads: int
+    n_rot: int
+    theta: float
+    pos: Buffer
+    pos_off: int
+    name: str
+
+    def inputs(self) -> tuple[Rows | Buffer, ...]:
+        return (self.x, self.pos)
+
+    def outputs(self) -> tuple[Rows, ...]:
+        return (self.y,)
+
+    def lower(self, g: "Graph") -> None:
+        x, y = self.x, self.y
+        dh, n_rot = x.n_cols, self.n_rot
+        wg = kernel("rope").workgroup(g.gpu.caps)
+        items = x.n_rows * (n_rot // 2 + dh - n_rot)
+        g.dispatch("rope", [self.pos, x.buf, y.buf], [grid(items, wg, MAX_GROUPS)],
+                   push=[x.n_rows, self.n_heads, dh, n_rot, x.off, x.stride, y.off, y.stride, self.pos_off,
+                         f32_bits(self.theta)],
+                   name=self.name, desc=f"{x.n_rows // self.n_heads}x{self.n_heads}x{dh} rot {n_rot}",
+                   nbytes=2 * F32 * x.size + 4 * (x.n_rows // self.n_heads))
+
+
 def rope_neox(g: "Graph", x: Rows, y: Rows, n_heads: int, n_rot: int, theta: float, pos: Buffer,
               pos_off: int = 0, name: str = "rope") -> None:
     """Rotate the first n_rot dims of each head in NeoX pairs (i, i + n_rot/2) at φ_i = p·θ^{−2i/n_rot}.
@@ -45,13 +78,8 @@ def rope_neox(g: "Graph", x: Rows, y: Rows, n_heads: int, n_rot: int, theta: flo
     """
     check_same_shape(name, x=x, y=y)
     check_alias(name, y, x)
-    dh = x.n_cols
-    n_tokens = check_neox(name, x, n_heads, n_rot, theta, pos, pos_off)
-    wg = kernel("rope").workgroup(g.gpu.caps)
-    items = x.n_rows * (n_rot // 2 + dh - n_rot)
-    g.dispatch("rope", [pos, x.buf, y.buf], [grid(items, wg, MAX_GROUPS)],
-               push=[x.n_rows, n_heads, dh, n_rot, x.off, x.stride, y.off, y.stride, pos_off, f32_bits(theta)],
-               name=name, desc=f"{n_tokens}x{n_heads}x{dh} rot {n_rot}", nbytes=2 * F32 * x.size + 4 * n_tokens)
+    check_neox(name, x, n_heads, n_rot, theta, pos, pos_off)
+    g.add(RopeNeox(x, y, n_heads, n_rot, theta, pos, pos_off, name))
 
 
 def check_sections(sections: Sequence[int], n_rot: int) -> tuple[int, int, int, int]:

@@ -52,6 +52,18 @@ class Rows:
         """n consecutive elements from `off`, as one row."""
         return cls(buf, 1, n, off)
 
+    def cols(self, start: int, n: int) -> "Rows":
+        """Columns [start, start + n) of every row."""
+        if start < 0 or start + n > self.n_cols:
+            raise ValueError(f"columns [{start}, {start + n}) of a row of {self.n_cols}")
+        return Rows(self.buf, self.n_rows, n, self.off + start, self.stride)
+
+    def rows(self, start: int, n: int) -> "Rows":
+        """Rows [start, start + n)."""
+        if start < 0 or start + n > self.n_rows:
+            raise ValueError(f"rows [{start}, {start + n}) of {self.n_rows}")
+        return Rows(self.buf, n, self.n_cols, self.off + start * self.stride, self.stride)
+
     @property
     def end(self) -> int:
         """One past the last element the view touches."""
