@@ -3,7 +3,7 @@
 // rows src[src_off + t*src_row + g*DH + d] (g < n_heads, d < DH, f32) into the cache at position
 // p_t = pos[pos_off + t] (int32, from the step-params buffer): cache[(p_t*n_heads + g)*DH + d],
 // rounded to the cache type at write (f32 copy, f16 round-to-nearest-even, q8_0 per 32-block:
-// d = f16(max|x|/127), q = clamp(roundEven(x/d), -127, 127) as in vkflash.formats q_q8_0).
+// d = f16(max|x|/127), q = clamp(roundEven(x/d), -127, 127), as kv_q8_0 in tests/gpu/attention_ref.py).
 // Tokens whose position is outside [0, n_ctx) are skipped (bounds check, never a stray write).
 // One invocation per 32-element block, grid-stride so any T fits.
 // PAIR: a second source/cache pair (K and V of one layer) in the same dispatch: blocks past the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import gguf.quants
@@ -121,6 +122,11 @@ def ragged_ne(rng: np.random.Generator, epb: int) -> tuple[int, ...]:
     return (ne0, *(int(v) for v in rng.integers(1, 6, size=ndim - 1)))
 
 
+def in_chunks(raw: np.ndarray, n: int) -> Callable[[], Iterator[np.ndarray]]:
+    """A maker of raw's bytes as n consecutive chunks."""
+    return lambda: iter(np.array_split(raw, n))
+
+
 def test_tensor_roundtrip_and_shape_rule(tmp_path: Path, rng: np.random.Generator) -> None:
     specs, expected = {}, {}
     for q in BLOCK:
@@ -129,7 +135,7 @@ def test_tensor_roundtrip_and_shape_rule(tmp_path: Path, rng: np.random.Generato
         raw = random_blocks(q, int(np.prod(ne)), rng)
         specs[f"float.{q.name}"] = FloatTensor(x, q)
         expected[f"float.{q.name}"] = (q, ne, quantize(x, q))
-        maker = (lambda r=raw: r) if q.value % 2 else raw  # lazy and eager raw tensors
+        maker = [raw, lambda r=raw: r, in_chunks(raw, int(rng.integers(1, 5)))][q.value % 3]  # eager, lazy, chunked
         specs[f"raw.{q.name}"] = RawTensor(maker, q, ne)
         expected[f"raw.{q.name}"] = (q, ne, raw)
     plain = rng.standard_normal((3, 5, 7)).astype(np.float32)
@@ -299,6 +305,7 @@ def test_missing_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "spec, match",
     [(RawTensor(np.zeros(33, np.uint8), Q.Q8_0, (32,)), "tensor 't': expected 34 encoded bytes, got 33"),
+     (RawTensor(lambda: iter([b"x" * 34, b"y"]), Q.Q8_0, (32,)), "tensor 't': expected 34 encoded bytes, got 35"),
      (RawTensor(b"", Q.Q8_0, ()), "tensor 't': 0 dims"),
      (np.zeros((1, 1, 1, 1, 2), np.float32), "tensor 't': 5 dims"),
      (FloatTensor(np.zeros((2, 48), np.float32), Q.Q8_0), "tensor 't': Q8_0 needs a multiple of 32 elements, got 48"),

@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGMLQuantizationType as Q
 
-from vkflash.formats.quant_simple import deq_q8_0, q_q8_0
+from vkflash.formats.quants import dequantize
 from vkflash.gpu.context import Gpu
 from vkflash.gpu.ops.attention import Cache, CacheType
+
+
+def kv_q8_0(x: np.ndarray) -> np.ndarray:
+    """q8_0 bytes of float32 x rounded as shaders/kv_append.comp does (per 32-block d = f16(max|x|/127),
+    q = roundEven(x/d)); differs from ggml's (and gguf.quants') encoder, which divides by the unrounded d."""
+    b = x.astype(np.float32).reshape(-1, 32)
+    d = (np.abs(b).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float16)
+    df = d.astype(np.float32)
+    inv = np.divide(np.float32(1), df, out=np.zeros_like(df), where=df != 0)
+    q = np.clip(np.rint(b * inv), -127, 127).astype(np.int8)
+    return np.concatenate([d.view(np.uint8), q.view(np.uint8)], axis=-1).reshape(-1)
 
 
 def encode(x: np.ndarray, ctype: CacheType) -> np.ndarray:
@@ -15,7 +27,7 @@ def encode(x: np.ndarray, ctype: CacheType) -> np.ndarray:
         return x.astype(np.float32).view(np.uint8).reshape(-1)
     if ctype is CacheType.F16:
         return x.astype(np.float16).view(np.uint8).reshape(-1)
-    return q_q8_0(x.astype(np.float32).reshape(-1, 32)).reshape(-1)
+    return kv_q8_0(x)
 
 
 def rounded(x: np.ndarray, ctype: CacheType) -> np.ndarray:
@@ -24,7 +36,7 @@ def rounded(x: np.ndarray, ctype: CacheType) -> np.ndarray:
         return x.astype(np.float32)
     if ctype is CacheType.F16:
         return x.astype(np.float16).astype(np.float32)
-    return deq_q8_0(q_q8_0(x.astype(np.float32).reshape(-1, 32))).reshape(x.shape)
+    return dequantize(kv_q8_0(x), Q.Q8_0, x.size).reshape(x.shape)
 
 
 def make_cache(gpu: Gpu, rng: np.random.Generator, n_ctx: int, heads: int, dim: int, ctype: CacheType,

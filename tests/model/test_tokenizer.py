@@ -52,7 +52,7 @@ def qwen2_path():
 
 @pytest.fixture(scope="module")
 def qwen2_tok(qwen2_path):
-    """The qwen2 tokenizer, read once (GGUFReader is slow on 150k-token vocabularies)."""
+    """The qwen2 tokenizer, built once (a 150k-token BPE takes a while to set up)."""
     return Tokenizer.from_gguf(qwen2_path)
 
 

@@ -1,6 +1,7 @@
-"""vkflash.formats: GGUF reading/writing and the GGML block formats in NumPy.
+"""vkflash.formats: GGUF reading/writing and the GGML block formats.
 
-The lowest layer: depends only on numpy and gguf; everything else may import it.
+The lowest layer: depends only on numpy and gguf; everything else may import it. gguf.quants
+decodes every type and encodes those it can; vkflash.formats.quantizers encodes the rest.
 """
 
 from vkflash.formats.gguf_file import GGUFFile, Metadata, TensorInfo

@@ -1,14 +1,15 @@
 """Write GGUF files through gguf.GGUFWriter: typed metadata and float or pre-encoded tensors.
 
-Tensors are encoded and written one at a time (optionally produced lazily), so files larger
-than memory — the random-weight performance models — can be written.
+The one GGUF writer of vkflash (tests, `vkflash make-model`). Tensors are encoded and written
+one at a time, optionally produced lazily and in chunks, so files larger than memory — the
+random-weight performance models — can be written.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,9 +46,9 @@ RawBytes = np.ndarray | bytes
 @dataclass(frozen=True)
 class RawTensor:
     """Already-encoded bytes of type `qtype` and dims `ne`; `raw` may be a callable that makes
-    them at write time (so huge files never sit in memory whole)."""
+    them at write time, whole or as consecutive chunks (so huge files never sit in memory whole)."""
 
-    raw: RawBytes | Callable[[], RawBytes]
+    raw: RawBytes | Callable[[], RawBytes | Iterable[RawBytes]]
     qtype: GGMLQuantizationType
     ne: tuple[int, ...]
 
@@ -119,23 +120,25 @@ def _plain(key: str, value: Any) -> tuple[Any, GGUFValueType, GGUFValueType | No
     return items, V.ARRAY, item
 
 
-def _encode(name: str, spec: TensorSpec) -> tuple[GGMLQuantizationType, tuple[int, ...], Callable[[], np.ndarray]]:
-    """(type, ne, maker of the encoded bytes) for one tensor, checked for consistency."""
+def _encode(spec: TensorSpec) -> tuple[GGMLQuantizationType, tuple[int, ...], Callable[[], Iterator[np.ndarray]]]:
+    """(type, ne, maker of the encoded bytes as uint8 chunks) for one tensor."""
     if isinstance(spec, np.ndarray):
         spec = FloatTensor(spec)
     if isinstance(spec, FloatTensor):
         values = np.asarray(spec.values)
         qtype = as_qtype(spec.qtype)
-        return qtype, tuple(reversed(values.shape)), lambda: quantize(values, qtype)
+        return qtype, tuple(reversed(values.shape)), lambda: iter([quantize(values, qtype)])
     qtype, ne, raw = as_qtype(spec.qtype), tuple(int(n) for n in spec.ne), spec.raw
-    return qtype, ne, lambda: _as_bytes(raw() if callable(raw) else raw)
+    return qtype, ne, lambda: _byte_chunks(raw() if callable(raw) else raw)
 
 
-def _as_bytes(raw: RawBytes) -> np.ndarray:
-    """Encoded data as a flat uint8 array (an ndarray's bytes in C order)."""
-    if isinstance(raw, np.ndarray):
-        return np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
-    return np.frombuffer(raw, dtype=np.uint8)
+def _byte_chunks(raw: RawBytes | Iterable[RawBytes]) -> Iterator[np.ndarray]:
+    """Encoded data, whole or in chunks, as flat uint8 arrays (an ndarray's bytes in C order)."""
+    for chunk in [raw] if isinstance(raw, (np.ndarray, bytes, bytearray, memoryview)) else raw:
+        if isinstance(chunk, np.ndarray):
+            yield np.ascontiguousarray(chunk).view(np.uint8).reshape(-1)
+        else:
+            yield np.frombuffer(chunk, dtype=np.uint8)
 
 
 def write_gguf(
@@ -149,7 +152,8 @@ def write_gguf(
 
     Metadata: bool, int (u32), float (f32), str, lists of those, 1-D NumPy arrays in their dtype
     (u64 stays u64), NumPy scalars, or Typed(value, type) for anything else.
-    Tensors: float arrays (stored F32), FloatTensor(values, qtype) or RawTensor(bytes, qtype, ne).
+    Tensors: float arrays (stored F32), FloatTensor(values, qtype) or RawTensor(bytes, qtype, ne),
+    where the bytes may come from a callable, whole or as consecutive chunks.
     """
     if "general.architecture" in metadata:
         raise FormatError("pass the architecture as `arch`, not as general.architecture metadata")
@@ -161,7 +165,7 @@ def write_gguf(
         writer.add_key_value(key, v, vtype, sub_type=item)
     makers = []
     for name, spec in tensors.items():
-        qtype, ne, make = _encode(name, spec)
+        qtype, ne, make = _encode(spec)
         if not 1 <= len(ne) <= 4:
             raise FormatError(f"tensor '{name}': {len(ne)} dims (1 to 4 allowed)")
         try:
@@ -174,11 +178,16 @@ def write_gguf(
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
+        fout = writer.fout[0]  # the data is streamed here, chunk by chunk, between the alignment pads
         for name, nbytes, make in makers:
-            data = make()
-            if data.size != nbytes:
-                raise FormatError(f"tensor '{name}': expected {nbytes} encoded bytes, got {data.size}")
-            writer.write_tensor_data(data)
+            writer.write_padding(fout, fout.tell())
+            written = 0
+            for chunk in make():
+                chunk.tofile(fout)
+                written += chunk.size
+            if written != nbytes:
+                raise FormatError(f"tensor '{name}': expected {nbytes} encoded bytes, got {written}")
+            writer.write_padding(fout, nbytes)
     except BaseException:
         writer.close()
         Path(path).unlink(missing_ok=True)  # never leave a half-written GGUF behind

@@ -1,36 +1,16 @@
 """Block geometry of the supported GGML tensor types.
 
-One table every layer shares: elements and bytes per block, and where each block keeps its
-f16 scale fields (used by random_blocks and by the GPU layer's shader layouts).
+One table every layer shares: which types vkflash handles, their elements and bytes per block
+(gguf's GGML_QUANT_SIZES), and where each block keeps its f16 scale fields (used by random_blocks
+and by the GPU layer's shader layouts).
 """
 
 from __future__ import annotations
 
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from vkflash.errors import FormatError
-
-QK_K = 256
-"""Elements per K-quant super-block."""
-
-BLOCK: dict[Q, tuple[int, int]] = {
-    Q.F32: (1, 4),
-    Q.F16: (1, 2),
-    Q.BF16: (1, 2),
-    Q.Q4_0: (32, 18),
-    Q.Q4_1: (32, 20),
-    Q.Q5_0: (32, 22),
-    Q.Q5_1: (32, 24),
-    Q.Q8_0: (32, 34),
-    Q.Q2_K: (QK_K, 84),
-    Q.Q3_K: (QK_K, 110),
-    Q.Q4_K: (QK_K, 144),
-    Q.Q5_K: (QK_K, 176),
-    Q.Q6_K: (QK_K, 210),
-    Q.IQ4_NL: (32, 18),
-    Q.IQ4_XS: (QK_K, 136),
-}
-"""qtype -> (elements_per_block, bytes_per_block)."""
 
 SCALE_FIELDS: dict[Q, tuple[int, ...]] = {
     Q.Q4_0: (0,),
@@ -46,9 +26,13 @@ SCALE_FIELDS: dict[Q, tuple[int, ...]] = {
     Q.IQ4_NL: (0,),
     Q.IQ4_XS: (0,),
 }
-"""qtype -> byte offsets of the f16 fields (d, then m/dmin where present) in each block."""
+"""The supported block-quantized types: qtype -> byte offsets of the f16 fields (d, then m/dmin
+where present) in each block."""
 
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
+
+BLOCK: dict[Q, tuple[int, int]] = {q: GGML_QUANT_SIZES[q] for q in (*FLOAT_TYPES, *SCALE_FIELDS)}
+"""The supported types: qtype -> (elements_per_block, bytes_per_block)."""
 
 
 def qtype_name(qtype: int) -> str:

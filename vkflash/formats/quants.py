@@ -1,26 +1,25 @@
 """GGML tensor encodings in NumPy: dequantize, quantize and random valid blocks.
 
-Supports F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL
-and IQ4_XS. Work is vectorised over blocks and done in bounded chunks, so large tensors cost
-a few passes over memory and no per-block Python.
+gguf.quants (llama.cpp-exact) is the one decoder, and the encoder of the float and 32-element
+types; the K-quants and IQ4 types, which it cannot encode, use vkflash.formats.quantizers. Both
+directions run in bounded chunks of blocks, so large tensors cost a few passes over memory and
+bounded temporaries.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable
 
+import gguf.quants
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from vkflash.errors import FormatError
-from vkflash.formats import quant_k, quant_simple
-from vkflash.formats.quant_blocks import BLOCK, FLOAT_TYPES, SCALE_FIELDS, QK_K, as_qtype, row_bytes
+from vkflash.formats import quantizers
+from vkflash.formats.quant_blocks import BLOCK, FLOAT_TYPES, SCALE_FIELDS, as_qtype, row_bytes
 
-__all__ = ["BLOCK", "SCALE_FIELDS", "QK_K", "row_bytes", "dequantize", "quantize", "random_blocks"]
-
-_DEQUANT = {**quant_simple.DEQUANT, **quant_k.DEQUANT}
-_QUANT = {**quant_simple.QUANT, **quant_k.QUANT}
+__all__ = ["BLOCK", "SCALE_FIELDS", "row_bytes", "dequantize", "quantize", "random_blocks"]
 
 _CHUNK_ELEMENTS = 1 << 18
 """Elements handled per vectorised step (bounds the temporaries, keeps them cache-friendly)."""
@@ -45,10 +44,13 @@ spans (sign = sign of the field); random_blocks sets field = amax / span."""
 _F16_MIN_NORMAL = 2.0**-14
 
 
-def _chunks(n_blocks: int, epb: int) -> Iterator[slice]:
-    """Consecutive block ranges of about _CHUNK_ELEMENTS elements each."""
+def _blockwise(fn: Callable[[np.ndarray], np.ndarray], src: np.ndarray, dst: np.ndarray, epb: int) -> None:
+    """dst[s] = fn(src[s] flattened) for consecutive block ranges s of about _CHUNK_ELEMENTS
+    elements (src and dst hold one row per block)."""
     step = max(1, _CHUNK_ELEMENTS // epb)
-    return (slice(i, i + step) for i in range(0, n_blocks, step))
+    for i in range(0, src.shape[0], step):
+        s = slice(i, i + step)
+        dst[s] = fn(src[s].reshape(-1)).reshape(dst[s].shape)
 
 
 def dequantize(raw: np.ndarray | bytes, qtype: int, n_elements: int) -> np.ndarray:
@@ -62,11 +64,19 @@ def dequantize(raw: np.ndarray | bytes, qtype: int, n_elements: int) -> np.ndarr
         raise FormatError(
             f"{q.name}: {n_elements} elements need {nbytes} bytes, got {data.size} of {data.dtype}"
         )
-    blocks = data.reshape(-1, bpb)
-    out = np.empty((blocks.shape[0], epb), dtype=np.float32)
-    for s in _chunks(blocks.shape[0], epb):
-        out[s] = _DEQUANT[q](np.ascontiguousarray(blocks[s]))
+    if n_elements <= _CHUNK_ELEMENTS:  # one step: take gguf's array as it is (a view for F32: copy it)
+        y = gguf.quants.dequantize(data, q)
+        return y.copy() if np.may_share_memory(y, data) else y
+    out = np.empty((n_elements // epb, epb), dtype=np.float32)
+    _blockwise(lambda b: gguf.quants.dequantize(b, q), data.reshape(-1, bpb), out, epb)
     return out.reshape(-1)
+
+
+def _encode(q: Q, x: np.ndarray) -> np.ndarray:
+    """Whole blocks of float32 values (flat) as the bytes of type `q`."""
+    if q in quantizers.QUANT:
+        return quantizers.QUANT[q](x.reshape(-1, BLOCK[q][0]))
+    return np.ascontiguousarray(gguf.quants.quantize(x, q)).view(np.uint8)
 
 
 def quantize(x: np.ndarray, qtype: int) -> np.ndarray:
@@ -79,10 +89,8 @@ def quantize(x: np.ndarray, qtype: int) -> np.ndarray:
     x = np.asarray(x, dtype=np.float32)
     if x.ndim == 0 or x.shape[-1] % epb:
         raise FormatError(f"{q.name} needs rows of a multiple of {epb} elements, got shape {x.shape}")
-    xb = x.reshape(-1, epb)
-    out = np.empty((xb.shape[0], bpb), dtype=np.uint8)
-    for s in _chunks(xb.shape[0], epb):
-        out[s] = _QUANT[q](xb[s])
+    out = np.empty((x.size // epb, bpb), dtype=np.uint8)
+    _blockwise(lambda b: _encode(q, b), x.reshape(-1, epb), out, epb)
     return out.reshape(-1)
 
 

@@ -2,7 +2,8 @@
 
 `tiny` writes seeded random float weights (F32 by default; F16, Q8_0 or a mixed set) that
 llama.cpp loads; `shape-8L` writes the real per-layer shapes with random quant blocks,
-streamed to disk tensor by tensor. Weights are deterministic per (seed, tensor name).
+streamed to disk in chunks. Weights are deterministic per (seed, tensor name). Files are
+written and encoded by vkflash.formats.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
 
 from vkflash.errors import ConfigError
+from vkflash.formats.gguf_write import RawTensor, Typed, write_gguf
+from vkflash.formats.quants import BLOCK, SCALE_FIELDS, dequantize, quantize, row_bytes
 from vkflash.model import ple_hash
 from vkflash.model.chat import QWEN3_THINKING_TEMPLATE
 from vkflash.model.vocab_build import VocabMeta, qwen3_vocab, tiny_vocab
@@ -120,21 +122,20 @@ class Tensor:
     @property
     def nbytes(self) -> int:
         """Stored size in bytes."""
-        bs, ts = gguf.GGML_QUANT_SIZES[self.qtype]
-        return self.n // bs * ts
+        return row_bytes(self.qtype, self.n)
 
 
 @dataclass
 class ModelSpec:
-    """Metadata (key → (value, type, array subtype)) and the ordered tensor list of one file."""
+    """Metadata (key → value with its GGUF type) and the ordered tensor list of one file."""
 
     arch: str
-    meta: dict[str, tuple] = field(default_factory=dict)
+    meta: dict[str, Typed] = field(default_factory=dict)
     tensors: list[Tensor] = field(default_factory=list)
 
-    def kv(self, key: str, value, vtype: VT, sub: VT | None = None) -> None:
-        """Add a metadata key with an explicit GGUF type."""
-        self.meta[key] = (value, vtype, sub)
+    def kv(self, key: str, value: object, vtype: VT) -> None:
+        """Add a metadata key with an explicit GGUF type (for a list, the element type)."""
+        self.meta[key] = Typed(value, vtype)
 
     def add(self, name: str, ne: tuple[int, ...], init: str = "mat", **kw) -> None:
         """Add a tensor."""
@@ -283,7 +284,7 @@ def _hparams_meta(s: ModelSpec, g: Geometry, v: frozenset[str], mtp: bool) -> No
                      ("full_attention_interval", g.interval)):
         s.kv(f"{A}.{key}", val, u32)
     if "f_array" in v:
-        s.kv(f"{A}.expert_feed_forward_length", [g.F] * L_all, VT.ARRAY, u32)
+        s.kv(f"{A}.expert_feed_forward_length", [g.F] * L_all, u32)
     else:
         s.kv(f"{A}.expert_feed_forward_length", g.F, u32)
     s.kv(f"{A}.attention.layer_norm_rms_epsilon", g.eps, VT.FLOAT32)
@@ -292,7 +293,7 @@ def _hparams_meta(s: ModelSpec, g: Geometry, v: frozenset[str], mtp: bool) -> No
         s.kv(f"{A}.nextn_predict_layers", 1, u32)
     if A != "qwen4exp":
         return
-    s.kv(f"{A}.rope.dimension_sections", list(g.sections), VT.ARRAY, VT.INT32)
+    s.kv(f"{A}.rope.dimension_sections", list(g.sections), VT.INT32)
     s.kv(f"{A}.hyper_connection.count", g.hc, u32)
     s.kv(f"{A}.hyper_connection.low_rank", g.lr, u32)
     s.kv(f"{A}.attention.indexer.head_count", g.n_I, u32)
@@ -300,27 +301,27 @@ def _hparams_meta(s: ModelSpec, g: Geometry, v: frozenset[str], mtp: bool) -> No
     s.kv(f"{A}.attention.indexer.top_k", g.B, u32)
     r = 0 if "dense" in v else g.r
     ratios = [0 if g.is_gdn(i) or i >= g.L else r for i in range(L_all)]
-    s.kv(f"{A}.attention.compress_ratios", ratios, VT.ARRAY, VT.INT32)
+    s.kv(f"{A}.attention.compress_ratios", ratios, VT.INT32)
     if mtp:
         return  # an MTP-only file carries no PLE keys
     hp = _ple_params(g)
-    s.kv(f"{A}.ple.layers", [g.ple_layer], VT.ARRAY, VT.INT32)
+    s.kv(f"{A}.ple.layers", [g.ple_layer], VT.INT32)
     for key, val in (("ple.ngram_size", g.N), ("ple.heads_per_ngram", g.h_g), ("ple.conv_kernel", g.K_p),
                      ("embedding_length_per_layer_input", g.D_p), ("ple.eos_token_id", g.ple_eos),
                      ("ple.image_token_id", g.ple_image)):
         s.kv(f"{A}.{key}", val, u32)
     for key, arr in (("ple.layer_multipliers", hp.multipliers), ("ple.head_offsets", hp.head_offsets),
                      ("ple.head_vocab_sizes", hp.head_vocab_sizes)):
-        s.kv(f"{A}.{key}", [int(x) for x in arr], VT.ARRAY, VT.UINT64)
+        s.kv(f"{A}.{key}", [int(x) for x in arr], VT.UINT64)
 
 
 def _tokenizer_meta(s: ModelSpec, vm: VocabMeta) -> None:
     """tokenizer.ggml.* keys and the chat template."""
     s.kv("tokenizer.ggml.model", "gpt2", VT.STRING)
     s.kv("tokenizer.ggml.pre", vm.pre, VT.STRING)
-    s.kv("tokenizer.ggml.tokens", vm.tokens, VT.ARRAY, VT.STRING)
-    s.kv("tokenizer.ggml.token_type", vm.token_types, VT.ARRAY, VT.INT32)
-    s.kv("tokenizer.ggml.merges", vm.merges, VT.ARRAY, VT.STRING)
+    s.kv("tokenizer.ggml.tokens", vm.tokens, VT.STRING)
+    s.kv("tokenizer.ggml.token_type", vm.token_types, VT.INT32)
+    s.kv("tokenizer.ggml.merges", vm.merges, VT.STRING)
     s.kv("tokenizer.ggml.bos_token_id", vm.bos_id, VT.UINT32)
     s.kv("tokenizer.ggml.eos_token_id", vm.eos_id, VT.UINT32)
     s.kv("tokenizer.ggml.padding_token_id", vm.pad_id, VT.UINT32)
@@ -464,21 +465,8 @@ def _ssm_ba_values(t: Tensor, seed: int, g: Geometry) -> np.ndarray:
     return out.reshape(2 * g.n_v, g.d).astype(np.float32)
 
 
-def encode(values: np.ndarray, qt: QT) -> np.ndarray:
-    """Store float32 values as qt (F32, F16 or a block-32 quant via gguf.quants)."""
-    if qt == QT.F32:
-        return np.ascontiguousarray(values, dtype=np.float32)
-    if qt == QT.F16:
-        return values.astype(np.float16)
-    return gguf.quants.quantize(values, qt)
-
-
 # ---------------------------------------------------------------- random quant blocks (shape-8L)
 
-_SCALE_FIELDS = {  # (offset of f16 d, offset of f16 dmin or None) within a block
-    QT.Q4_0: (0, None), QT.Q5_0: (0, None), QT.Q8_0: (0, None),
-    QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208, None),
-}
 _unit_cache: dict[QT, tuple[float, float]] = {}
 
 
@@ -486,18 +474,17 @@ def _unit_scales(qt: QT) -> tuple[float, float]:
     """(d, dmin) for random codes so that dequantized values have mean ≈ 0 and std 1."""
     if qt in _unit_cache:
         return _unit_cache[qt]
-    bs, ts = gguf.GGML_QUANT_SIZES[qt]
+    bs, ts = BLOCK[qt]
     raw = np.random.default_rng(0).integers(0, 256, (4096, ts), dtype=np.uint8)
-    od, om = _SCALE_FIELDS[qt]
+    fields = SCALE_FIELDS[qt]  # (d,) or (d, dmin)
 
     def deq(d: float, dmin: float) -> np.ndarray:
         b = raw.copy()
-        b[:, od:od + 2] = np.array([d], np.float16).view(np.uint8)
-        if om is not None:
-            b[:, om:om + 2] = np.array([dmin], np.float16).view(np.uint8)
-        return gguf.quants.dequantize(b, qt).astype(np.float64)
+        for off, value in zip(fields, (d, dmin)):
+            b[:, off:off + 2] = np.array([value], np.float16).view(np.uint8)
+        return dequantize(b, qt, b.shape[0] * bs).astype(np.float64)
 
-    ratio = -deq(1, 0).mean() / deq(0, 1).mean() if om is not None else 0.0  # deq(0, 1) = −dmin·m
+    ratio = -deq(1, 0).mean() / deq(0, 1).mean() if len(fields) > 1 else 0.0  # deq(0, 1) = −dmin·m
     v = deq(1, ratio)
     _unit_cache[qt] = (1 / v.std(), ratio / v.std())
     return _unit_cache[qt]
@@ -505,49 +492,29 @@ def _unit_scales(qt: QT) -> tuple[float, float]:
 
 def random_block_chunks(t: Tensor, seed: int) -> Iterator[np.ndarray]:
     """Random codes with fixed f16 scales giving std ≈ 1/√fan_in, in ≤ 64 MiB uint8 chunks."""
-    bs, ts = gguf.GGML_QUANT_SIZES[t.qtype]
+    bs, ts = BLOCK[t.qtype]
     n_blocks = t.n // bs
     d, dmin = _unit_scales(t.qtype)
     target = 1 / np.sqrt(t.fan_in or t.ne[0])
-    od, om = _SCALE_FIELDS[t.qtype]
-    d16 = np.array([d * target], np.float16).view(np.uint8)
-    m16 = np.array([dmin * target], np.float16).view(np.uint8)
+    scales = [(off, np.array([value * target], np.float16).view(np.uint8))
+              for off, value in zip(SCALE_FIELDS[t.qtype], (d, dmin))]
     bitgen = np.random.PCG64([seed, zlib.crc32(t.name.encode())])
     per = max(1, CHUNK_BYTES // ts)
     for start in range(0, n_blocks, per):
         nb = min(per, n_blocks - start)
         words = -(-nb * ts // 8)
         b = bitgen.random_raw(words).view(np.uint8)[: nb * ts].reshape(nb, ts)
-        b[:, od:od + 2] = d16
-        if om is not None:
-            b[:, om:om + 2] = m16
+        for off, h in scales:
+            b[:, off:off + 2] = h
         yield b
 
 
 # ---------------------------------------------------------------- writing
 
-def write_gguf(path: Path, spec: ModelSpec, chunks: Callable[[Tensor], Iterator[np.ndarray]]) -> Path:
+def _write(path: Path, spec: ModelSpec, chunks: Callable[[Tensor], Iterator[np.ndarray]]) -> Path:
     """Write spec to path, streaming each tensor's bytes from chunks(t) (never all in RAM)."""
-    w = gguf.GGUFWriter(str(path), spec.arch, use_temp_file=False)
-    for key, (val, vt, sub) in spec.meta.items():
-        w.add_key_value(key, val, vt, sub_type=sub)
-    for t in spec.tensors:
-        w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    fout = w.fout[0]
-    for t in spec.tensors:
-        w.write_padding(fout, fout.tell())
-        n = 0
-        for c in chunks(t):
-            c = np.ascontiguousarray(c)
-            c.tofile(fout)
-            n += c.nbytes
-        if n != t.nbytes:
-            raise RuntimeError(f"{t.name}: wrote {n} bytes, expected {t.nbytes}")
-        w.write_padding(fout, t.nbytes)
-    w.close()
+    tensors = {t.name: RawTensor(lambda t=t: chunks(t), t.qtype, t.ne) for t in spec.tensors}
+    write_gguf(path, spec.arch, spec.meta, tensors)
     return path
 
 
@@ -598,18 +565,18 @@ def make_model(arch: str, config: str, quant: str | None, seed: int, out: str | 
         return spec
 
     def chunks(t: Tensor) -> Iterator[np.ndarray]:
-        if t.qtype in _SCALE_FIELDS and not tiny:
+        if t.qtype in SCALE_FIELDS and not tiny:
             yield from random_block_chunks(t, seed)
         else:
-            yield encode(float_values(t, seed, g, rank1), t.qtype)
+            yield quantize(float_values(t, seed, g, rank1), t.qtype)
 
     spec = typed(trunk_spec(arch, g, v))
     _hparams_meta(spec, g, v, mtp=False)
     _tokenizer_meta(spec, vm)
-    paths = [write_gguf(out, spec, chunks)]
+    paths = [_write(out, spec, chunks)]
     if mtp_separate:
         mspec = typed(mtp_spec(g, v))
         _hparams_meta(mspec, g, v, mtp=True)
         _tokenizer_meta(mspec, vm)
-        paths.append(write_gguf(out.with_name(out.stem + "-mtp" + out.suffix), mspec, chunks))
+        paths.append(_write(out.with_name(out.stem + "-mtp" + out.suffix), mspec, chunks))
     return paths

@@ -11,8 +11,12 @@ import codecs
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from vkflash.errors import FormatError
+from vkflash.formats.gguf_file import GGUFFile
 
 # llama.cpp pre-tokenizer regexes by `tokenizer.ggml.pre` (llama-vocab.cpp / unicode.cpp)
 PRE_REGEX: dict[str, str] = {
@@ -191,21 +195,11 @@ def _opt_int(v) -> int | None:
 
 
 def read_tokenizer_meta(path: str | Path) -> dict:
-    """The tokenizer.* metadata of a GGUF file as plain Python values (tensors are not read)."""
-    import gguf
+    """The tokenizer.* metadata of a GGUF file, read by GGUFFile, as plain Python values (arrays as lists)."""
+    meta = GGUFFile(path).metadata
+    return {k: _plain(meta[k]) for k in meta if k.startswith("tokenizer.")}
 
-    try:
-        r = gguf.GGUFReader(str(path))
-    except (OSError, ValueError) as e:
-        raise FormatError(f"{path}: not a readable GGUF file ({e})") from None
-    out = {}
-    for k, f in r.fields.items():
-        if not k.startswith("tokenizer."):
-            continue
-        if k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):  # fast path for big string arrays
-            out[k] = [bytes(f.parts[i]).decode("utf-8", errors="replace") for i in f.data]
-        elif k == "tokenizer.ggml.token_type":
-            out[k] = [int(f.parts[i][0]) for i in f.data]
-        else:
-            out[k] = f.contents()
-    return out
+
+def _plain(value: Any) -> Any:
+    """A decoded metadata value with NumPy arrays turned into lists of Python scalars."""
+    return value.tolist() if isinstance(value, np.ndarray) else value

@@ -14,8 +14,9 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 import numpy as np
+from gguf import GGMLQuantizationType as Q
 
-from vkflash.formats.quant_simple import deq_q8_0
+from vkflash.formats.quants import dequantize
 from vkflash.gpu.graph import Node
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops.views import F32, Rows, f32_bits, grid
@@ -80,7 +81,7 @@ class Cache:
         elif self.type is CacheType.F16:
             x = self.buf.read(np.float16, m).astype(np.float32)
         else:
-            x = deq_q8_0(self.buf.read(np.uint8, 34 * (m // 32)).reshape(-1, 34))
+            x = dequantize(self.buf.read(np.uint8, 34 * (m // 32)), Q.Q8_0, m)
         return x.reshape(n, self.n_heads, self.dim)
 
 
