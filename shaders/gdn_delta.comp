@@ -7,8 +7,19 @@
 //   MODE 0 (step; decode and short verify batches), token by token (G8) using
 //     r1 = Sᵀk̂, r2 = Sᵀq̂ of the undecayed S:  δ = β(v − α r1);  o = α r2 + δ (k̂·q̂);  S ← αS + k̂δᵀ.
 //     Checkpoint slot s < n_slots receives S after token T-1-s (slot 0 = the final state).
-//   MODE 1 (chunked prefill), chunks of n ≤ CH tokens (GC1–GC6), with V' solved directly as
+//   MODE 1 (chunked prefill, scalar), chunks of n ≤ CH tokens (GC1–GC6), with V' solved directly as
 //     V' = A⁻¹ diag(β)(V − diag(e^γ) K̂ S₀)  (= U − Wk S₀ of GC3–GC4, without forming Wk).
+//   MODE 2 (chunked prefill, matrix form; the default, VKFLASH_GDN_MATRIX=0 reverts to MODE 1):
+//     chunks of CH tokens (CH a multiple of DB = 16; a short last chunk is padded with zero rows and
+//     β = g = 0, which GC1–GC6 leave inert), with A⁻¹ as block forward substitution and every other
+//     step a small GEMM on 4×4 register tiles (chunks are 16-row blocks, as coopmat tiles would be):
+//       r_k = 1/√(Σk²+ε), r_q = 1/√(Σq²+ε)/√S per row (G6), folded into the products: K, Q stay raw
+//       γ = cumsum g (GC1);  A = strictlower(diag(β) K̂K̂ᵀ ⊙ Γ) (GC2);  P = Q̂K̂ᵀ ⊙ Γ, diagonal incl.
+//       R = diag(β)(V − diag(e^γ) K̂S₀);  O₀ = diag(e^γ) Q̂S₀           — one pass over the S keys
+//       T_kk = (I + A_kk)⁻¹ of each DB×DB diagonal block (forward substitution, a column each)
+//       V'_k = T_kk (R_k − A_{k,<k} V'_{<k}) block row by block row  (V' = (I+A)⁻¹R = U − Wk S₀,
+//              GC3–GC4 with Wk·S₀ folded into R: T·(βV) − T·(βe^γK̂)·S₀ without all of T, or Wk)
+//       O = O₀ + P V' (GC5);  S₁ = e^{γ_{CH−1}} S₀ + K̂ᵀ diag(e^{γ_{CH−1}−γ}) V' (GC6)
 // Buffers (f32): 0 c [T rows, stride c_stride: q (n_k·S) | k (n_k·S) | v (n_v·S)], 1 beta and
 // 2 g [T rows × n_v], 3 state [n_v, S, S] from st_off (read, then written in place), 4 o [T rows ×
 // n_v·S], 5 slots [n_slots, n_v, S, S] from sl_off. Offsets and strides in elements.
@@ -17,13 +28,14 @@
 // with 6 dt_bias [n_v] from dt_off and 7 ssm_a [n_v] from sa_off (any buffers otherwise).
 // Shared memory is one array of SH floats (host-computed per mode), carved into regions below.
 #extension GL_GOOGLE_include_directive : require
+#extension GL_EXT_control_flow_attributes : require
 #include "common/base.glsl"
 
 layout(constant_id = 1) const uint MODE = 0;
 layout(constant_id = 2) const uint S = 32;
 layout(constant_id = 3) const uint GROUPED = 0;
 layout(constant_id = 4) const uint BW = 32;   // value columns per workgroup; divides S
-layout(constant_id = 5) const uint CH = 64;   // chunk size (MODE 1)
+layout(constant_id = 5) const uint CH = 64;   // chunk size (MODES 1, 2)
 layout(constant_id = 6) const uint ROWS = 4;  // state rows per invocation (MODE 0): S·BW/WG
 layout(constant_id = 7) const uint SH = 1;    // shared floats
 layout(constant_id = 8) const bool RAW_GATES = false;
@@ -226,6 +238,245 @@ void chunk_mode() {
     for (uint e = tid; e < S * BW; e += WG) st[st_idx(e / BW, e % BW)] = sh[SR + e];
 }
 
+// MODE 2. Shared, rows padded by one float so rows 4 apart fall in different banks:
+//   K [CH, S+1] | Q [CH, S+1] raw rows | S₀ slice [S, BW] | Att [CH, CH+1] | V [CH, BW] (→ R → V')
+//   | γ [CH] | β [CH] | r_k [CH] | r_q [CH] | g [CH] (→ w = r_k e^{γ_{CH−1}−γ}).
+// Att holds A (strict lower; its diagonal blocks become T_kk) and Pᵀ (upper incl. diagonal); it
+// first holds the row norms' partial sums. Phase A's items are TL×TL tiles of Q̂S₀ (item e < NO:
+// invocation e keeps it in registers, oacc, and later owns the same tile of O), K̂S₀, and the
+// lower triangles of K̂K̂ᵀ and Q̂K̂ᵀ; the last phase's are O's tiles and the state's.
+const uint TL = 4;   // register tile edge
+const uint DB = 16;  // diagonal block of the solve
+
+// Row of item t in a lower triangle of tiles enumerated row by row: t = ti(ti+1)/2 + tj, tj ≤ ti.
+uint tri_row(uint t) {
+    uint ti = uint((sqrt(8.0 * float(t) + 1.0) - 1.0) * 0.5);
+    if ((ti + 1) * (ti + 2) / 2 <= t) ++ti;
+    if (ti * (ti + 1) / 2 > t) --ti;
+    return ti;
+}
+
+void matrix_mode() {
+    const uint WG = gl_WorkGroupSize.x, NPART = 4;  // NPART invocations per row norm
+    const uint KST = S + 1, AST = CH + 1;
+    const uint KR = 0, QR = CH * KST, SR = 2 * CH * KST, AT = SR + S * BW, VR = AT + CH * AST;
+    const uint GR = VR + CH * BW, BR = GR + CH, RK = BR + CH, RQ = RK + CH, WR = RQ + CH;
+    const uint NB = BW / TL, NO = (CH / TL) * NB, NTRI = (CH / TL) * (CH / TL + 1) / 2;
+    const uint NA = 2 * NO + 2 * NTRI, NS = (S / TL) * NB, YI = (DB * BW + WG - 1) / WG;
+    const uint LK = (CH * S + WG - 1) / WG, LV = (CH * BW + WG - 1) / WG;  // loads per invocation
+    uint tid = gl_LocalInvocationID.x;
+    float oacc[TL][TL];
+    for (uint e = tid; e < S * BW; e += WG) sh[SR + e] = st[st_idx(e / BW, e % BW)];
+    for (uint t0 = 0; t0 < p.T; t0 += CH) {
+        uint n = min(CH, p.T - t0);
+        // raw K, Q rows and the V slice of the chunk, zero on padding rows i ≥ n: every load first
+        // (rows clamped into the batch, so none waits on a branch), then every store
+        float kv[LK], qv[LK], vv[LV];
+        [[unroll]] for (uint s = 0; s < LK; ++s) {
+            uint e = min(tid + s * WG, CH * S - 1), row = min(t0 + e / S, p.T - 1) * p.c_stride;
+            kv[s] = c[k_col(e % S) + row];
+            qv[s] = c[q_col(e % S) + row];
+        }
+        [[unroll]] for (uint s = 0; s < LV; ++s) {
+            uint e = min(tid + s * WG, CH * BW - 1);
+            vv[s] = c[v_col(e % BW) + min(t0 + e / BW, p.T - 1) * p.c_stride];
+        }
+        [[unroll]] for (uint s = 0; s < LK; ++s) {
+            uint e = tid + s * WG, i = e / S;
+            if (e < CH * S) {
+                sh[KR + i * KST + e % S] = i < n ? kv[s] : 0.0;
+                sh[QR + i * KST + e % S] = i < n ? qv[s] : 0.0;
+            }
+        }
+        [[unroll]] for (uint s = 0; s < LV; ++s) {
+            uint e = tid + s * WG;
+            if (e < CH * BW) sh[VR + e] = e / BW < n ? vv[s] : 0.0;
+        }
+        for (uint i = tid; i < CH; i += WG) {
+            float gv = 0.0, bv = 0.0;
+            if (i < n) {
+                gv = g_at(t0 + i);
+                bv = beta_at(t0 + i);
+            }
+            sh[WR + i] = gv;
+            sh[BR + i] = bv;
+        }
+        barrier();
+        // (G6) partial sums of squares of the K then Q rows, part-major into Att (a warp reads 32
+        // rows at one column: 32 banks); (GC1) γ_i = Σ_{l≤i} g_l
+        for (uint e = tid; e < 2 * CH * NPART; e += WG) {
+            uint r = e % (2 * CH);
+            uint base = (r < CH ? KR + r * KST : QR + (r - CH) * KST) + (e / (2 * CH)) * (S / NPART);
+            float ss = 0.0;
+            for (uint a = 0; a < S / NPART; ++a) ss += sh[base + a] * sh[base + a];
+            sh[AT + e] = ss;
+        }
+        for (uint i = tid; i < CH; i += WG) {
+            float gam = 0.0;
+            for (uint l = 0; l <= i; ++l) gam += sh[WR + l];
+            sh[GR + i] = gam;
+        }
+        barrier();
+        // r_k, r_q (0 on padding rows); g is replaced by the GC6 row weights w = r_k e^{γ_{CH−1}−γ}
+        for (uint r = tid; r < 2 * CH; r += WG) {
+            float ss = 0.0;
+            for (uint part = 0; part < NPART; ++part) ss += sh[AT + part * 2 * CH + r];
+            float x = 1.0 / sqrt(ss + eps);
+            if (r < CH) {
+                x = r < n ? x : 0.0;
+                sh[RK + r] = x;
+                sh[WR + r] = x * exp(sh[GR + CH - 1] - sh[GR + r]);
+            } else {
+                sh[RQ + r - CH] = r - CH < n ? x / sqrt(float(S)) : 0.0;
+            }
+        }
+        barrier();
+        // Phase A: every product contracted over the S keys, one TL×TL tile per item
+        for (uint e = tid; e < NA; e += WG) {
+            float acc[TL][TL];
+            [[unroll]] for (uint r = 0; r < TL; ++r) {
+                [[unroll]] for (uint q = 0; q < TL; ++q) acc[r][q] = 0.0;
+            }
+            if (e < 2 * NO) {  // Q̂S₀ (e < NO) or K̂S₀: rows of Q or K times the S₀ slice
+                uint t = e % NO, i0 = (t / NB) * TL, bc = (t % NB) * TL;
+                uint xb = (e < NO ? QR : KR) + i0 * KST;
+                for (uint a = 0; a < S; ++a) {
+                    float x[TL], y[TL];
+                    [[unroll]] for (uint r = 0; r < TL; ++r) x[r] = sh[xb + r * KST + a];
+                    [[unroll]] for (uint q = 0; q < TL; ++q) y[q] = sh[SR + a * BW + bc + q];
+                    [[unroll]] for (uint r = 0; r < TL; ++r) {
+                        [[unroll]] for (uint q = 0; q < TL; ++q) acc[r][q] = fma(x[r], y[q], acc[r][q]);
+                    }
+                }
+                [[unroll]] for (uint r = 0; r < TL; ++r) {
+                    uint i = i0 + r;
+                    float eg = exp(sh[GR + i]);
+                    if (e < NO) {  // O₀, kept for the last phase
+                        [[unroll]] for (uint q = 0; q < TL; ++q) oacc[r][q] = eg * sh[RQ + i] * acc[r][q];
+                    } else {  // R = β(V − e^γ K̂S₀), in place of V
+                        [[unroll]] for (uint q = 0; q < TL; ++q) {
+                            uint x = VR + i * BW + bc + q;
+                            sh[x] = sh[BR + i] * (sh[x] - eg * sh[RK + i] * acc[r][q]);
+                        }
+                    }
+                }
+            } else {  // K̂K̂ᵀ (strict lower → A) or Q̂K̂ᵀ (lower incl. diagonal → Pᵀ above it)
+                uint t = e - 2 * NO;
+                bool qk = t >= NTRI;
+                if (qk) t -= NTRI;
+                uint ti = tri_row(t), i0 = ti * TL, l0 = (t - ti * (ti + 1) / 2) * TL;
+                uint xb = (qk ? QR : KR) + i0 * KST, yb = KR + l0 * KST;
+                for (uint a = 0; a < S; ++a) {
+                    float x[TL], y[TL];
+                    [[unroll]] for (uint r = 0; r < TL; ++r) x[r] = sh[xb + r * KST + a];
+                    [[unroll]] for (uint q = 0; q < TL; ++q) y[q] = sh[yb + q * KST + a];
+                    [[unroll]] for (uint r = 0; r < TL; ++r) {
+                        [[unroll]] for (uint q = 0; q < TL; ++q) acc[r][q] = fma(x[r], y[q], acc[r][q]);
+                    }
+                }
+                [[unroll]] for (uint r = 0; r < TL; ++r) {
+                    [[unroll]] for (uint q = 0; q < TL; ++q) {
+                        uint i = i0 + r, l = l0 + q;
+                        float d = exp(sh[GR + i] - sh[GR + l]) * sh[RK + l] * acc[r][q];
+                        if (qk && l <= i) sh[AT + l * AST + i] = sh[RQ + i] * d;
+                        if (!qk && l < i) sh[AT + i * AST + l] = sh[BR + i] * sh[RK + i] * d;
+                    }
+                }
+            }
+        }
+        barrier();
+        // T_kk = (I + A_kk)⁻¹: invocation (k, cc) solves column cc of block k in registers (the
+        // zeros above the diagonal keep every index constant), written over A_kk once all have read
+        uint blk = tid / DB, cc = tid % DB, dbase = AT + blk * DB * (AST + 1);
+        float tcol[DB];
+        if (tid < CH) {
+            [[unroll]] for (uint i = 0; i < DB; ++i) {
+                float acc = i == cc ? 1.0 : 0.0;
+                [[unroll]] for (uint m = 0; m < i; ++m) acc = fma(-sh[dbase + i * AST + m], tcol[m], acc);
+                tcol[i] = acc;
+            }
+        }
+        barrier();
+        if (tid < CH) {
+            [[unroll]] for (uint i = 0; i < DB; ++i) {
+                if (i > cc) sh[dbase + i * AST + cc] = tcol[i];
+            }
+        }
+        barrier();
+        // V' = (I + A)⁻¹ R block row by block row, in place of R
+        for (uint k = 0; k < CH / DB; ++k) {
+            uint r0 = k * DB;
+            if (k > 0) {  // R_k −= A_{k,<k} V'_{<k}
+                for (uint e = tid; e < DB * BW; e += WG) {
+                    uint x = VR + (r0 + e / BW) * BW + e % BW, arow = AT + (r0 + e / BW) * AST;
+                    float acc = sh[x];
+                    for (uint m = 0; m < r0; ++m) acc = fma(-sh[arow + m], sh[VR + m * BW + e % BW], acc);
+                    sh[x] = acc;
+                }
+                barrier();
+            }
+            float y[YI];  // V'_k = T_kk R_k (unit diagonal), stored once every invocation has read R_k
+            for (uint s = 0; s < YI; ++s) {
+                uint e = tid + s * WG, il = e / BW, b = e % BW;
+                if (e < DB * BW) {
+                    float acc = sh[VR + (r0 + il) * BW + b];
+                    for (uint m = 0; m < il; ++m) {
+                        acc = fma(sh[AT + (r0 + il) * AST + r0 + m], sh[VR + (r0 + m) * BW + b], acc);
+                    }
+                    y[s] = acc;
+                }
+            }
+            barrier();
+            for (uint s = 0; s < YI; ++s) {
+                uint e = tid + s * WG;
+                if (e < DB * BW) sh[VR + (r0 + e / BW) * BW + e % BW] = y[s];
+            }
+            barrier();
+        }
+        // last phase: (GC5) O = O₀ + P V' (item e < NO: invocation e, whose registers hold O₀),
+        // (GC6) S₁ = e^{γ_{CH−1}} S₀ + Kᵀ diag(w) V' in place, each tile by its own invocation
+        float decay = exp(sh[GR + CH - 1]);
+        for (uint e = tid; e < NO + NS; e += WG) {
+            if (e < NO) {
+                uint i0 = (e / NB) * TL, bc = (e % NB) * TL;
+                for (uint l = 0; l < i0 + TL; ++l) {
+                    float x[TL], y[TL];
+                    [[unroll]] for (uint r = 0; r < TL; ++r) x[r] = l <= i0 + r ? sh[AT + l * AST + i0 + r] : 0.0;
+                    [[unroll]] for (uint q = 0; q < TL; ++q) y[q] = sh[VR + l * BW + bc + q];
+                    [[unroll]] for (uint r = 0; r < TL; ++r) {
+                        [[unroll]] for (uint q = 0; q < TL; ++q) oacc[r][q] = fma(x[r], y[q], oacc[r][q]);
+                    }
+                }
+                [[unroll]] for (uint r = 0; r < TL; ++r) {
+                    if (i0 + r < n) {
+                        uint ob = p.o_off + (t0 + i0 + r) * p.o_stride + j * S + b0 + bc;
+                        [[unroll]] for (uint q = 0; q < TL; ++q) o[ob + q] = oacc[r][q];
+                    }
+                }
+            } else {
+                uint t = e - NO, a0 = (t / NB) * TL, bc = (t % NB) * TL;
+                float acc[TL][TL];
+                [[unroll]] for (uint r = 0; r < TL; ++r) {
+                    [[unroll]] for (uint q = 0; q < TL; ++q) acc[r][q] = decay * sh[SR + (a0 + r) * BW + bc + q];
+                }
+                for (uint i = 0; i < n; ++i) {
+                    float x[TL], y[TL];
+                    [[unroll]] for (uint r = 0; r < TL; ++r) x[r] = sh[KR + i * KST + a0 + r];
+                    [[unroll]] for (uint q = 0; q < TL; ++q) y[q] = sh[WR + i] * sh[VR + i * BW + bc + q];
+                    [[unroll]] for (uint r = 0; r < TL; ++r) {
+                        [[unroll]] for (uint q = 0; q < TL; ++q) acc[r][q] = fma(x[r], y[q], acc[r][q]);
+                    }
+                }
+                [[unroll]] for (uint r = 0; r < TL; ++r) {
+                    [[unroll]] for (uint q = 0; q < TL; ++q) sh[SR + (a0 + r) * BW + bc + q] = acc[r][q];
+                }
+            }
+        }
+        barrier();  // the next chunk reloads K, Q, V and the vectors and reads S₁
+    }
+    for (uint e = tid; e < S * BW; e += WG) st[st_idx(e / BW, e % BW)] = sh[SR + e];
+}
+
 void main() {
     uint slices = S / BW;
     j = gl_WorkGroupID.x / slices;
@@ -233,5 +484,6 @@ void main() {
     kh = GROUPED == 1 ? j / (p.n_v / p.n_k) : j % p.n_k;
     eps = uintBitsToFloat(p.eps_bits);
     if (MODE == 0) step_mode();
-    else chunk_mode();
+    else if (MODE == 1) chunk_mode();
+    else matrix_mode();
 }

@@ -132,6 +132,8 @@ KNOBS: tuple[Knob, ...] = (
     _k("VKFLASH_STACK_WEIGHTS", _bool, True,
        "0: every projection its own buffer and matmul (no stacking of same-type projections of one input)",
        "revert"),
+    _k("VKFLASH_GDN_MATRIX", _bool, True,
+       "0: the scalar chunked GDN delta rule in prefill instead of its matrix form", "revert"),
     _k("VKFLASH_DEP_BARRIERS", _bool, True, "0: a barrier before every dispatch instead of only on real dependencies",
        "revert"),
     # backend

@@ -1,5 +1,6 @@
 """GDN gated delta rule (G6–G8, GC1–GC6) vs the float64 token-by-token recurrence of the model
-reference: step and chunked variants, both head maps, in-place state, checkpoint slots."""
+reference: step, scalar chunked and matrix chunked variants, both head maps, in-place state,
+checkpoint slots, and the VKFLASH_GDN_MATRIX knob."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from vkflash.gpu.options import GpuOptions
 from vkflash.gpu.ops import gdn
 from vkflash.gpu.ops.gdn import GDNShape, HeadMap, Variant
 from vkflash.gpu.ops.views import Rows
@@ -68,8 +70,8 @@ def _tol(ref: np.ndarray, S: int, T: int) -> float:
     return 8 * np.sqrt((S + 64) * (T + 1)) * 2.0**-24 * float(np.abs(ref).max())
 
 
-def _run(gpu, shape: GDNShape, x: Inputs, variant: Variant, n_slots: int = 0, chunk: int | None = None,
-         c_pad: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, gdn.DeltaPlan]:
+def _run(gpu, shape: GDNShape, x: Inputs, variant: Variant | None, n_slots: int = 0, chunk: int | None = None,
+         c_pad: int = 0, cols: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, gdn.DeltaPlan]:
     """One dispatch on fresh buffers (outputs NaN-poisoned; c at an offset with a padded row stride)."""
     T, C, n_v, S = len(x.c), shape.C, shape.n_v, shape.S
     stride = C + c_pad
@@ -87,7 +89,7 @@ def _run(gpu, shape: GDNShape, x: Inputs, variant: Variant, n_slots: int = 0, ch
         slots = Rows(slb, n_slots * n_v, S * S)
     g = gpu.graph("delta")
     plan = gdn.delta(g, Rows(cb, T, C, 3, stride), Rows(gates, T, n_v, 0, 2 * n_v), Rows(gates, T, n_v, n_v, 2 * n_v),
-                     Rows(sb, n_v, S * S), Rows(ob, T, n_v * S), shape, EPS, variant, slots, chunk)
+                     Rows(sb, n_v, S * S), Rows(ob, T, n_v * S), shape, EPS, variant, slots, chunk, cols=cols)
     g.run()
     sl = None if slots is None else slots.buf.read(np.float32).reshape(n_slots, n_v, S, S)
     return ob.read(np.float32).reshape(T, n_v * S), sb.read(np.float32).reshape(n_v, S, S), sl, plan
@@ -125,6 +127,51 @@ def test_small_chunks_and_slices(gpu, rng, chunk):
 
 
 @pytest.mark.parametrize("head_map", list(HeadMap))
+@pytest.mark.parametrize("T", [1, 3, 31, 32, 33, 100])
+def test_matrix_equals_recurrence(gpu, rng, T, head_map):
+    """The matrix variant (the device's default layout) over ragged T vs the f64 recurrence: o and state."""
+    shape = GDNShape(2, 6, 32, head_map)
+    x = _inputs(rng, shape, T)
+    o, st, _, plan = _run(gpu, shape, x, Variant.MATRIX, c_pad=int(rng.integers(0, 5)))
+    assert plan.variant == Variant.MATRIX
+    want_o, want_st = _reference(shape, x)
+    _close("o", o, want_o, _tol(want_o, 32, T))
+    _close("state", st, want_st, _tol(want_st, 32, T))
+
+
+@pytest.mark.parametrize("head_map", list(HeadMap))
+@pytest.mark.parametrize("S, chunk, cols", [(16, 64, 8), (32, 16, 4), (64, 32, 16), (64, 16, 64), (128, 16, 16)])
+def test_matrix_layouts(gpu, rng, S, chunk, cols, head_map):
+    """Every chunk (1, 2 or 4 solve blocks) and slices from one 4-column tile to 64 columns, over a
+    ragged T of several chunks."""
+    shape = GDNShape(2, 4, S, head_map)
+    T = int(rng.integers(2 * chunk + 1, 3 * chunk))
+    x = _inputs(rng, shape, T)
+    o, st, _, plan = _run(gpu, shape, x, Variant.MATRIX, chunk=chunk, cols=cols)
+    assert (plan.variant, plan.chunk, plan.cols) == (Variant.MATRIX, chunk, cols)
+    want_o, want_st = _reference(shape, x)
+    _close("o", o, want_o, _tol(want_o, S, T))
+    _close("state", st, want_st, _tol(want_st, S, T))
+
+
+@pytest.mark.parametrize("matrix", ["1", "0"])
+def test_knob_picks_chunked_variant_and_both_agree(gpu, rng, matrix):
+    """VKFLASH_GDN_MATRIX picks the prefill variant (0: the scalar one). Both are within _tol of the
+    f64 recurrence (tested above), so within 2·_tol of each other: they round differently (row norms
+    in 4 partial sums, r_k and r_q applied after the products, V' by 16-row blocks instead of row by
+    row, other chunk sizes), all in f32."""
+    shape = GDNShape(2, 6, 32, HeadMap.TILED)
+    T = int(rng.integers(9, 150))
+    x = _inputs(rng, shape, T)
+    o, st, _, plan = _run(gpu.with_options(GpuOptions.from_knobs(VKFLASH_GDN_MATRIX=matrix)), shape, x, None)
+    assert plan.variant == (Variant.MATRIX if matrix == "1" else Variant.CHUNK)
+    o2, st2, _, _ = _run(gpu, shape, x, Variant.CHUNK if matrix == "1" else Variant.MATRIX)
+    want_o, want_st = _reference(shape, x)
+    _close("o matrix vs scalar", o, o2, 2 * _tol(want_o, 32, T))
+    _close("state matrix vs scalar", st, st2, 2 * _tol(want_st, 32, T))
+
+
+@pytest.mark.parametrize("head_map", list(HeadMap))
 @pytest.mark.parametrize("T", [1, 3, 8])
 def test_step_with_slots(gpu, rng, T, head_map):
     """The step variant (decode / MTP verify) with checkpoint slots: slot s = state s tokens before the end."""
@@ -141,21 +188,22 @@ def test_step_with_slots(gpu, rng, T, head_map):
         _close(f"slot {s}", slots[s], _reference(shape, x, T - s)[1], tol)
 
 
+@pytest.mark.parametrize("chunked", [Variant.CHUNK, Variant.MATRIX])
 @pytest.mark.parametrize("S", [32, 128])
-def test_step_over_T_equals_chunked(gpu, rng, S):
-    """The step kernel over T tokens equals the chunked kernel over the same T (o and state)."""
+def test_step_over_T_equals_chunked(gpu, rng, S, chunked):
+    """The step kernel over T tokens equals each chunked kernel over the same T (o and state)."""
     shape = GDNShape(2, 4, S, HeadMap.TILED)
     T = int(rng.integers(20, 70))
     x = _inputs(rng, shape, T)
     o1, st1, _, _ = _run(gpu, shape, x, Variant.STEP)
-    o2, st2, _, _ = _run(gpu, shape, x, Variant.CHUNK)
+    o2, st2, _, _ = _run(gpu, shape, x, chunked)
     want_o, want_st = _reference(shape, x)
     _close("o step vs chunk", o1, o2, 2 * _tol(want_o, S, T))
     _close("state step vs chunk", st1, st2, 2 * _tol(want_st, S, T))
     _close("o step", o1, want_o, _tol(want_o, S, T))
 
 
-@pytest.mark.parametrize("variant", [Variant.STEP, Variant.CHUNK])
+@pytest.mark.parametrize("variant", list(Variant))
 def test_raw_gates_equal_gates_then_delta(gpu, rng, variant):
     """Fusion.GDN_GATES: β = σ(b), g = softplus(a + dt_bias)·ssm_a computed inside the delta kernel
     give the same o and state as gdn.gates then gdn.delta up to rounding (strided raw columns, as in
@@ -195,10 +243,10 @@ def test_raw_gates_equal_gates_then_delta(gpu, rng, variant):
 
 
 def test_prefill_then_decode_in_one_graph(gpu, rng):
-    """Chunked prefill, then single-token steps, then a verify batch with slots, carrying the state
-    in place through one recorded graph: equal to the recurrence over all tokens."""
+    """Two chunked prefill ubatches, then single-token steps, then a verify batch with slots,
+    carrying the state in place through one recorded graph: equal to the recurrence over all tokens."""
     shape = GDNShape(2, 6, 32, HeadMap.TILED)
-    parts = [int(rng.integers(40, 100)), 1, 1, 4]
+    parts = [int(rng.integers(40, 100)), int(rng.integers(9, 40)), 1, 1, 4]
     T = sum(parts)
     x = _inputs(rng, shape, T)
     C, n_v, S = shape.C, shape.n_v, shape.S
@@ -214,7 +262,7 @@ def test_prefill_then_decode_in_one_graph(gpu, rng):
                   Rows(sb, n_v, S * S), Rows(ob, n, n_v * S, t0 * n_v * S), shape, EPS,
                   slots=Rows(slb, 3 * n_v, S * S) if n == 4 else None)
         t0 += n
-    assert [op.spec[0] for op in g.ops] == [Variant.CHUNK, Variant.STEP, Variant.STEP, Variant.STEP]
+    assert [op.spec[0] for op in g.ops] == [Variant.MATRIX, Variant.MATRIX, Variant.STEP, Variant.STEP, Variant.STEP]
     g.run()
     want_o, want_st = _reference(shape, x)
     _close("o", ob.read(np.float32).reshape(T, -1), want_o, _tol(want_o, S, T))
@@ -241,4 +289,10 @@ def test_validation(gpu):
         GDNShape(4, 6, 32, HeadMap.GROUPED)
     with pytest.raises(ValueError, match="does not fit"):
         gdn.delta(g, *args, shape, EPS, Variant.CHUNK, chunk=128)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        gdn.delta(g, *args, shape, EPS, Variant.MATRIX, chunk=24)
+    with pytest.raises(ValueError, match="multiple of 4 dividing"):
+        gdn.delta(g, *args, shape, EPS, Variant.MATRIX, cols=6)
+    with pytest.raises(ValueError, match="no matrix layout"):
+        gdn.delta(g, *args, shape, EPS, Variant.MATRIX, chunk=256, cols=32)
     assert not g.ops

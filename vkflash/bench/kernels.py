@@ -171,7 +171,42 @@ def moe_rows(gpu: Gpu, quick: bool) -> list[Row]:
             + _rows(moe.expert_gemv_bandwidth(gpu, quick=small), "GB/s"))
 
 
-KERNEL_BENCHES: list[Callable[[Gpu, bool], list[Row]]] = [elementwise_rows, matmul_rows, moe_rows]
+def gdn_delta_rows(gpu: Gpu, quick: bool) -> list[Row]:
+    """The chunked GDN delta rule at qwen4exp's prefill shape (T 2048, n_v 48, n_k 16, S 128; quick or
+    CPU: T 256, n_v 6, n_k 2), matrix form vs the scalar one (VKFLASH_GDN_MATRIX=0), gates raw as in
+    the model. GB/s of the bytes it must move: conv rows and raw gates in, o out, the state in and out."""
+    from vkflash.gpu.ops import gdn
+    from vkflash.gpu.ops.views import F32, Rows
+
+    small = quick or gpu.caps.device_type == "cpu"
+    T, n_k, n_v, S = (256, 2, 6, 128) if small else (2048, 16, 48, 128)
+    shape = gdn.GDNShape(n_k, n_v, S, gdn.HeadMap.TILED)
+    rng = np.random.default_rng()
+    x = rng.standard_normal((T, shape.C), dtype=np.float32)
+    c = x / (1 + np.exp(-x))  # silu, like the conv output
+    ba = rng.normal(0, 2, (T, 2 * n_v)).astype(np.float32)
+    dt_a = np.concatenate([1 + rng.uniform(-0.5, 0.5, n_v), -rng.uniform(0.05, 1, n_v)]).astype(np.float32)
+    state = rng.normal(0, 0.5, (n_v, S, S)).astype(np.float32)
+    sets = [(gpu.upload(c, f"c{i}"), gpu.upload(ba, f"ba{i}"), gpu.upload(state, f"state{i}"),
+             gpu.buffer(F32 * T * n_v * S, f"o{i}")) for i in range(3)]
+    params = gpu.upload(dt_a, "dt|ssm_a")
+    nbytes = F32 * (T * (shape.C + 2 * n_v + n_v * S) + 2 * n_v * S * S)
+    reps = 2 if gpu.caps.device_type == "cpu" else 5 if quick else 20
+    out = []
+    for variant in (gdn.Variant.MATRIX, gdn.Variant.CHUNK):
+        g = gpu.graph(f"bench.gdn_delta.{variant.name.lower()}")
+        for cb, bab, sb, ob in sets:  # the gates fold into the delta kernel (Fusion.GDN_GATES)
+            beta, gate = g.tensor(T, n_v, "beta"), g.tensor(T, n_v, "g")
+            gdn.gates(g, Rows(bab, T, n_v, 0, 2 * n_v), Rows(bab, T, n_v, n_v, 2 * n_v), Rows.flat(params, n_v),
+                      Rows.flat(params, n_v, n_v), beta, gate)
+            plan = gdn.delta(g, Rows(cb, T, shape.C), beta, gate, Rows(sb, n_v, S * S), Rows(ob, T, n_v * S), shape,
+                             1e-6, variant)
+        out.append(_rate(f"gdn_delta {variant.name.lower()}",
+                         f"T{T} {n_v}x{n_k}x{S} chunk {plan.chunk} cols {plan.cols}", g, len(sets), nbytes, reps))
+    return out
+
+
+KERNEL_BENCHES: list[Callable[[Gpu, bool], list[Row]]] = [elementwise_rows, matmul_rows, moe_rows, gdn_delta_rows]
 
 
 def run(quick: bool, as_json: bool, console: Console) -> None:

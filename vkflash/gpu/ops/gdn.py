@@ -1,7 +1,8 @@
 """Gated DeltaNet ops (MODEL.md §5.4 G2–G9): causal conv + silu with state, gates, the gated delta
-rule (a step-by-step decode/verify variant with checkpoint slots and a chunked prefill variant) and
-the gated RMSNorm. Every op covers a whole ubatch in one dispatch; states are f32 and updated in place.
-The fusion pass computes the gates inside the delta-rule kernel (Fusion.GDN_GATES).
+rule (a step-by-step decode/verify variant with checkpoint slots; chunked prefill in matrix form, or
+scalar with VKFLASH_GDN_MATRIX=0) and the gated RMSNorm. Every op covers a whole ubatch in one
+dispatch; states are f32 and updated in place. The fusion pass computes the gates inside the
+delta-rule kernel (Fusion.GDN_GATES).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ CONV_TOKENS = 32  # tokens per conv invocation (≥ K_c − 1: only the first to
 MAX_GROUPS = 65535  # grid-stride loops of gates and norm cover the rest
 STEP_MAX_T = 8  # up to this many tokens (decode, MTP verify) the step variant beats the chunked one
 CHUNKS = (64, 32, 16, 8)  # chunk sizes tried for the chunked variant, largest first
+MATRIX_CHUNKS = (64, 32, 16)  # the matrix variant's, largest first (multiples of its 16-row solve blocks)
+MATRIX_MAX_COLS = 64  # widest value-column slice of the matrix variant (its solve holds 16·cols/WG values)
 MIN_COLS = 8  # narrowest value-column slice per workgroup
 
 
@@ -45,10 +48,12 @@ class Gate(IntEnum):
 
 
 class Variant(IntEnum):
-    """gdn_delta.comp MODE: token-by-token recurrence (G8) or chunked prefill (GC1–GC6)."""
+    """gdn_delta.comp MODE: token-by-token recurrence (G8), chunked prefill (GC1–GC6) scalar or in
+    matrix form (VKFLASH_GDN_MATRIX)."""
 
     STEP = 0
     CHUNK = 1
+    MATRIX = 2
 
 
 @dataclass(frozen=True)
@@ -172,36 +177,69 @@ def gates(g: "Graph", b: Rows, a: Rows, dt_bias: Rows, ssm_a: Rows, beta: Rows, 
     g.add(Gates(b, a, dt_bias, ssm_a, beta, gate, name))
 
 
-def _divisors_down(S: int, top: int) -> list[int]:
-    """Powers of two from min(S, top) down to MIN_COLS (all divide S, itself a power of two)."""
+def _divisors_down(S: int, top: int, least: int = MIN_COLS) -> list[int]:
+    """Powers of two from min(S, top) down to `least` (all divide S, itself a power of two)."""
     out, x = [], min(S, top)
-    while x >= MIN_COLS:
+    while x >= least:
         out.append(x)
         x //= 2
     return out
 
 
-def plan_delta(g: "Graph", shape: GDNShape, T: int, variant: Variant | None = None, chunk: int | None = None) -> DeltaPlan:
-    """Pick the variant (step for T ≤ STEP_MAX_T unless told), value-column slice and chunk so the
-    workgroup's shared memory fits the device."""
+def _matrix_shared(S: int, chunk: int, cols: int) -> int:
+    """Shared floats of the matrix variant: K and Q rows (padded), S₀ slice, Att, V, 5 row vectors."""
+    return 2 * chunk * (S + 1) + S * cols + chunk * (chunk + 1) + chunk * cols + 5 * chunk
+
+
+def _plan_matrix(shape: GDNShape, wg: int, budget: int, chunk: int | None, cols: int | None) -> DeltaPlan | None:
+    """The matrix variant's largest chunk, then widest slice, that fits (None: none does); every
+    invocation holds at most one 4×4 tile of O and one solve column of a chunk."""
+    S = shape.S
+    for ch in MATRIX_CHUNKS if chunk is None else (chunk,):
+        if ch % 16 or not 16 <= ch <= wg:
+            raise ValueError(f"gdn_delta: matrix chunk {ch} must be a multiple of 16 in 16..{wg}")
+        for bw in _divisors_down(S, MATRIX_MAX_COLS, 4) if cols is None else [cols]:
+            if bw % 4 or S % bw:
+                raise ValueError(f"gdn_delta: a matrix slice of {bw} columns must be a multiple of 4 dividing S = {S}")
+            sh = _matrix_shared(S, ch, bw)
+            if ch * bw // 16 <= wg and sh <= budget:
+                return DeltaPlan(Variant.MATRIX, bw, ch, 1, sh)
+    return None
+
+
+def plan_delta(g: "Graph", shape: GDNShape, T: int, variant: Variant | None = None, chunk: int | None = None,
+               cols: int | None = None) -> DeltaPlan:
+    """Pick the variant (unless told: step for T ≤ STEP_MAX_T, else the matrix form where the
+    options' gdn_matrix (VKFLASH_GDN_MATRIX) is on and a layout fits, else the scalar chunked one), the value-column
+    slice and the chunk so the workgroup's shared memory fits the device."""
     wg = kernel("gdn_delta").workgroup(g.gpu.caps)
     budget = g.gpu.caps.shared_memory // F32
     S = shape.S
-    v = variant if variant is not None else (Variant.STEP if T <= STEP_MAX_T else Variant.CHUNK)
+    v = variant
+    if v is None:
+        v = Variant.STEP if T <= STEP_MAX_T else Variant.MATRIX if g.options.gdn_matrix else Variant.CHUNK
+    if v == Variant.MATRIX:
+        plan = _plan_matrix(shape, wg, budget, chunk, cols)
+        if plan is not None:
+            return plan
+        if variant == Variant.MATRIX:
+            raise ValueError(f"gdn_delta: no matrix layout for S = {S} fits {g.gpu.caps.shared_memory} B of shared "
+                             f"memory with {wg} invocations")
+        v = Variant.CHUNK
     if v == Variant.STEP:
-        for cols in _divisors_down(S, 32):
-            n_par = wg // cols
-            if wg % cols == 0 and S % n_par == 0 and n_par <= S and 2 * S + 5 * wg <= budget:
-                return DeltaPlan(v, cols, 1, S // n_par, 2 * S + 5 * wg)
+        for bw in _divisors_down(S, 32):
+            n_par = wg // bw
+            if wg % bw == 0 and S % n_par == 0 and n_par <= S and 2 * S + 5 * wg <= budget:
+                return DeltaPlan(v, bw, 1, S // n_par, 2 * S + 5 * wg)
         raise ValueError(f"gdn_delta: no step layout for S = {S} with {wg} invocations")
     chunks = CHUNKS if chunk is None else (chunk,)
     for ch in chunks:
         if not 1 <= ch <= wg // 2:
             raise ValueError(f"gdn_delta: chunk {ch} outside 1..{wg // 2} (two row norms per invocation pair)")
-        for cols in _divisors_down(S, 64):
-            sh = 2 * ch * S + ch * ch + S * cols + ch * cols + 2 * ch
+        for bw in _divisors_down(S, 64) if cols is None else [cols]:
+            sh = 2 * ch * S + ch * ch + S * bw + ch * bw + 2 * ch
             if sh <= budget:
-                return DeltaPlan(v, cols, ch, 1, sh)
+                return DeltaPlan(v, bw, ch, 1, sh)
     raise ValueError(f"gdn_delta: S = {S} with chunks {chunks} does not fit {g.gpu.caps.shared_memory} B of shared memory")
 
 
@@ -253,10 +291,11 @@ class Delta(Node):
 
 def delta(g: "Graph", c: Rows, beta: Rows, gate: Rows, state: Rows, o: Rows, shape: GDNShape, eps: float,
           variant: Variant | None = None, slots: Rows | None = None, chunk: int | None = None,
-          name: str = "gdn_delta") -> DeltaPlan:
+          name: str = "gdn_delta", cols: int | None = None) -> DeltaPlan:
     """(G6–G8, GC1–GC6) o = gated delta rule over the T rows of c (= conv output q | k | v) with
     β, g (T × n_v); state [n_v, S·S] (row = key index) is updated in place. slots (step variant
-    only; n_slots·n_v rows of S·S, n_slots ≤ T) get the state s tokens before the batch end."""
+    only; n_slots·n_v rows of S·S, n_slots ≤ T) get the state s tokens before the batch end.
+    chunk and cols override the plan's chunk and value-column slice (tests, benchmarks)."""
     T, S, n_v = c.n_rows, shape.S, shape.n_v
     if c.n_cols != shape.C:
         raise ValueError(f"{name}: conv rows have {c.n_cols} values, need 2·n_k·S + n_v·S = {shape.C}")
@@ -270,7 +309,7 @@ def delta(g: "Graph", c: Rows, beta: Rows, gate: Rows, state: Rows, o: Rows, sha
     if not eps >= 0:
         raise ValueError(f"{name}: eps must be ≥ 0, got {eps}")
     _check_dense(name, state=state)
-    plan = plan_delta(g, shape, T, variant, chunk)
+    plan = plan_delta(g, shape, T, variant, chunk, cols)
     if slots is not None:
         if plan.variant != Variant.STEP:
             raise ValueError(f"{name}: checkpoint slots need the step variant")
