@@ -85,6 +85,7 @@ class GpuForward:
         host_embed = not device_embeddable(table)
         # a table the embed kernel cannot decode is gathered on the host; keep it on the GPU only as LM head
         skip = ["token_embd.weight"] if host_embed and "output.weight" in gf.tensors else []
+        skip += self.arch.host_tables(hp)
         self._gather = host_row_gather(gf, "token_embd.weight") if host_embed else None
         stacks = self.arch.weight_stacks(gf, hp) if self.gpu.options.stack_weights else ()
         weights = upload_weights(self.gpu, gf, hp, skip, progress, self.arch.weight_transforms(gf, hp), stacks)

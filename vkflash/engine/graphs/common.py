@@ -101,6 +101,9 @@ class ArchGraph(Protocol):
     def weight_stacks(self, gf: GGUFFile, hp: HParams) -> list[Stack]:
         """Projections of one input that may share a buffer (taken where the types allow)."""
 
+    def host_tables(self, hp: HParams) -> list[str]:
+        """Tables whose rows the host gathers from the mmapped file: never uploaded."""
+
     def extra_dim(self, hp: HParams) -> int:
         """f32 values per token the host writes into the step params before each step (0: none)."""
 

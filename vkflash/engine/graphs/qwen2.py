@@ -89,6 +89,9 @@ class Qwen2Graph:
                 out.append(Stack(b + "+".join(names), tuple(b + t for t in names)))
         return out
 
+    def host_tables(self, hp: HParams) -> list[str]:
+        return []
+
     def extra_dim(self, hp: HParams) -> int:
         return 0
 

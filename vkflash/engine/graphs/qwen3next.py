@@ -45,6 +45,9 @@ class Qwen3NextGraph:
         """GDN input projections, router + shared gate, shared and routed gate/up (hybrid_stacks)."""
         return hybrid_stacks(gf, hp)
 
+    def host_tables(self, hp: HParams) -> list[str]:
+        return []
+
     def extra_dim(self, hp: HParams) -> int:
         return 0
 

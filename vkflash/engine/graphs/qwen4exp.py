@@ -199,6 +199,10 @@ class Qwen4ExpGraph:
             out.append(Stack(b + "ple_key+value", (b + "ple_key.weight", b + "ple_value.weight")))
         return out
 
+    def host_tables(self, hp: HParams) -> list[str]:
+        """The PLE n-gram table (tens of GB in the real model): its rows travel in the step params."""
+        return ["per_layer_token_embd.weight"] if hp.has_ple else []
+
     def extra_dim(self, hp: HParams) -> int:
         """The PLE rows e (n_p·D_p = d floats per token) travel in the step-params buffer."""
         return hp.d if hp.has_ple else 0
