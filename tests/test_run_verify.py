@@ -206,6 +206,18 @@ def test_verify_hybrid_archs(gpu, tmp_path, rng, arch):
     assert bad is not None and bad.layer == 1, bad
 
 
+def test_verify_follows_cell_mode(gpu, tmp_path, rng, monkeypatch):
+    """BLKTOPK=0: verify builds its reference with the selection mode and tie rule the GPU runs
+    (`cell`, lower index first), so a correct GPU passes past the dense → sparse boundary (t ≥ W = 35)."""
+    from vkflash import settings
+    from vkflash.model.make_model import make_model
+
+    path = make_model("qwen4exp", "tiny", "F32", int(rng.integers(1 << 31)), tmp_path / "q4.gguf")[0]
+    monkeypatch.setattr(settings, "_current", settings.load(env={"BLKTOPK": "0"}))
+    rep = verify.verify(path, rng.integers(0, 512, 70))
+    assert rep.passed, rep.first_failed_check
+
+
 def test_verify_needs_two_tokens(gpu, f32_model):
     r = CliRunner().invoke(cli.app, ["verify", str(f32_model), "--tokens", "1"])
     assert r.exit_code == 1 and "at least 2 tokens" in r.stderr

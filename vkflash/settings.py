@@ -122,7 +122,8 @@ KNOBS: tuple[Knob, ...] = (
     # revert knobs: each 0 restores the plain path so an optimisation can be A/B-tested
     _planned("SPEC_STOCH", _bool, True, "0: exact-match verification instead of rejection sampling", "revert"),
     _planned("RSROLL", _bool, True, "0: restore recurrent checkpoints instead of rolling back in place", "revert"),
-    _k("BLKTOPK", _bool, True, "0: QSA `cell` selection (llama.cpp) instead of `block`", "revert"),
+    _k("BLKTOPK", _bool, True, "0: QSA `cell` selection instead of `block` (every cell scores as its block; "
+       "ties go to the lower cell index, where llama.cpp's CPU breaks them in heap order)", "revert"),
     _k("GP", _bool, True, "0: masked dense QSA prefill instead of gathered sparse", "revert"),
     _k("POOLED", _bool, True, "0: re-pool indexer keys every step instead of the summary cache", "revert"),
     _k("TPLFIX", _bool, True, "0: raw chat template (no mid-conversation system fix)", "revert"),

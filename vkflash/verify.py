@@ -171,6 +171,7 @@ def reference_steps(weights: Any, steps: Sequence[np.ndarray],
                     seen: Seen | None = None) -> list[dict[str, np.ndarray]]:
     """The reference's floating-point intermediates of each step, by name, in emission order;
     following the GPU through router and QSA near-ties when given what it `seen` (model/ties.py)."""
+    from vkflash.engine.qsa_config import QSAConfig
     from vkflash.model import reference
 
     out: list[dict[str, np.ndarray]] = []
@@ -183,7 +184,8 @@ def reference_steps(weights: Any, steps: Sequence[np.ndarray],
     if seen is not None:
         follow = Follow(seen, weights.hp)
         hooks = {"route": follow.route, "select": follow.select}
-    state = reference.new_state(weights, cache_dtype=np.float32, dump=dump, **hooks)
+    qsa = QSAConfig.from_settings()  # the selection mode and tie rule the GPU runs with
+    state = reference.new_state(weights, cache_dtype=np.float32, dump=dump, **hooks, **qsa.reference_options())
     for ids in steps:
         out.append({})
         reference.prefill(ids, state)

@@ -16,6 +16,7 @@ from hybrid_ref import device_logits, reference_logits, rel
 from vkflash import settings
 from vkflash.engine.gpu_forward import GpuForward
 from vkflash.engine.graphs import hybrid
+from vkflash.engine.qsa_config import QSAConfig
 from vkflash.model import reference
 from vkflash.model.ties import Seen
 from vkflash.model.weights import load_model
@@ -47,15 +48,18 @@ def _last_qsa(fwd: GpuForward) -> int:
 
 
 def test_cell_mode_matches_reference(gpu, rng, tmp_path: Path):
-    """BLKTOPK=0: prefill across the dense → sparse boundary (t+1 = 35) and gathered decodes equal the
-    reference in `cell` mode with tie rule `index`; `block` differs from it (the knob took effect)."""
+    """BLKTOPK=0: the logits at every position of a 600-token prompt (prefill ubatches across the
+    dense → sparse boundary at t+1 = 35) and of gathered decodes equal the reference with the
+    options QSAConfig gives it (`cell` mode, tie rule `index`); `block` differs (the knob took effect)."""
     path = _model(tmp_path, rng)
-    toks = _prompt(rng, 90)
+    toks = _prompt(rng, 604)
     with knobs(BLKTOPK="0"):
-        fwd = GpuForward(path, ctx=128, ub=40, kv="f32", gpu=gpu, logits_rows=40)
+        fwd = GpuForward(path, ctx=640, ub=128, kv="f32", gpu=gpu, logits_rows=128)
+        opts = QSAConfig.from_settings().reference_options()
+    assert opts == {"qsa_mode": "cell", "tie_rule": "index"}
     seen = Seen()
-    got = _run(fwd, toks, 80, seen)
-    ref = reference_logits(path, toks, seen, qsa_mode="cell", tie_rule="index")
+    got = _run(fwd, toks, 600, seen)
+    ref = reference_logits(path, toks, seen, **opts)
     ref.check(got)
     block = reference.prefill(toks, reference.new_state(load_model(path, np.float64), cache_dtype=np.float32))
     assert rel(block, ref.logits) > 10 * ref.tol(), "cell and block mode agree on this model: the test checks nothing"

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vkflash.engine.api import EngineInfo, Forward
+from vkflash.engine.qsa_config import QSAConfig
 from vkflash.engine.reference_backend import ReferenceForward
 from vkflash.errors import ConfigError, ModelError
 from vkflash.model.chat import QWEN3_THINKING_TEMPLATE
@@ -41,8 +42,8 @@ def _forward(settings: Settings, path: Path, hp: HParams, n_ctx: int) -> tuple[F
         from vkflash.engine.gpu_forward import GpuForward
 
         return GpuForward(path, ctx=n_ctx), "vulkan"
-    fwd = ReferenceForward(load_model(path), n_ctx, qsa_mode="block" if settings["BLKTOPK"] else "cell",
-                           gathered=bool(settings["GP"]))
+    qsa = QSAConfig.from_settings(settings)
+    fwd = ReferenceForward(load_model(path), n_ctx, gathered=qsa.gathered, **qsa.reference_options())
     unused = [k for k in REFERENCE_IGNORES if settings.sources.get(k, "default") != "default"]
     if unused:
         print(f"note: {', '.join(unused)} set but without effect on the NumPy reference backend", flush=True)

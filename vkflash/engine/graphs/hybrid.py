@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as Q
 
 from vkflash.engine.caches import IndexerCache
 from vkflash.engine.graphs.common import StepModel, project, run_stacks
+from vkflash.engine.qsa_config import QSAConfig
 from vkflash.engine.state import GDNLayerState
 from vkflash.engine.weights_gpu import Stack, Transform, as_f32, permute_rows
 from vkflash.formats.gguf_file import GGUFFile
@@ -31,7 +32,6 @@ from vkflash.gpu.ops.qsa import qsa_pool, qsa_scores, qsa_select, qsa_union
 from vkflash.gpu.ops.rope import rope_neox
 from vkflash.gpu.ops.views import Rows
 from vkflash.model.hparams import HParams
-from vkflash.settings import current
 
 if TYPE_CHECKING:
     from vkflash.gpu.graph import Graph
@@ -127,21 +127,6 @@ def gdn_sublayer(g: "Graph", m: StepModel, i: int, u: Rows, st: GDNLayerState, n
 
 
 GATHER_TILE = 64  # queries per gathered-prefill tile (S1): one union, one attention dispatch each
-
-
-@dataclass(frozen=True)
-class QSAConfig:
-    """The QSA revert knobs, read once when the state is allocated: `cell` selection (BLKTOPK=0),
-    gathered sparse prefill (GP=1), the lazy summary cache (POOLED=1; else re-pool every step)."""
-
-    cell: bool
-    gathered: bool
-    pooled: bool
-
-    @classmethod
-    def from_settings(cls) -> "QSAConfig":
-        s = current()
-        return cls(cell=not s["BLKTOPK"], gathered=bool(s["GP"]), pooled=bool(s["POOLED"]))
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,9 @@ from gguf import GGMLQuantizationType as Q
 
 from vkflash.engine.caches import IndexerCache, allocate_indexer
 from vkflash.engine.graphs.common import Head, StepModel, embed_tokens, head_rows, logits_and_argmax, project
-from vkflash.engine.graphs.hybrid import (QSAConfig, attention_sublayer, gdn_sublayer, hybrid_stacks,
-                                          hybrid_transforms, moe_sublayer)
+from vkflash.engine.graphs.hybrid import (attention_sublayer, gdn_sublayer, hybrid_stacks, hybrid_transforms,
+                                          moe_sublayer)
+from vkflash.engine.qsa_config import QSAConfig
 from vkflash.engine.state import RecurrentState, n_draft
 from vkflash.engine.step_params import StepParams
 from vkflash.engine.weights_gpu import Stack, Stored, Transform, as_f32, host_row_gather
