@@ -244,6 +244,8 @@ def bench_model(
     kv: Optional[str] = typer.Option(None, "--kv", help="KV cache type (knob KV)"),
     as_json: bool = typer.Option(False, "--json"),
     quick: bool = typer.Option(False, "--quick", help="small sizes, every row (CI, lavapipe)"),
+    profile: bool = typer.Option(False, "--profile", help="also the decode step's GPU time per op"),
+    reps: Optional[int] = typer.Option(None, "--reps", min=1, help="timings of each depth-0 row (default 3)"),
 ) -> None:
     """pp512/pp2048/tg128, windows and rates at depths, dispatches and host µs per decode token, roofline."""
     try:
@@ -256,7 +258,7 @@ def bench_model(
             raise ConfigError(f"--depth {depth!r}: expected comma-separated token counts") from None
         if depths is not None and any(d < 0 for d in depths):
             raise ConfigError(f"--depth {depth!r}: depths must be ≥ 0")
-        run_bench(resolve_model(model), quick, depths, as_json, console, ub, kv)
+        run_bench(resolve_model(model), quick, depths, as_json, console, ub, kv, profile, reps)
     except VkflashError as e:
         _fail(e)
 

@@ -56,6 +56,11 @@ def test_quick_produces_every_row(gpu, tmp_path, rng):
         assert (r["roofline"] is not None) == r["name"].startswith("tg")
         if r["roofline"] is not None:
             assert r["roofline"] > 0
+        repeated = r["depth"] <= 1 and "@" not in r["name"] and "window" not in r["name"]
+        assert (r["spread"] is not None) == repeated, r["name"]  # the depth-0 rows are timed p.reps times
+        if repeated:
+            assert r["spread"][0] <= r["tok_per_s"] * (1 + 1e-9) and r["tok_per_s"] <= r["spread"][1] * (1 + 1e-9)
+    assert 0 < res["longest_submission_ms"] and res["budget_ms"] == gpu.options.submit_budget_ms
     fwd = GpuForward(path, ctx=p.context(), ub=UB, gpu=gpu)
     g = fwd.graph(1, Head.LAST)
     dec = res["decode"]
@@ -77,6 +82,28 @@ def test_bytes_per_decode_token(gpu, tmp_path, rng, tied):
     assert weight_bytes_per_token(fwd) == others + (emb if tied else emb // GEO.V)
     depth = int(rng.integers(0, 255))
     assert state_bytes_per_token(fwd, depth) == GEO.L * 2 * (depth + 1) * GEO.H_kv * GEO.Dh * 2
+
+
+def test_host_tables_are_not_uploaded_nor_counted(gpu, tmp_path, rng):
+    """qwen4exp's PLE n-gram table stays in the file (its rows are gathered on the host): it is not on
+    the GPU and not among the bytes a decode token reads."""
+    from vkflash.model.make_model import make_model
+
+    path = make_model("qwen4exp", "tiny", "F32", int(rng.integers(1 << 31)), tmp_path / "q4.gguf")[0]
+    fwd = GpuForward(path, ctx=64, ub=UB, gpu=gpu)
+    assert fwd.model.weights.get("per_layer_token_embd.weight") is None
+    table = GGUFFile(path).tensors["per_layer_token_embd.weight"].data.nbytes
+    assert weight_bytes_per_token(fwd) < sum(t.data.nbytes for t in GGUFFile(path).tensors.values()) - table
+
+
+def test_profile_groups_the_decode_step(gpu, tmp_path, rng):
+    """--profile: every decode dispatch counted once per token under its name without `blk.N.`."""
+    path = _model(tmp_path, rng)
+    res = _bench(path, "--profile", "--depth", "0")
+    prof = res["profile"]
+    assert sum(calls for calls, _ in prof.values()) == res["decode"]["dispatches"]
+    assert all(not name.startswith("blk.") and us >= 0 for name, (_, us) in prof.items())
+    assert prof["attn_norm [norm]"][0] == GEO.L
 
 
 def test_depths_past_the_context_are_skipped(gpu, tmp_path, rng):

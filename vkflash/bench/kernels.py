@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -51,16 +51,49 @@ def timed(g: Graph, reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
+def gpu_ns(g: Graph) -> float:
+    """GPU time of the graph's last replay (recorded with timestamps): first to last timestamp of
+    each submission."""
+    period = g.gpu.caps.timestamp_period_ns
+    total = 0.0
+    for sub in g.submissions:
+        ts = sub.seq.get_timestamps()
+        total += (ts[sub.n_recorded] - ts[0]) * period
+    return total
+
+
+def gpu_seconds(g: Graph, reps: int) -> list[float]:
+    """GPU seconds of each of `reps` replays (timestamps, so host waits do not count), after
+    WARMUP_S of warm-up replays; the graph is recorded plainly again afterwards."""
+    plain = g.options
+    g.options = replace(plain, tracing=replace(plain.tracing, stamps=True))
+    g.record()
+    try:
+        timed(g, 1)
+        out = []
+        for _ in range(reps):
+            g.run()
+            out.append(gpu_ns(g) / 1e9)
+    finally:
+        g.options = plain
+        g.record()
+    return out
+
+
 def copy_bandwidth(gpu: Gpu, nbytes: int, reps: int) -> Row:
-    """Bytes read + written per second by the compute-shader copy, over 3 rotated buffer pairs."""
+    """Bytes read + written per second by the compute-shader copy, over 3 rotated buffer pairs: the
+    median of `reps` replays by GPU timestamps (wall time per replay moved it 2× between runs),
+    with the spread of the replays in the shape column."""
     from vkflash.gpu.ops.copy import copy_words
 
     g = gpu.graph("bench.copy")
     bufs = [(gpu.buffer(nbytes, f"src{i}"), gpu.buffer(nbytes, f"dst{i}")) for i in range(3)]
     for src, dst in bufs:
         copy_words(g, src, 0, dst, 0, nbytes // 4)
-    s = timed(g, reps) / len(bufs)
-    return Row("copy", f"{nbytes >> 20} MiB", s * 1e6, 2 * nbytes / s / 1e9, "GB/s", 1.0)
+    times = np.array(gpu_seconds(g, reps)) / len(bufs)
+    s = float(np.median(times))
+    spread = (times.max() - times.min()) / s
+    return Row("copy", f"{nbytes >> 20} MiB ±{spread / 2:.0%}", s * 1e6, 2 * nbytes / s / 1e9, "GB/s", 1.0)
 
 
 def replay_cost(gpu: Gpu, n: int) -> tuple[Row, Row]:

@@ -1,31 +1,39 @@
 """`vkflash bench model`: prefill and decode rates of a model on the GPU forward, at depths.
 
-Rows: pp512 and pp2048 from an empty context, tg128 after a one-token prompt, then at each depth
-of `--depth` the marginal window that filled the context up to it (tokens ÷ seconds between the
-two depths, not a single probe), pp512 and tg128 there. Per decode token: dispatches, submissions
-and barriers of the recorded decode graph; host µs per step = wall time − GPU time (GPU time from
-the graph's timestamps, recorded for that measurement only) and its share of the step. Each decode
-row carries its roofline fraction: bytes touched per token (weights read + K/V read + recurrent
-state read and written) × tok/s ÷ the copy bandwidth measured in the same run.
+Rows: pp512 and pp2048 from an empty context, tg128 after a one-token prompt (each `reps` times:
+the median, with the slowest and fastest), then at each depth of `--depth` the marginal window
+that filled the context up to it (tokens ÷ seconds between the two depths, not a single probe),
+pp512 and tg128 there. An untimed prefill first brings the GPU to its clocks. Per decode token:
+dispatches, submissions and barriers of the recorded decode graph; host µs per step = wall time −
+GPU time (GPU time from the graph's timestamps, recorded for that measurement only) and its share
+of the step; bytes touched. Each decode row carries its roofline fraction: bytes touched per token
+(weights read — k of E experts, one row of an embedding table, nothing of host tables — + K/V read
++ recurrent state read and written) × tok/s ÷ the copy bandwidth measured in the same run. The
+longest prefill submission's GPU time is printed beside the submission budget. `--profile` adds
+the decode step's per-op GPU time, grouped over layers.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from vkflash.bench.kernels import copy_bandwidth
+from vkflash.bench.kernels import copy_bandwidth, gpu_ns
 from vkflash.engine.gpu_forward import GpuForward, steps
 from vkflash.engine.graphs.common import Head
 from vkflash.gpu.graph import Graph
 from vkflash.gpu.ops.attention import Cache
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -35,17 +43,18 @@ class Plan:
     pp: tuple[int, ...] = (512, 2048)
     window: int = 512
     tg: int = 128
-    depths: tuple[int, ...] = (0, 8192, 32768)
+    depths: tuple[int, ...] = (0, 8192, 32768, 131072)
     host_steps: int = 64
+    reps: int = 3  # timings of each depth-0 row
 
     @classmethod
     def quick(cls, depths: Sequence[int] | None = None) -> "Plan":
         """Small sizes with every row kind (CI on lavapipe)."""
-        return cls((16, 64), 16, 8, tuple(depths) if depths is not None else (0, 48), 8)
+        return cls((16, 64), 16, 8, tuple(depths) if depths is not None else (0, 48), 8, 2)
 
     def context(self) -> int:
-        """Positions the sweep needs."""
-        return max(max(self.pp), 1 + self.tg, max(self.depths, default=0) + self.window + self.tg)
+        """Positions the sweep needs (the deepest rows, then one more window)."""
+        return max(max(self.pp), 1 + self.tg, max(self.depths, default=0) + 2 * self.window + self.tg)
 
 
 @dataclass
@@ -55,12 +64,19 @@ class Row:
     name: str
     depth: int
     tokens: int
-    seconds: float
+    seconds: float  # the median of the timings
     roofline: float | None = None  # decode rows: bytes/token × tok/s ÷ copy bandwidth
+    spread: tuple[float, float] | None = None  # (slowest, fastest) tok/s over repeated timings
 
     @property
     def rate(self) -> float:
         return self.tokens / self.seconds
+
+    @classmethod
+    def repeated(cls, name: str, depth: int, tokens: int, seconds: Sequence[float]) -> "Row":
+        """A row timed several times: the median, with the slowest and fastest rates."""
+        return cls(name, depth, tokens, float(np.median(seconds)),
+                   spread=(tokens / max(seconds), tokens / min(seconds)) if len(seconds) > 1 else None)
 
 
 @dataclass
@@ -90,6 +106,10 @@ class Result:
     weight_bytes: int  # weight bytes read per decode token
     rows: list[Row] = field(default_factory=list)
     decode: DecodeCost | None = None
+    state_bytes: int = 0  # K/V and recurrent bytes a decode token touches at depth 0
+    longest_submission_ms: float = 0.0  # GPU time of the longest prefill submission seen
+    budget_ms: float = 0.0
+    profile: dict[str, tuple[int, float]] = field(default_factory=dict)  # op → (calls, µs) per token
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -155,14 +175,48 @@ def timed_decode(fwd: GpuForward, token: int, n: int) -> tuple[float, int]:
     return time.perf_counter() - t0, token
 
 
-def gpu_ns(g: Graph) -> float:
-    """GPU time of the graph's last replay: first to last timestamp of each submission."""
-    period = g.gpu.caps.timestamp_period_ns
-    total = 0.0
-    for sub in g.submissions:
-        ts = sub.seq.get_timestamps()
-        total += (ts[sub.n_recorded] - ts[0]) * period
-    return total
+def stamped(g: Graph, run: Callable[[], T], **tracing: bool) -> T:
+    """run() with g recorded with GPU timestamps (and `tracing` switches), then plainly again."""
+    plain = g.options
+    g.options = replace(plain, tracing=replace(plain.tracing, stamps=True, **tracing))
+    g.record()
+    try:
+        return run()
+    finally:
+        g.options = plain
+        g.record()
+
+
+def longest_submission_ms(g: Graph, run: Callable[[], object]) -> float:
+    """GPU ms of the longest submission of g while run() replays it once."""
+    def measure() -> float:
+        run()
+        period = g.gpu.caps.timestamp_period_ns
+        return max((s.seq.get_timestamps()[s.n_recorded] - s.seq.get_timestamps()[0]) * period / 1e6
+                   for s in g.submissions)
+    return stamped(g, measure)
+
+
+def profile(fwd: GpuForward, token: int, n: int) -> dict[str, tuple[int, float]]:
+    """Per-op GPU µs per decode token over n steps, ops of every layer summed under their name
+    without the `blk.N.` prefix (timestamps after every op: the parts add up to more than a step)."""
+    g = fwd.graph(1, Head.LAST)
+    out: dict[str, list[float]] = {}
+
+    def steps() -> None:
+        nonlocal token
+        period = g.gpu.caps.timestamp_period_ns
+        for _ in range(n):
+            token = fwd.decode_argmax(token)
+            for sub in g.submissions:
+                ts = sub.seq.get_timestamps()
+                for op, slot in zip(sub.ops, sub.op_slots):
+                    name = re.sub(r"^blk\.\d+\.", "", op.name) + f" [{op.kernel.name}]"
+                    calls_us = out.setdefault(name, [0, 0.0])
+                    calls_us[0] += 1
+                    calls_us[1] += (ts[slot + 1] - ts[slot]) * period / 1e3
+    stamped(g, steps)
+    return {k: (int(c) // n, us / n) for k, (c, us) in out.items()}
 
 
 def decode_cost(fwd: GpuForward, token: int, n: int) -> tuple[DecodeCost, int]:
@@ -170,35 +224,33 @@ def decode_cost(fwd: GpuForward, token: int, n: int) -> tuple[DecodeCost, int]:
     for this, then the graph is recorded plainly again)."""
     stats = fwd.graph_stats(1, Head.LAST)
     g = fwd.graph(1, Head.LAST)
-    plain = g.options
-    g.options = replace(plain, tracing=replace(plain.tracing, stamps=True))
-    g.record()
     wall, gpu = [], []
-    try:
+
+    def steps() -> None:
+        nonlocal token
         for _ in range(n):
             t0 = time.perf_counter()
             token = fwd.decode_argmax(token)
             wall.append(time.perf_counter() - t0)
             gpu.append(gpu_ns(g) / 1e9)
-    finally:
-        g.options = plain
-        g.record()
+    stamped(g, steps)
     return DecodeCost(stats.dispatches, stats.submissions, stats.barriers, 1e6 * float(np.mean(wall)),
                       1e6 * float(np.mean(gpu))), token
 
 
-def bench(path: Path, plan: Plan, ub: int | None = None, kv: str | None = None) -> Result:
+def bench(path: Path, plan: Plan, ub: int | None = None, kv: str | None = None, with_profile: bool = False) -> Result:
     """Every row of the plan on one GPU forward of path (depths beyond the model's context skipped)."""
     from vkflash.formats.gguf_file import GGUFFile
     from vkflash.model.hparams import hparams_from_gguf
 
     n_train = hparams_from_gguf(GGUFFile(path)).n_ctx_train
-    depths = tuple(sorted(d for d in set(plan.depths) if d + plan.window + plan.tg <= n_train))
-    plan = Plan(plan.pp, plan.window, plan.tg, depths, plan.host_steps)
+    depths = tuple(sorted(d for d in set(plan.depths) if d + 2 * plan.window + plan.tg <= n_train))
+    plan = replace(plan, depths=depths)
     fwd = GpuForward(path, ctx=min(plan.context(), n_train), ub=ub, kv=kv)
     small = fwd.gpu.caps.device_type == "cpu" or max(plan.pp) < 512
     copy = copy_bandwidth(fwd.gpu, (32 << 20) if small else (1 << 30), 5 if small else 50)
-    res = Result(fwd.gpu.caps.name, path.name, copy.rate, weight_bytes_per_token(fwd))
+    res = Result(fwd.gpu.caps.name, path.name, copy.rate, weight_bytes_per_token(fwd),
+                 state_bytes=state_bytes_per_token(fwd, 1), budget_ms=fwd.gpu.options.submit_budget_ms)
     rng = np.random.default_rng()
 
     def ids(n: int) -> np.ndarray:
@@ -209,14 +261,23 @@ def bench(path: Path, plan: Plan, ub: int | None = None, kv: str | None = None) 
         row.roofline = per_token * row.rate / (copy.rate * 1e9)
         return row
 
+    timed_prefill(fwd, ids(max(plan.pp)))  # untimed: the GPU leaves its idle clocks, every graph is recorded
     for n in plan.pp:
-        fwd.reset()
-        res.rows.append(Row(f"pp{n}", 0, n, timed_prefill(fwd, ids(n))[0]))
+        times = []
+        for _ in range(plan.reps):
+            fwd.reset()
+            times.append(timed_prefill(fwd, ids(n))[0])
+        res.rows.append(Row.repeated(f"pp{n}", 0, n, times))
     fwd.reset()
     _, tok = timed_prefill(fwd, ids(1))
-    s, tok = timed_decode(fwd, tok, plan.tg)
-    res.rows.append(roofline(Row(f"tg{plan.tg}", 1, plan.tg, s)))
-    res.decode, _ = decode_cost(fwd, tok, plan.host_steps)
+    times = []
+    for _ in range(plan.reps):
+        s, tok = timed_decode(fwd, tok, plan.tg)
+        times.append(s)
+    res.rows.append(roofline(Row.repeated(f"tg{plan.tg}", 1, plan.tg, times)))
+    res.decode, tok = decode_cost(fwd, tok, plan.host_steps)
+    if with_profile:
+        res.profile = profile(fwd, tok, plan.host_steps)
     fwd.reset()
     pos = 0
     for d in depths:
@@ -227,16 +288,20 @@ def bench(path: Path, plan: Plan, ub: int | None = None, kv: str | None = None) 
         s, _ = timed_decode(fwd, tok, plan.tg)
         res.rows.append(roofline(Row(f"tg{plan.tg} @ d{d + plan.window}", d + plan.window, plan.tg, s)))
         pos = d + plan.window + plan.tg
+    if plan.window <= fwd.ub:  # one more window at the deepest point: its longest submission (watchdog)
+        window = fwd.graph(plan.window, Head.LAST)
+        res.longest_submission_ms = longest_submission_ms(window, lambda: fwd.prefill_argmax(ids(plan.window)))
     return res
 
 
 def show(res: Result, console: Console) -> None:
     """The rows as rich tables: rates with roofline fractions, then the decode step's cost."""
     t = Table(title=f"vkflash bench model — {res.model} on {res.device} (copy {res.copy_gbps:.1f} GB/s)")
-    for c in ("test", "depth", "tokens", "seconds", "tok/s", "roofline"):
+    for c in ("test", "depth", "tokens", "seconds", "tok/s", "slowest–fastest", "roofline"):
         t.add_column(c)
     for r in res.rows:
         t.add_row(r.name, str(r.depth), str(r.tokens), f"{r.seconds:.3f}", f"{r.rate:.1f}",
+                  "" if r.spread is None else f"{r.spread[0]:.1f}–{r.spread[1]:.1f}",
                   "" if r.roofline is None else f"{r.roofline:.1%}")
     console.print(t)
     d = res.decode
@@ -248,16 +313,28 @@ def show(res: Result, console: Console) -> None:
         ("step µs (wall)", f"{d.step_us:.0f}"), ("GPU µs (timestamps)", f"{d.gpu_us:.0f}"),
         ("host µs (wall − GPU)", f"{d.host_us:.0f}"), ("host share of the step", f"{d.host_share:.1%}"),
         ("weight bytes read", f"{res.weight_bytes / 1e6:.2f} MB"),
+        ("state bytes touched (depth 1)", f"{res.state_bytes / 1e6:.2f} MB"),
+        ("longest prefill submission", f"{res.longest_submission_ms:.1f} ms GPU (budget {res.budget_ms:.0f} ms)"),
     ):
         k.add_row(name, value)
     console.print(k)
+    if res.profile:
+        p = Table(title="decode step per op (GPU µs per token, layers summed)")
+        for c in ("op [kernel]", "calls", "µs", "share"):
+            p.add_column(c)
+        total = sum(us for _, us in res.profile.values())
+        for name, (calls, us) in sorted(res.profile.items(), key=lambda kv: -kv[1][1]):
+            p.add_row(name, str(calls), f"{us:.1f}", f"{us / total:.1%}")
+        console.print(p)
 
 
 def run(path: Path, quick: bool, depths: Sequence[int] | None, as_json: bool, console: Console,
-        ub: int | None = None, kv: str | None = None) -> Result:
+        ub: int | None = None, kv: str | None = None, with_profile: bool = False, reps: int | None = None) -> Result:
     """`vkflash bench model`: measure, then print a table or JSON."""
     plan = Plan.quick(depths) if quick else (Plan(depths=tuple(depths)) if depths is not None else Plan())
-    res = bench(path, plan, ub, kv)
+    if reps is not None:
+        plan = replace(plan, reps=reps)
+    res = bench(path, plan, ub, kv, with_profile)
     if as_json:
         console.print_json(json.dumps(res.to_json()))
     else:
