@@ -1,0 +1,52 @@
+"""Selecting the cooperative-matrix GEMM path in tests: the device's own coopmat kernels, or the
+CM_EMULATE build of the same shaders (common/mm_cm.glsl), which runs on any device (lavapipe in CI).
+
+"device" skips unless the device offers an f16×f16→f32 coopmat shape the GEMMs can use. "emulated"
+registers mul_mat_cmx_* / mul_mat_id_cmx_* kernels (CM_EMULATE), points matmul / moe at them and,
+on a device without coopmat, pretends to offer 16×16×16 so the Python tile choice runs as on the
+target. Emulation needs the subgroup size fixed (it spreads an accumulator over SG_MAX lanes), so
+it skips where the driver may pick among several sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+import vkflash.gpu.ops.matmul as mm
+import vkflash.gpu.ops.moe as moe
+from vkflash.gpu import registry
+from vkflash.gpu.device import CoopmatShape
+from vkflash.gpu.registry import Kernel, kernel
+
+U16 = 2.0**-11  # unit roundoff of f16 (coopmat inputs)
+PATHS = ("device", "emulated")
+SHAPE_16 = CoopmatShape(16, 16, 16, "f16", "f16", "f32", "f32")
+
+
+def device_has_coopmat(caps) -> bool:
+    return (mm.cm_shape(caps) is not None and kernel("mul_mat_cm_f16").usable(caps)
+            and mm.cm_tile(caps, 1, 1) is not None)
+
+
+def select(path: str, gpu, monkeypatch) -> str:
+    """Make `path` the coopmat path of matmul / expert_gemm for this test; returns a label for messages."""
+    caps = gpu.caps
+    if path == "device":
+        if not device_has_coopmat(caps):
+            pytest.skip(f"{caps.name} offers no f16×f16→f32 cooperative matrix the coopmat GEMMs can use")
+        return f"device coopmat {mm.cm_shape(caps)}"
+    if caps.subgroup_min != caps.subgroup_max:
+        pytest.skip(f"emulated coopmat needs a fixed subgroup size ({caps.name}: {caps.subgroup_min}..{caps.subgroup_max})")
+    table = registry.table()
+    for t in mm.COOPMAT_TYPES:
+        for fam, shader, n_buf in (("mul_mat_cmx", "mul_mat_cm.comp", 6), ("mul_mat_id_cmx", "mul_mat_id_cm.comp", 5)):
+            name = f"{fam}_{t.name.lower()}"
+            monkeypatch.setitem(table, name, Kernel(name, shader, n_buf, (("QTYPE", int(t)), ("CM_EMULATE", 1)),
+                                                    local_size=mm.CM_WG))
+    monkeypatch.setattr(mm, "CM_KERNEL", "mul_mat_cmx")
+    monkeypatch.setattr(moe, "CM_KERNEL", "mul_mat_id_cmx")
+    if not device_has_coopmat(caps):
+        monkeypatch.setattr(gpu, "caps", replace(caps, coopmat=(SHAPE_16,)))
+    return f"emulated coopmat {mm.cm_shape(gpu.caps)} subgroup {gpu.caps.subgroup_size}"
