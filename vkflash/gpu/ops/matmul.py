@@ -213,13 +213,14 @@ def cm_spec(caps: "Capabilities", tile: CmTile) -> list[int]:
     return [shape.m, shape.n, shape.k, sg, tile.bm, tile.bn, tile.wm, tile.wn]
 
 
-def use_coopmat(caps: "Capabilities", qtype: int) -> bool:
-    """Whether GEMMs of this weight type run on cooperative matrices here (never F32 weights)."""
+def use_coopmat(caps: "Capabilities", qtype: int, knob: bool = True) -> bool:
+    """Whether GEMMs of this weight type run on cooperative matrices here (never F32 weights);
+    knob=False: whether they can (ignoring VKFLASH_DISABLE_COOPMAT; benchmarks)."""
     if Q(qtype) not in COOPMAT_TYPES:
         return False
     k = kernel(f"mul_mat_cm_{Q(qtype).name.lower()}")
     return (k.usable(caps) and cm_tile(caps, 1, 1) is not None and k.workgroup(caps) == CM_WG
-            and not settings.current()["VKFLASH_DISABLE_COOPMAT"])
+            and not (knob and settings.current()["VKFLASH_DISABLE_COOPMAT"]))
 
 
 def fuse_epilogue() -> bool:
