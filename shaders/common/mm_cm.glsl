@@ -15,9 +15,9 @@
 // two shared-memory stages. Step u's tiles sit in stage u & 1 as f16, rows of 32 + 8 pad halves
 // (80 B: coopMatLoad rows hit distinct 16-B bank groups); A is row major (weight row, k), B is
 // token-major (token, k), read as a column-major K×N matrix. Per step, after one barrier:
-//   1. the first half of the workgroup fetches step u+1's weights (one 32-group per row: raw f16
-//      / bf16 words, or dequant_group of common/quant.glsl rounded to f16) and the second half its
-//      activations (8 floats per item, raw f32) into registers;
+//   1. the first half of the workgroup fetches step u+1's weights (raw f16 / bf16 words, 8 per
+//      item, 4 lanes to a row; or one 32-group per row: dequant_group of common/quant.glsl rounded
+//      to f16) and the second half its activations (8 floats per item, raw f32) into registers;
 //   2. every subgroup runs its MMAs on stage u & 1;
 //   3. the registers are converted and stored into stage (u+1) & 1.
 // So one barrier per step, and the activation (and f16 weight) loads are in flight during the MMAs.
@@ -49,7 +49,14 @@ const uint WARPS_M = BM / WM, NWT = WARPS_M * (BN / WN), CM = WM / TM, CN = WN /
 const uint NSG_MIN = WG / SG_MAX;
 const uint PER_SG = (NWT + NSG_MIN - 1u) / NSG_MIN;
 const uint A_ROWS = NB * BM;
-const uint A_PER = (A_ROWS + WG_A - 1u) / WG_A;    // weight groups per fetcher and step
+#if QTYPE == GGML_TYPE_F16 || QTYPE == GGML_TYPE_BF16
+#define CM_RAW
+const uint A_IPR = 4u, A_U4 = 1u;  // raw weights: 4 items of 8 halves per row (4 lanes read a row's 64 B)
+#else
+const uint A_IPR = 1u, A_U4 = 4u;  // decoded weights: one item = one row's 32-group (dequant_group)
+#endif
+const uint A_ITEMS = A_ROWS * A_IPR;
+const uint A_PER = (A_ITEMS + WG_A - 1u) / WG_A;   // weight items per fetcher and step
 const uint B_PER = (BN * 4u + WG_B - 1u) / WG_B;   // 8-float activation items per fetcher and step
 const uint A_SZ = A_ROWS * SA4, B_SZ = BN * SA4, ST_SZ = A_SZ + B_SZ;
 const uint STAGE = NWT * WM * TN / 4u;             // epilogue staging (uvec4), after the K loop
@@ -64,9 +71,9 @@ void cm_store(float v, uint r, uint n);  // epilogue of tile element (row r < BM
 float cm_combine(float g, float u);  // NB = 2: the value stored for gate g and up u
 #endif
 
-uvec4 cm_ra[A_PER * 4u];  // fetched weights: 32 f16 per group (F16/BF16: the raw words)
-vec4 cm_rx[B_PER * 2u];   // fetched activations: 8 f32 per item
-uint cm_wb[A_PER];        // weight group index of k-group 0 per item
+uvec4 cm_ra[A_PER * A_U4];  // fetched weights: 8 halves per uvec4 (F16/BF16: the raw words)
+vec4 cm_rx[B_PER * 2u];     // fetched activations: 8 f32 per item
+uint cm_wb[A_PER];          // weight group index of k-group 0 per item
 uint cm_xb[B_PER];        // activation vec4 index per item (at k = 0)
 
 uvec4 cm_h8(vec4 a, vec4 b) {  // 8 floats → 8 halves
@@ -78,10 +85,11 @@ void cm_fetch(uint u) {
     const uint tid = gl_LocalInvocationID.x;
     if (tid < WG_A) {
         [[unroll]] for (uint j = 0u; j < A_PER; ++j) {
-            if (tid + j * WG_A < A_ROWS) {
+            uint i = tid + j * WG_A;
+            if (i < A_ITEMS) {
                 uint G = cm_wb[j] + u;
-#if QTYPE == GGML_TYPE_F16 || QTYPE == GGML_TYPE_BF16
-                [[unroll]] for (uint c = 0u; c < 4u; ++c) cm_ra[4u * j + c] = qw[4u * G + c];
+#ifdef CM_RAW
+                cm_ra[j] = qw[4u * G + i % 4u];
 #else
                 vec4 w[8];
                 dequant_group(G, w);
@@ -105,18 +113,20 @@ void cm_put(uint s) {
     const uint tid = gl_LocalInvocationID.x;
     if (tid < WG_A) {
         [[unroll]] for (uint j = 0u; j < A_PER; ++j) {
-            uint row = tid + j * WG_A;
-            if (row < A_ROWS) {
-                [[unroll]] for (uint c = 0u; c < 4u; ++c) {
-                    uvec4 h = cm_ra[4u * j + c];
+            uint i = tid + j * WG_A;
+            if (i < A_ITEMS) {
+#ifdef CM_RAW
+                uvec4 h = cm_ra[j];
 #if QTYPE == GGML_TYPE_BF16
-                    h = cm_h8(vec4(uintBitsToFloat(h.x << 16), uintBitsToFloat(h.x & 0xFFFF0000u),
-                                   uintBitsToFloat(h.y << 16), uintBitsToFloat(h.y & 0xFFFF0000u)),
-                              vec4(uintBitsToFloat(h.z << 16), uintBitsToFloat(h.z & 0xFFFF0000u),
-                                   uintBitsToFloat(h.w << 16), uintBitsToFloat(h.w & 0xFFFF0000u)));
+                h = cm_h8(vec4(uintBitsToFloat(h.x << 16), uintBitsToFloat(h.x & 0xFFFF0000u),
+                               uintBitsToFloat(h.y << 16), uintBitsToFloat(h.y & 0xFFFF0000u)),
+                          vec4(uintBitsToFloat(h.z << 16), uintBitsToFloat(h.z & 0xFFFF0000u),
+                               uintBitsToFloat(h.w << 16), uintBitsToFloat(h.w & 0xFFFF0000u)));
 #endif
-                    cm_sh[s * ST_SZ + row * SA4 + c] = h;
-                }
+                cm_sh[s * ST_SZ + (i / 4u) * SA4 + i % 4u] = h;
+#else
+                [[unroll]] for (uint c = 0u; c < 4u; ++c) cm_sh[s * ST_SZ + i * SA4 + c] = cm_ra[4u * j + c];
+#endif
             }
         }
     } else {
@@ -183,7 +193,7 @@ void cm_gemm(uint gpr) {
     const uint tid = gl_LocalInvocationID.x, sg = gl_SubgroupID, nsg = gl_NumSubgroups;
     if (tid < WG_A) {
         [[unroll]] for (uint j = 0u; j < A_PER; ++j) {
-            uint row = min(tid + j * WG_A, A_ROWS - 1u);
+            uint row = min(tid + j * WG_A, A_ITEMS - 1u) / A_IPR;
             cm_wb[j] = cm_w_row(row / BM, row % BM) * gpr;
         }
     } else {
