@@ -30,6 +30,9 @@
 #ifndef CM_EMULATE
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
+#define CM_UNROLL [[unroll]]
+#else
+#define CM_UNROLL [[dont_unroll]]  // emulation: loops stay loops (lavapipe's LLVM compile time)
 #endif
 
 layout(constant_id = 2) const uint TM = 16;
@@ -84,7 +87,7 @@ uvec4 cm_h8(vec4 a, vec4 b) {  // 8 floats → 8 halves
 void cm_fetch(uint u) {
     const uint tid = gl_LocalInvocationID.x;
     if (tid < WG_A) {
-        [[unroll]] for (uint j = 0u; j < A_PER; ++j) {
+        CM_UNROLL for (uint j = 0u; j < A_PER; ++j) {
             uint i = tid + j * WG_A;
             if (i < A_ITEMS) {
                 uint G = cm_wb[j] + u;
@@ -93,12 +96,12 @@ void cm_fetch(uint u) {
 #else
                 vec4 w[8];
                 dequant_group(G, w);
-                [[unroll]] for (uint c = 0u; c < 4u; ++c) cm_ra[4u * j + c] = cm_h8(w[2u * c], w[2u * c + 1u]);
+                CM_UNROLL for (uint c = 0u; c < 4u; ++c) cm_ra[4u * j + c] = cm_h8(w[2u * c], w[2u * c + 1u]);
 #endif
             }
         }
     } else {
-        [[unroll]] for (uint j = 0u; j < B_PER; ++j) {
+        CM_UNROLL for (uint j = 0u; j < B_PER; ++j) {
             uint i = tid - WG_A + j * WG_B;
             if (i < BN * 4u) {
                 uint v = cm_xb[j] + 8u * u + 2u * (i % 4u);
@@ -112,7 +115,7 @@ void cm_fetch(uint u) {
 void cm_put(uint s) {
     const uint tid = gl_LocalInvocationID.x;
     if (tid < WG_A) {
-        [[unroll]] for (uint j = 0u; j < A_PER; ++j) {
+        CM_UNROLL for (uint j = 0u; j < A_PER; ++j) {
             uint i = tid + j * WG_A;
             if (i < A_ITEMS) {
 #ifdef CM_RAW
@@ -125,12 +128,12 @@ void cm_put(uint s) {
 #endif
                 cm_sh[s * ST_SZ + (i / 4u) * SA4 + i % 4u] = h;
 #else
-                [[unroll]] for (uint c = 0u; c < 4u; ++c) cm_sh[s * ST_SZ + i * SA4 + c] = cm_ra[4u * j + c];
+                CM_UNROLL for (uint c = 0u; c < 4u; ++c) cm_sh[s * ST_SZ + i * SA4 + c] = cm_ra[4u * j + c];
 #endif
             }
         }
     } else {
-        [[unroll]] for (uint j = 0u; j < B_PER; ++j) {
+        CM_UNROLL for (uint j = 0u; j < B_PER; ++j) {
             uint i = tid - WG_A + j * WG_B;
             if (i < BN * 4u) cm_sh[s * ST_SZ + A_SZ + (i / 4u) * SA4 + i % 4u] = cm_h8(cm_rx[2u * j], cm_rx[2u * j + 1u]);
         }
@@ -192,16 +195,16 @@ void cm_store_acc(uint c, uint off, uint stride) {  // column major: (r, n) at f
 void cm_gemm(uint gpr) {
     const uint tid = gl_LocalInvocationID.x, sg = gl_SubgroupID, nsg = gl_NumSubgroups;
     if (tid < WG_A) {
-        [[unroll]] for (uint j = 0u; j < A_PER; ++j) {
+        CM_UNROLL for (uint j = 0u; j < A_PER; ++j) {
             uint row = min(tid + j * WG_A, A_ITEMS - 1u) / A_IPR;
             cm_wb[j] = cm_w_row(row / BM, row % BM) * gpr;
         }
     } else {
-        [[unroll]] for (uint j = 0u; j < B_PER; ++j) cm_xb[j] = cm_x_base(min((tid - WG_A + j * WG_B) / 4u, BN - 1u));
+        CM_UNROLL for (uint j = 0u; j < B_PER; ++j) cm_xb[j] = cm_x_base(min((tid - WG_A + j * WG_B) / 4u, BN - 1u));
     }
 
     CM_ACC_DECL;
-    [[unroll]] for (uint i = 0u; i < NACC; ++i) CM_ZERO(i);
+    CM_UNROLL for (uint i = 0u; i < NACC; ++i) CM_ZERO(i);
 
     cm_fetch(0u);
     cm_put(0u);
@@ -209,19 +212,19 @@ void cm_gemm(uint gpr) {
         const uint s = u & 1u;
         barrier();  // stage s is complete; every subgroup is done reading stage s ^ 1
         if (u + 1u < gpr) cm_fetch(u + 1u);
-        [[unroll]] for (uint q = 0u; q < PER_SG; ++q) {
+        CM_UNROLL for (uint q = 0u; q < PER_SG; ++q) {
             const uint t = sg + q * nsg;
             if (t < NWT) {
                 const uint wm = t % WARPS_M, wn = t / WARPS_M;
-                [[unroll]] for (uint kk = 0u; kk < BK / TK; ++kk) {
+                CM_UNROLL for (uint kk = 0u; kk < BK / TK; ++kk) {
                     CM_B bf[CN];
-                    [[unroll]] for (uint cn = 0u; cn < CN; ++cn)
+                    CM_UNROLL for (uint cn = 0u; cn < CN; ++cn)
                         CM_LOAD_B(bf[cn], s * ST_SZ + A_SZ + (wn * WN + cn * TN) * SA4 + kk * TK / 8u);
-                    [[unroll]] for (uint b = 0u; b < NB; ++b) {
-                        [[unroll]] for (uint cm = 0u; cm < CM; ++cm) {
+                    CM_UNROLL for (uint b = 0u; b < NB; ++b) {
+                        CM_UNROLL for (uint cm = 0u; cm < CM; ++cm) {
                             CM_A af;
                             CM_LOAD_A(af, s * ST_SZ + (b * BM + wm * WM + cm * TM) * SA4 + kk * TK / 8u);
-                            [[unroll]] for (uint cn = 0u; cn < CN; ++cn) {
+                            CM_UNROLL for (uint cn = 0u; cn < CN; ++cn) {
                                 const uint a = ((q * NB + b) * CM + cm) * CN + cn;
                                 CM_MMA(a, af, bf[cn]);
                             }
@@ -238,21 +241,21 @@ void cm_gemm(uint gpr) {
     // whichever tiles its subgroup owns): lavapipe runs subgroupBarrier as a workgroup barrier and
     // stops meeting them once some subgroups have skipped one.
     const uint lane = gl_SubgroupInvocationID, lanes = gl_SubgroupSize;
-    [[unroll]] for (uint q = 0u; q < PER_SG; ++q) {
+    CM_UNROLL for (uint q = 0u; q < PER_SG; ++q) {
         const uint t = sg + q * nsg;
         const bool own = t < NWT;  // uniform in the subgroup
         const uint wm = t % WARPS_M, wn = t / WARPS_M, reg = t * (WM * TN / 4u);
 #ifdef CM_COMBINE
         if (NB == 2u && own) {
-            [[unroll]] for (uint i = 0u; i < CM * CN; ++i) {
+            CM_UNROLL for (uint i = 0u; i < CM * CN; ++i) {
                 const uint ag = q * NB * CM * CN + i, au = ag + CM * CN;
                 for (int e = 0; e < CM_LEN(ag); ++e) CM_EL(ag, e) = cm_combine(CM_EL(ag, e), CM_EL(au, e));
             }
         }
 #endif
-        [[unroll]] for (uint cn = 0u; cn < CN; ++cn) {
+        CM_UNROLL for (uint cn = 0u; cn < CN; ++cn) {
             if (own) {
-                [[unroll]] for (uint cm = 0u; cm < CM; ++cm)
+                CM_UNROLL for (uint cm = 0u; cm < CM; ++cm)
                     CM_STORE((q * NB * CM + cm) * CN + cn, reg + cm * TM / 4u, WM / 4u);
             }
             subgroupMemoryBarrierShared();

@@ -50,3 +50,18 @@ def select(path: str, gpu, monkeypatch) -> str:
     if not device_has_coopmat(caps):
         monkeypatch.setattr(gpu, "caps", replace(caps, coopmat=(SHAPE_16,)))
     return f"emulated coopmat {mm.cm_shape(gpu.caps)} subgroup {gpu.caps.subgroup_size}"
+
+
+def narrow_workgroup(gpu, monkeypatch) -> int:
+    """Run the coopmat GEMMs with 4 subgroups per workgroup (CM_WG = 4 × the subgroup size) instead of
+    8: the 8 warp tiles of every tile are then owned two per subgroup (the shaders' PER_SG = 2), as
+    on a device whose driver may pick subgroups twice as wide as it does (RADV: wave64 of 32..64).
+    Call after select(); returns the workgroup size."""
+    wg = 4 * gpu.caps.subgroup_size
+    monkeypatch.setattr(mm, "CM_WG", wg)
+    monkeypatch.setattr(moe, "CM_WG", wg)
+    table = registry.table()
+    for name, k in list(table.items()):
+        if "_cm_" in name or "_cmx_" in name:
+            monkeypatch.setitem(table, name, replace(k, local_size=wg))
+    return wg

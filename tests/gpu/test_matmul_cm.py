@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from cm_util import PATHS, select
+from cm_util import PATHS, narrow_workgroup, select
 from matmul_util import make_problem, outside_untouched, read_view, reference, tolerance
 from vkflash import settings
 from vkflash.gpu.ops.matmul import CM_TILES, COOPMAT_TYPES, Epilogue, cm_shape, cm_tile, matmul
@@ -95,6 +95,22 @@ def test_tiles(gpu, rng, monkeypatch, path, tile):
         assert outside_untouched(p.yv), f"{label} {desc}: writes outside the output view"
         ref, bound = reference(p)
         _check(f"{label} {desc} (tile {tile}, {q.name} n_out={n_out} K={k} n_tok={n_tok})", got, ref,
+               tolerance(bound, k, True))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_two_tiles_per_subgroup(gpu, rng, monkeypatch, path):
+    """Workgroups of 4 subgroups own the 8 warp tiles two each (how RADV's wave64 runs them): Q4_K and
+    F16 at the default tile and at 64×64, vs float64."""
+    label = select(path, gpu, monkeypatch)
+    wg = narrow_workgroup(gpu, monkeypatch)
+    shape = cm_shape(gpu.caps)
+    for q, tile in ((Q.Q4_K, None), (Q.F16, CM_TILES[-1])):
+        n_out, k, n_tok = int(rng.integers(65, 200)), _k(q, rng, 256, 800), int(rng.integers(65, 200))
+        p = make_problem(gpu, q, n_out, k, n_tok, rng)
+        got, desc = _run(gpu, p, True, tile)
+        ref, bound = reference(p)
+        _check(f"{label} {wg} invocations {desc} ({q.name} n_out={n_out} K={k} n_tok={n_tok}, {shape})", got, ref,
                tolerance(bound, k, True))
 
 
