@@ -53,9 +53,9 @@ def _check(label: str, got: np.ndarray, want: np.ndarray, tol: np.ndarray) -> No
                                 f"bound {tol[worst]:.3g} (max err/bound {np.max(err / tol):.3g})")
 
 
-def _run(gpu, p, coopmat: bool, tile=None, ep: Epilogue = Epilogue()) -> tuple[np.ndarray, str]:
+def _run(gpu, p, coopmat: bool, tile=None, ep: Epilogue | None = None) -> tuple[np.ndarray, str]:
     g = gpu.graph("mm_cm")
-    matmul(g, p.w, p.xv, p.yv, ep, coopmat=coopmat, fuse=True, tile=tile)
+    matmul(g, p.w, p.xv, p.yv, ep or Epilogue(), coopmat=coopmat, fuse=True, tile=tile)
     g.run()
     return read_view(p.yv), g.ops[-1].desc
 

@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as Q
 from vkflash.gpu.compile_shaders import _tool, compile_variant, have_compiler
 from vkflash.gpu.device import Capabilities, CoopmatShape
 from vkflash.gpu.ops import moe
-from vkflash.gpu.ops.matmul import CM_TILES, CM_WG, COOPMAT_TYPES, EP_BIAS, EP_MUL, EP_RES, EP_SCALE, EP_SILU, KERNELS
+from vkflash.gpu.ops.matmul import CM_WG, COOPMAT_TYPES, EP_BIAS, EP_MUL, EP_RES, EP_SCALE, EP_SILU, KERNELS
 from vkflash.gpu.ops.matmul import cm_shape, cm_spec, cm_tile
 
 needs_compiler = pytest.mark.skipif(not have_compiler(), reason="no shader compiler here (precompiled SPIR-V only)")
