@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from pathlib import Path
+
 import pytest
 
 import vkflash.gpu.ops.matmul as mm
 import vkflash.gpu.ops.moe as moe
 from vkflash.gpu import registry
+from vkflash.gpu.compile_shaders import cache_dir, have_compiler, variant_key
 from vkflash.gpu.device import CoopmatShape
 from vkflash.gpu.registry import Kernel, kernel
 
@@ -30,6 +33,16 @@ def device_has_coopmat(caps) -> bool:
             and mm.cm_tile(caps, 1, 1) is not None)
 
 
+def emulated_kernels() -> list[Kernel]:
+    """The CM_EMULATE builds of the dense and expert coopmat GEMMs, one per weight type."""
+    out = []
+    for t in mm.COOPMAT_TYPES:
+        for fam, shader, n_buf in (("mul_mat_cmx", "mul_mat_cm.comp", 6), ("mul_mat_id_cmx", "mul_mat_id_cm.comp", 5)):
+            out.append(Kernel(f"{fam}_{t.name.lower()}", shader, n_buf, (("QTYPE", int(t)), ("CM_EMULATE", 1)),
+                              local_size=mm.CM_WG))
+    return out
+
+
 def select(path: str, gpu, monkeypatch) -> str:
     """Make `path` the coopmat path of matmul / expert_gemm for this test; returns a label for messages."""
     caps = gpu.caps
@@ -39,12 +52,14 @@ def select(path: str, gpu, monkeypatch) -> str:
         return f"device coopmat {mm.cm_shape(caps)}"
     if caps.subgroup_min != caps.subgroup_max:
         pytest.skip(f"emulated coopmat needs a fixed subgroup size ({caps.name}: {caps.subgroup_min}..{caps.subgroup_max})")
+    missing = [k.name for k in emulated_kernels() if not have_compiler()
+               and not (cache_dir() / f"{Path(k.shader).stem}-{variant_key(k.shader, dict(k.defines))}.spv").exists()]
+    if missing:
+        pytest.skip(f"no shader compiler here and no precompiled SPIR-V of {missing[0]} … (run "
+                    "tests/gpu/test_matmul_compile.py where glslang is installed and carry build/spv)")
     table = registry.table()
-    for t in mm.COOPMAT_TYPES:
-        for fam, shader, n_buf in (("mul_mat_cmx", "mul_mat_cm.comp", 6), ("mul_mat_id_cmx", "mul_mat_id_cm.comp", 5)):
-            name = f"{fam}_{t.name.lower()}"
-            monkeypatch.setitem(table, name, Kernel(name, shader, n_buf, (("QTYPE", int(t)), ("CM_EMULATE", 1)),
-                                                    local_size=mm.CM_WG))
+    for k in emulated_kernels():
+        monkeypatch.setitem(table, k.name, k)
     monkeypatch.setattr(mm, "CM_KERNEL", "mul_mat_cmx")
     monkeypatch.setattr(moe, "CM_KERNEL", "mul_mat_id_cmx")
     if not device_has_coopmat(caps):
@@ -65,3 +80,4 @@ def narrow_workgroup(gpu, monkeypatch) -> int:
         if "_cm_" in name or "_cmx_" in name:
             monkeypatch.setitem(table, name, replace(k, local_size=wg))
     return wg
+

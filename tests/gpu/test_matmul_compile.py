@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from cm_util import emulated_kernels
 from vkflash.gpu.compile_shaders import _tool, compile_variant, have_compiler
 from vkflash.gpu.device import Capabilities, CoopmatShape
 from vkflash.gpu.ops import moe
@@ -30,6 +31,14 @@ needs_compiler = pytest.mark.skipif(not have_compiler(), reason="no shader compi
 def test_compiles_and_validates(k):
     spv = compile_variant(k.shader, dict(k.defines), validate=True)
     assert spv[:4] == b"\x03\x02\x23\x07", "not a SPIR-V module"
+
+
+@needs_compiler
+@pytest.mark.parametrize("k", emulated_kernels(), ids=lambda k: k.name)
+def test_emulated_compiles(k):
+    """The CM_EMULATE builds the coopmat tests run on devices without coopmat (cm_util); compiling
+    them here also leaves their SPIR-V in build/spv for devices that have no compiler."""
+    compile_variant(k.shader, dict(k.defines), validate=True)
 
 
 def _caps(name: str, shared: int, sg: tuple[int, int, int], shapes: tuple[tuple[int, int, int], ...]) -> Capabilities:
