@@ -148,8 +148,8 @@ KNOBS: tuple[Knob, ...] = (
        "estimated GPU time one prefill submission may hold (decode is always one submission)",
        "backend"),
     _k("VKFLASH_DISABLE_COOPMAT", _bool, True,
-       "1: scalar f32 GEMMs; 0: coopmat for non-F32 weights (passes the reference tests on the H200 but is "
-       "slower there: 17.6 vs 22.5 TFLOP/s at 4096³, the same pp2048)",
+       "1: scalar f32 GEMMs; 0: cooperative-matrix GEMMs (f16 inputs, f32 accumulation) for non-F32 weights, "
+       "dense and routed-expert prefill (`vkflash bench kernels` shows both)",
        "backend",
        "GGML_VK_DISABLE_COOPMAT"),
     _k("VKFLASH_DISABLE_FUSION", _bool, False, "never use fused kernels", "backend", "GGML_VK_DISABLE_FUSION"),

@@ -126,8 +126,8 @@ def _stack(nodes: list[Item], g: "Graph") -> None:
             w, y = first.w, first.y
             n_out = sum(m.w.n_out for m in run)  # type: ignore[union-attr]
             name = "+".join([first.name] + [m.name.rsplit(".", 1)[-1] for m in run[1:]])
-            merged = MatMul(QWeight(w.buf, w.qtype, w.k, n_out, w.row0), first.x,
-                            Rows(y.buf, y.n_rows, n_out, y.off, y.stride), Epilogue(), name, first.coopmat)
+            merged = replace(first, w=QWeight(w.buf, w.qtype, w.k, n_out, w.row0),
+                             y=Rows(y.buf, y.n_rows, n_out, y.off, y.stride), name=name)
             for m in run:
                 g.expose(m.name, m.y.buf, m.y.off, m.y.n_rows, m.y.n_cols, m.y.stride, after=name)  # type: ignore[union-attr]
             nodes[i:i + len(run)] = [merged]
@@ -165,7 +165,7 @@ def _extends(run: list[Item], m: Item) -> bool:
     last, first = run[-1], run[0]
     assert isinstance(last, MatMul) and isinstance(first, MatMul)
     return (isinstance(m, MatMul) and m.epilogue.flags == 0 and first.epilogue.flags == 0
-            and _same(m.x, first.x) and m.coopmat == first.coopmat
+            and _same(m.x, first.x) and (m.coopmat, m.tile) == (first.coopmat, first.tile)
             and m.w.buf is last.w.buf and (m.w.qtype, m.w.k) == (last.w.qtype, last.w.k)
             and m.w.row0 == last.w.row0 + last.w.n_out
             and m.y.buf is last.y.buf and (m.y.n_rows, m.y.stride) == (last.y.n_rows, last.y.stride)
@@ -221,7 +221,7 @@ def _epilogue(nodes: list[Item], g: "Graph") -> None:
             if (STAGES.index(stage) <= done or _written_between(nodes, pos, j, [mm.x, mm.w.buf, ep.bias, ep.mul, ep.res])
                     or (moved and _used_after(nodes, j, mm.y))):
                 break
-            fused = _made(lambda: MatMul(mm.w, mm.x, out, ep, nodes[j].name, mm.coopmat))
+            fused = _made(lambda: replace(mm, y=out, epilogue=ep, name=nodes[j].name))
             if fused is None:
                 break
             _rewrite(nodes, pos, j, fused)

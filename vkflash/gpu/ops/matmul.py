@@ -9,6 +9,10 @@ x and y are f32 row views (one row per token). `matmul()` picks the kernel from 
                            weights always take the scalar GEMM: rounding them (and x) to f16 would
                            undo what F32 storage is for (routers, MODEL.md §7.4) and moves router
                            logits by ~1e-3, enough to flip near-tied experts.
+The coopmat GEMM (shaders/mul_mat_cm.comp on common/mm_cm.glsl) takes its tile (CmTile: output rows
+× tokens per workgroup, warp tile), the coopmat shape and the subgroup bound as specialization
+constants chosen here from the capabilities (cm_shape, cm_tile): 128×128 tiles of 8 warp tiles where
+the shape and shared memory allow, smaller ones for short outputs or few tokens.
 The epilogue (scale, bias, sigmoid/silu, ⊙ tensor, + residual) is applied in the store: the
 fusion pass folds the eltwise ops after a matmul into it (Fusion.EPILOGUE); an explicit epilogue
 with that fusion off runs as separate eltwise dispatches. An expert stack {K, out, E} is addressed
@@ -35,7 +39,7 @@ from vkflash.gpu.registry import Kernel, kernel
 
 if TYPE_CHECKING:
     from vkflash.gpu.context import Gpu
-    from vkflash.gpu.device import Capabilities
+    from vkflash.gpu.device import Capabilities, CoopmatShape
     from vkflash.gpu.graph import Graph
 
 TYPES: tuple[Q, ...] = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)
@@ -58,7 +62,13 @@ GEMV_STACK_ROWS_CPU = 4  # fused-mode GEMV rows there: 2 output rows per block (
 GEMV_MAX_COLS = 8  # token columns of one GEMV (handled one after the other in the shader)
 TINY_OUT = 8  # outputs at most this many rows go through the transposed GEMV
 TINY_TOKENS = 8  # tokens per workgroup of the transposed GEMV
-TILE = 64  # GEMM tile: 64 weight rows × 64 tokens (scalar and coopmat)
+TILE = 64  # scalar GEMM tile: 64 weight rows × 64 tokens
+CM_WG = 256
+"""Invocations of a coopmat GEMM workgroup: 8 subgroups of 32 (on a device whose subgroups may be
+64 wide, 4 subgroups that own two warp tiles each). Half fetch weights, half activations."""
+CM_BK = 32  # k per pipeline step of the coopmat GEMMs: one 32-element group per weight row
+CM_PITCH = 80  # bytes per shared-memory row of a step: 32 f16 + 8 pad (rows hit distinct 16-B bank groups)
+CM_KERNEL = "mul_mat_cm"  # kernel family of the coopmat GEMM (tests swap in an emulated build)
 
 EP_SCALE, EP_BIAS, EP_SIGMOID, EP_SILU, EP_MUL, EP_RES = 1, 2, 4, 8, 16, 32
 GEMV_GLU, GEMV_HC, GEMV_MOE = 1, 2, 3  # fused modes of mul_mat_vec.comp (constant_id 6; 0 = plain)
@@ -72,7 +82,7 @@ def _kernels() -> list[Kernel]:
                           local_size=GEMV_WG_K if t in GEMV_K_QUANTS else GEMV_WG))
         out.append(Kernel(f"mul_mat_{t.name.lower()}", "mul_mat.comp", 6, d, local_size=256))
         if t in COOPMAT_TYPES:
-            out.append(Kernel(f"mul_mat_cm_{t.name.lower()}", "mul_mat_cm.comp", 6, d, local_size=128,
+            out.append(Kernel(f"mul_mat_cm_{t.name.lower()}", "mul_mat_cm.comp", 6, d, local_size=CM_WG,
                               needs=frozenset({"coopmat_f16"})))
     return out
 
@@ -137,11 +147,88 @@ class Epilogue:
 PLAIN = Epilogue()
 
 
-def use_coopmat(gpu: "Gpu", qtype: int) -> bool:
-    """Whether GEMMs of this weight type run on cooperative matrices here (never F32 weights)."""
+@dataclass(frozen=True)
+class CmTile:
+    """A coopmat GEMM workgroup tile: bm output rows (per weight block) × bn tokens, cut into warp
+    tiles of wm × wn (spec constants 6–9 of common/mm_cm.glsl)."""
+
+    bm: int
+    bn: int
+    wm: int
+    wn: int
+
+    @property
+    def warp_tiles(self) -> int:
+        return (self.bm // self.wm) * (self.bn // self.wn)
+
+    def smem(self, tn: int, nb: int = 1) -> int:
+        """Shared bytes: two pipeline stages of nb·bm weight rows and bn tokens, or the epilogue
+        staging (a wm × tn f32 block per warp tile) where that is larger."""
+        return max(2 * (nb * self.bm + self.bn) * CM_PITCH, 4 * self.warp_tiles * self.wm * tn)
+
+    def valid(self, shape: "CoopmatShape") -> bool:
+        """Whether the tile is made of whole warp tiles and coopmat tiles of this shape."""
+        return (self.bm % self.wm == 0 and self.bn % self.wn == 0 and self.wm % shape.m == 0
+                and self.wn % shape.n == 0)
+
+    def __str__(self) -> str:
+        return f"{self.bm}x{self.bn}/{self.wm}x{self.wn}"
+
+
+CM_TILES: tuple[CmTile, ...] = (CmTile(128, 128, 64, 32), CmTile(128, 64, 32, 32), CmTile(64, 128, 32, 32),
+                                CmTile(64, 64, 32, 16))
+"""Dense coopmat tiles, 8 warp tiles each, largest first (40 / 30 / 30 / 20 KiB of shared memory)."""
+
+
+def cm_shape(caps: "Capabilities") -> "CoopmatShape | None":
+    """The device's f16×f16→f32 coopmat shape the coopmat GEMMs use: the largest M·N·K whose K divides
+    the 32-wide step in 16-byte pieces (K % 8 == 0) and whose M keeps the f32 staging 16-byte aligned."""
+    ok = [s for s in caps.coopmat if (s.a, s.b, s.c, s.result) == ("f16", "f16", "f32", "f32")
+          and s.k % 8 == 0 and CM_BK % s.k == 0 and s.m % 4 == 0 and s.m <= 16 and s.n <= 16]
+    return max(ok, key=lambda s: (s.m * s.n * s.k, s.m), default=None)
+
+
+def cm_sg_max(caps: "Capabilities") -> int:
+    """The largest subgroup size the device may run a coopmat GEMM with (the shaders' SG_MAX)."""
+    return max(caps.subgroup_max, caps.subgroup_size, 1)
+
+
+def cm_tile(caps: "Capabilities", n_out: int, n_tok: int) -> CmTile | None:
+    """The dense coopmat tile for this GEMM: 128-wide sides where n_out / n_tok exceed 64, else 64;
+    the largest such tile that fits the shape and shared memory (then any that does)."""
+    shape = cm_shape(caps)
+    if shape is None:
+        return None
+    want = (128 if n_out > 64 else 64, 128 if n_tok > 64 else 64)
+    order = sorted(CM_TILES, key=lambda t: (t.bm > want[0] or t.bn > want[1], -t.bm * t.bn))
+    return next((t for t in order if t.valid(shape) and t.smem(shape.n) <= caps.shared_memory), None)
+
+
+def cm_spec(caps: "Capabilities", tile: CmTile) -> list[int]:
+    """Spec constants 2..9 of common/mm_cm.glsl: coopmat shape, subgroup bound, tile."""
+    shape = cm_shape(caps)
+    assert shape is not None
+    sg = cm_sg_max(caps)
+    if CM_WG % (2 * sg):
+        raise ValueError(f"coopmat GEMM: subgroups of up to {sg} invocations do not split {CM_WG} into two halves")
+    if not tile.valid(shape):
+        raise ValueError(f"coopmat GEMM: tile {tile} is not made of {shape.m}x{shape.n} coopmat tiles")
+    return [shape.m, shape.n, shape.k, sg, tile.bm, tile.bn, tile.wm, tile.wn]
+
+
+def coopmat_possible(caps: "Capabilities", qtype: int) -> bool:
+    """Whether GEMMs of this weight type can run on cooperative matrices on this device (never F32
+    weights), whatever the options say (benchmarks compare both)."""
     if Q(qtype) not in COOPMAT_TYPES:
         return False
-    return kernel(f"mul_mat_cm_{Q(qtype).name.lower()}").usable(gpu.caps) and gpu.options.coopmat
+    k = kernel(f"mul_mat_cm_{Q(qtype).name.lower()}")
+    return k.usable(caps) and cm_tile(caps, 1, 1) is not None and k.workgroup(caps) == CM_WG
+
+
+def use_coopmat(gpu: "Gpu", qtype: int) -> bool:
+    """Whether GEMMs of this weight type run on cooperative matrices here: possible, and the options'
+    coopmat switch (VKFLASH_DISABLE_COOPMAT) on."""
+    return gpu.options.coopmat and coopmat_possible(gpu.caps, qtype)
 
 
 def _check(w: QWeight, x: Rows, y: Rows, ep: Epilogue) -> None:
@@ -182,7 +269,8 @@ def _grid(caps: "Capabilities", n: int) -> tuple[int, int]:
     return gx, -(-n // gx)
 
 
-def _dispatch(g: "Graph", w: QWeight, x: Rows, y: Rows, ep: Epilogue, coopmat: bool, name: str) -> None:
+def _dispatch(g: "Graph", w: QWeight, x: Rows, y: Rows, ep: Epilogue, coopmat: bool, name: str,
+              tile: CmTile | None = None) -> None:
     caps = g.gpu.caps
     n_tok, t = x.n_rows, w.type_name
     bias, mul, res = ep.bias, ep.mul, ep.res
@@ -203,10 +291,13 @@ def _dispatch(g: "Graph", w: QWeight, x: Rows, y: Rows, ep: Epilogue, coopmat: b
         return
     groups = (-(-w.n_out // TILE), -(-n_tok // TILE))
     if coopmat:
-        shape = caps.coopmat_shape("f16", "f32")
-        assert shape is not None
-        spec = [ep.flags, shape.m, shape.n, shape.k, max(caps.subgroup_max, caps.subgroup_size)]
-        g.dispatch(f"mul_mat_cm_{t}", bufs, groups, push, spec, name=name, desc=desc + " cm",
+        shape, tile = cm_shape(caps), tile or cm_tile(caps, w.n_out, n_tok)
+        if shape is None or tile is None or tile.smem(shape.n) > caps.shared_memory:
+            raise ValueError(f"matmul: no coopmat tile {tile or ''} fits {caps.name}")
+        if kernel(f"{CM_KERNEL}_{t}").workgroup(caps) != CM_WG:
+            raise ValueError(f"matmul: the coopmat GEMM needs {CM_WG} invocations per workgroup")
+        g.dispatch(f"{CM_KERNEL}_{t}", bufs, (-(-w.n_out // tile.bm), -(-n_tok // tile.bn)), push,
+                   [ep.flags, *cm_spec(caps, tile)], name=name, desc=f"{desc} cm {tile}",
                    nbytes=w.nbytes + 4 * (x.size + y.size), flops=flops)
     else:
         if kernel(f"mul_mat_{t}").workgroup(caps) != 256:
@@ -244,6 +335,7 @@ class MatMul(Node):
     epilogue: Epilogue
     name: str
     coopmat: bool | None = None
+    tile: CmTile | None = None  # a coopmat tile instead of cm_tile's choice
 
     def __post_init__(self) -> None:
         _check(self.w, self.x, self.y, self.epilogue)
@@ -261,24 +353,25 @@ class MatMul(Node):
         cm = use_coopmat(g.gpu, self.w.qtype) if self.coopmat is None else self.coopmat
         if cm and not kernel(f"mul_mat_cm_{self.w.type_name}").usable(g.gpu.caps):
             raise ValueError(f"matmul: {g.gpu.caps.name} offers no f16 cooperative matrix")
-        _dispatch(g, self.w, self.x, self.y, self.epilogue, cm, self.name)
+        _dispatch(g, self.w, self.x, self.y, self.epilogue, cm, self.name, self.tile)
 
 
 def matmul(g: "Graph", w: QWeight, x: Rows, y: Rows, epilogue: Epilogue = PLAIN, name: str = "mul_mat",
-           coopmat: bool | None = None) -> None:
+           coopmat: bool | None = None, tile: CmTile | None = None) -> None:
     """y[n, r] = epilogue(Σ_k W[r, k]·x[n, k]) for every token row n of x.
 
     coopmat defaults to the device and options (use_coopmat); tests pass it to compare the paths.
+    tile overrides cm_tile's choice for a coopmat GEMM (benchmarks and tests of other tiles).
     An epilogue with Fusion.EPILOGUE off runs as eltwise ops after a plain matmul.
     """
     if epilogue.flags == 0 or g.options.fuses(Fusion.EPILOGUE):
-        g.add(MatMul(w, x, y, epilogue, name, coopmat))
+        g.add(MatMul(w, x, y, epilogue, name, coopmat, tile))
         return
     _check(w, x, y, epilogue)
     # plain path: matmul into y, or into a scratch view when an epilogue input aliases y
     aliased = any(v is not None and v.buf is y.buf and v.overlaps(y) for v in (epilogue.mul, epilogue.res))
     tmp = g.tensor(y.n_rows, y.n_cols, f"{name}.tmp") if aliased else y
-    g.add(MatMul(w, x, tmp, PLAIN, name, coopmat))
+    g.add(MatMul(w, x, tmp, PLAIN, name, coopmat, tile))
     _plain_epilogue(g, tmp, y, epilogue, name)
 
 

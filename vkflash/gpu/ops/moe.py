@@ -5,8 +5,9 @@ ids (int32, T × k, descending probability, ties to the lower index) and weights
 w_i = p_{I_i} / max(Σ p_I, 2⁻¹⁴) (f32, T × k).
 Routed experts: for prefill a one-workgroup prepass (moe_prepass.comp) sorts the T·k (token, slot)
 rows by expert into a plan (counts, offsets, rows, live (expert, row-tile) pairs) on the GPU; the
-tiled expert GEMM (mul_mat_id.comp) then launches a fixed grid of live_cap() slots whose dead
-workgroups exit at once (VKFLASH_MMID_COMPACT=0: every expert × max tiles instead). Decode
+tiled expert GEMM (mul_mat_id.comp, scalar f32; or mul_mat_id_cm.comp on cooperative matrices where
+matmul.use_coopmat says so, the dense coopmat GEMM's core) then launches a fixed grid of live_cap()
+slots whose dead workgroups exit at once (VKFLASH_MMID_COMPACT=0: every expert × max tiles instead). Decode
 (T ≤ 8) skips the plan: the expert GEMV (mul_mat_id_vec.comp) reads the ids itself. Each
 (token, slot) result w_j·down(h) gets its own row t·k + j; moe_combine sums the k slots in slot
 order (deterministic, no atomics) and adds the σ-gated shared expert; the fusion pass folds the
@@ -24,7 +25,8 @@ from gguf import GGMLQuantizationType as Q
 from vkflash.formats.quant_blocks import row_bytes
 from vkflash.gpu.graph import Node
 from vkflash.gpu.memory import Buffer
-from vkflash.gpu.ops.matmul import GEMV_MAX_COLS, GEMV_MOE, TYPES, QWeight, stacked_gemv
+from vkflash.gpu.ops.matmul import (CM_WG, COOPMAT_TYPES, GEMV_MAX_COLS, GEMV_MOE, TYPES, CmTile, QWeight, cm_shape,
+                                    cm_spec, stacked_gemv, use_coopmat)
 from vkflash.gpu.ops.views import F32, Rows, grid
 from vkflash.gpu.registry import Kernel, kernel
 
@@ -78,12 +80,18 @@ class Mode(IntEnum):
     DOWN = 3  # y[t·k + j] = w[t, j]·W_d h
 
 
+CM_KERNEL = "mul_mat_id_cm"  # kernel family of the coopmat expert GEMM (tests swap in an emulated build)
+
+
 def _expert_kernels() -> list[Kernel]:
     out = []
     for t in TYPES:
         d = (("QTYPE", int(t)),)
         out.append(Kernel(f"mul_mat_id_{t.name.lower()}", "mul_mat_id.comp", 5, d, local_size=GEMM_WG))
         out.append(Kernel(f"mul_mat_id_vec_{t.name.lower()}", "mul_mat_id_vec.comp", 5, d, local_size=GEMV_WG))
+        if t in COOPMAT_TYPES:
+            out.append(Kernel(f"mul_mat_id_cm_{t.name.lower()}", "mul_mat_id_cm.comp", 5, d, local_size=CM_WG,
+                              needs=frozenset({"coopmat_f16"})))
     return out
 
 
@@ -234,6 +242,24 @@ def _io_check(name: str, w: ExpertStack, x: Rows, y: Rows, x_rows: int, y_rows: 
         raise ValueError(f"{name}: y overlaps x")
 
 
+def cm_expert_tile(caps, bn: int, nb: int) -> CmTile | None:
+    """The coopmat expert GEMM's tile for plan tile width bn and nb weight blocks (2: fused gate/up):
+    128 output rows (64 when fused: the gate and up rows make 128), all bn rows of the plan tile;
+    8 warp tiles of 32 × bn/2 (fused: 16 × bn/2), or where bn/2 is no multiple of 16 (bn = 16, 48)
+    warp tiles of 16 × bn (8 of them; fused 4). None where the shape or shared memory do not allow."""
+    shape = cm_shape(caps)
+    if shape is None:
+        return None
+    bm = 128 if nb == 1 else 64
+    half = bn // 2
+    if half % 16 == 0:
+        t = CmTile(bm, bn, 32 if nb == 1 else 16, half)
+    else:
+        t = CmTile(bm, bn, 16, bn)
+    extra = 12 * bn  # the tile's x rows, output rows and routing weights
+    return t if t.valid(shape) and t.smem(shape.n, nb) + extra <= caps.shared_memory else None
+
+
 def _folded(caps, n: int) -> tuple[int, int]:
     """(gy, gz) with gy·gz ≥ n within the device's grid limits (shaders use slot = z·gy + y)."""
     gy = min(n, caps.max_workgroup_count[1])
@@ -241,29 +267,46 @@ def _folded(caps, n: int) -> tuple[int, int]:
 
 
 def expert_gemm(g: "Graph", plan: MoEPlan, mode: Mode, w: ExpertStack, x: Rows, y: Rows, wts: Rows | None = None,
-                w2: ExpertStack | None = None, compact: bool | None = None, name: str = "mul_mat_id") -> None:
+                w2: ExpertStack | None = None, compact: bool | None = None, name: str = "mul_mat_id",
+                coopmat: bool | None = None) -> None:
     """One prefill expert pass over the plan's rows (mode: see Mode; rows of h follow the plan order).
 
     x is u (T × K) for the gate/up modes, h (T·k × K, plan order) for DOWN; y is h (T·k × n_out) or,
     for DOWN, the slot outputs (T·k × n_out, row t·k + j). wts (T × k) only for DOWN; w2 only for GATE_UP.
+    coopmat defaults to matmul.use_coopmat for the weight type (VKFLASH_DISABLE_COOPMAT; never F32).
     """
     T, k = plan.T, plan.k
     _check_pass(name, mode, w, w2, wts, x, y, T, k, plan.E)
     if plan.buf in (x.buf, y.buf):
         raise ValueError(f"{name}: the plan shares a buffer with x or y")
     caps = g.gpu.caps
-    if kernel(f"mul_mat_id_{w.type_name}").workgroup(caps) != GEMM_WG:
-        raise ValueError(f"{name}: the expert GEMM needs {GEMM_WG} invocations per workgroup (16×16)")
     cm = g.options.mmid_compact if compact is None else compact
     slots = plan.live_cap if cm else plan.E * plan.max_tiles
     gy, gz = _folded(caps, slots)
     nb = 2 if w2 is not None else 1
-    g.dispatch(f"mul_mat_id_{w.type_name}", [w.buf, x.buf, plan.buf, (wts or x).buf, y.buf],
-               [-(-w.n_out // GEMM_BM), gy, gz],
+    use_cm = coopmat
+    if use_cm is None:
+        use_cm = use_coopmat(g.gpu, w.qtype) and cm_expert_tile(caps, plan.bn, nb) is not None
+    if use_cm:
+        if Q(w.qtype) not in COOPMAT_TYPES:
+            raise ValueError(f"{name}: {Q(w.qtype).name} weights have no cooperative-matrix expert GEMM")
+        tile = cm_expert_tile(caps, plan.bn, nb)
+        if tile is None or not kernel(f"mul_mat_id_cm_{w.type_name}").usable(caps):
+            raise ValueError(f"{name}: {caps.name} has no coopmat expert GEMM for tile width {plan.bn}")
+        kname, bm, spec = f"{CM_KERNEL}_{w.type_name}", tile.bm, [int(mode), *cm_spec(caps, tile), int(cm)]
+        if kernel(kname).workgroup(caps) != CM_WG:
+            raise ValueError(f"{name}: the coopmat expert GEMM needs {CM_WG} invocations per workgroup")
+    else:
+        if kernel(f"mul_mat_id_{w.type_name}").workgroup(caps) != GEMM_WG:
+            raise ValueError(f"{name}: the expert GEMM needs {GEMM_WG} invocations per workgroup (16×16)")
+        kname, bm, spec, tile = f"mul_mat_id_{w.type_name}", GEMM_BM, [int(mode), plan.bn, int(cm)], None
+    g.dispatch(kname, [w.buf, x.buf, plan.buf, (wts or x).buf, y.buf],
+               [-(-w.n_out // bm), gy, gz],
                push=[w.k, w.n_out, plan.E, k, plan.live_cap, plan.max_tiles, w.row0, (w2 or w).row0, w.expert_rows,
                      x.off, x.stride, y.off, y.stride, wts.off if wts else 0, wts.stride if wts else 0],
-               spec=[int(mode), plan.bn, int(cm)], name=name,
-               desc=f"{w.type_name} {w.k}x{w.n_out} T={T} k={k} E={plan.E} bn={plan.bn}{'' if cm else ' plain'}",
+               spec=spec, name=name,
+               desc=(f"{w.type_name} {w.k}x{w.n_out} T={T} k={k} E={plan.E} bn={plan.bn}{'' if cm else ' plain'}"
+                     f"{f' cm {tile}' if tile else ''}"),
                nbytes=nb * min(plan.E, T * k) * w.expert_bytes + 4 * (x.size + y.size),
                flops=2 * nb * w.k * w.n_out * T * k)
 
@@ -308,12 +351,14 @@ class RoutedExperts:
 
 
 def moe_routed(g: "Graph", x: Rows, ids: Rows, wts: Rows, w: RoutedExperts, ys: Rows, h: Rows | None = None,
-               plan: MoEPlan | None = None, compact: bool | None = None, name: str = "moe") -> None:
+               plan: MoEPlan | None = None, compact: bool | None = None, name: str = "moe",
+               coopmat: bool | None = None) -> None:
     """ys[t·k + j] = w[t, j]·W_d^{(e)}(silu(W_g^{(e)} x_t) ⊙ W_u^{(e)} x_t), e = ids[t, j] (M4, routed part).
 
     Up to DECODE_MAX_T tokens (decode) the expert GEMV reads the ids directly; more tokens go
     through the prepass `plan` (default: an intermediate) and the tiled expert GEMM. h (T·k × F,
-    default: an intermediate) holds the expert hidden rows.
+    default: an intermediate) holds the expert hidden rows. coopmat (prefill GEMMs; default:
+    use_coopmat per weight type) applies to the passes whose weight type has a coopmat GEMM.
     """
     T, k = ids.n_rows, ids.n_cols
     if h is None:
@@ -333,12 +378,18 @@ def moe_routed(g: "Graph", x: Rows, ids: Rows, wts: Rows, w: RoutedExperts, ys: 
     if (plan.T, plan.k) != (T, k):
         raise ValueError(f"{name}: plan is for {plan.T}x{plan.k}, ids are {T}x{k}")
     moe_prepass(g, ids, plan, name=f"{name}.prepass")
+
+    def cm(s: ExpertStack) -> bool | None:
+        return None if coopmat is None else coopmat and Q(s.qtype) in COOPMAT_TYPES
+
     if w.fused:
-        expert_gemm(g, plan, Mode.GATE_UP, w.gate, x, h, w2=w.up, compact=compact, name=f"{name}.gate_up")
+        expert_gemm(g, plan, Mode.GATE_UP, w.gate, x, h, w2=w.up, compact=compact, name=f"{name}.gate_up",
+                    coopmat=cm(w.gate))
     else:
-        expert_gemm(g, plan, Mode.GATE, w.gate, x, h, compact=compact, name=f"{name}.gate")
-        expert_gemm(g, plan, Mode.UP, w.up, x, h, compact=compact, name=f"{name}.up")
-    expert_gemm(g, plan, Mode.DOWN, w.down, h, ys, wts=wts, compact=compact, name=f"{name}.down")
+        expert_gemm(g, plan, Mode.GATE, w.gate, x, h, compact=compact, name=f"{name}.gate", coopmat=cm(w.gate))
+        expert_gemm(g, plan, Mode.UP, w.up, x, h, compact=compact, name=f"{name}.up", coopmat=cm(w.up))
+    expert_gemm(g, plan, Mode.DOWN, w.down, h, ys, wts=wts, compact=compact, name=f"{name}.down",
+                coopmat=cm(w.down))
 
 
 @dataclass(frozen=True)
