@@ -22,6 +22,7 @@ import numpy as np
 from vkflash import settings
 from vkflash.errors import DeviceError
 from vkflash.gpu import cost, trace
+from vkflash.gpu.interface import PushConstants, SpecConstants, pack
 from vkflash.gpu.memory import Buffer
 
 if TYPE_CHECKING:
@@ -93,10 +94,11 @@ class Graph:
         self.views: dict[str, View] = {}
 
     # --- building -------------------------------------------------------------------------
-    def dispatch(self, kernel: str, buffers: Sequence[Buffer], groups: Sequence[int], push: Sequence[int] = (),
-                 spec: Sequence[int] = (), name: str = "", writes: Sequence[int] | None = None,
-                 desc: str = "", nbytes: int = 0, flops: int = 0) -> Dispatch:
-        """Append a dispatch. `writes` are indices into `buffers` (default: the last one)."""
+    def dispatch(self, kernel: str, buffers: Sequence[Buffer], groups: Sequence[int],
+                 push: PushConstants | Sequence[int] = (), spec: SpecConstants | Sequence[int] = (), name: str = "",
+                 writes: Sequence[int] | None = None, desc: str = "", nbytes: int = 0, flops: int = 0) -> Dispatch:
+        """Append a dispatch. push / spec are the kernel's declared typed constants (plain word lists
+        for a kernel that declares none); `writes` are indices into `buffers` (default: the last one)."""
         from vkflash.gpu.registry import kernel as lookup
 
         k = lookup(kernel)
@@ -109,7 +111,7 @@ class Graph:
         w = {len(buffers) - 1} if writes is None else set(writes)
         op = Dispatch(
             name=name or kernel, kernel=k, buffers=tuple(buffers), groups=g,
-            push=tuple(int(x) & 0xFFFFFFFF for x in push), spec=tuple(int(x) for x in spec),
+            push=pack(kernel, k.push, push), spec=pack(kernel, k.spec, spec),
             reads=frozenset(b.id for i, b in enumerate(buffers) if i not in w),
             writes=frozenset(buffers[i].id for i in w), desc=desc, nbytes=nbytes, flops=flops)
         self.ops.append(op)
