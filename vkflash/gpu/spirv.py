@@ -3,8 +3,9 @@
 Pure Python over the module's words (spec: SPIR-V 1.6 §2.3 physical layout, §3 enumerants), so the
 typed kernel interfaces of gpu/interface.py can be checked against what the shader really declares
 without another dependency. Names come from OpName / OpMemberName (glslangValidator keeps them
-unless told -g0 / --strip-debug); a push-constant member or specialization constant of any type
-but a 32-bit scalar (or a bool, for specialization constants) is refused with a clear error.
+unless told -g0 / --strip-debug; of several names for one id, the first, the declaration's); a
+push-constant member or specialization constant of any type but a 32-bit scalar (or a bool, for
+specialization constants) is refused with a clear error.
 """
 
 from __future__ import annotations
@@ -107,8 +108,8 @@ def reflect(code: bytes) -> Reflection:
     variables: list[tuple[int, int, int]] = []  # (id, pointer type, storage class)
     specs: list[tuple[int, int, int | float | bool]] = []  # (id, type id, default)
     for op, a in _instructions(code):
-        if op == OP_NAME:
-            names[a[0]] = _string(a[1:])
+        if op == OP_NAME:  # the first name given to an id: glslang also names later aliases of it
+            names.setdefault(a[0], _string(a[1:]))
         elif op == OP_MEMBER_NAME:
             member_names[(a[0], a[1])] = _string(a[2:])
         elif op == OP_DECORATE:
