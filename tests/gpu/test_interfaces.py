@@ -10,6 +10,7 @@ import pytest
 
 from vkflash.gpu.compile_shaders import compile_variant, have_compiler
 from vkflash.gpu.interface import InterfaceError, PushConstants, SpecConstants, boolean, f32, i32, pack, u32
+from vkflash.gpu.registry import table
 from vkflash.gpu.spirv import Binding, Member, SpecConstant, SpirvError, reflect
 
 needs_compiler = pytest.mark.skipif(not have_compiler(), reason="no shader compiler here (precompiled SPIR-V only)")
@@ -53,6 +54,13 @@ def small(tmp_path_factory):
     src = tmp_path_factory.mktemp("spirv") / "reflect_me.comp"
     src.write_text(SHADER)
     return reflect(compile_variant(str(src)))
+
+
+@needs_compiler
+@pytest.mark.parametrize("name", sorted(table()))
+def test_kernel_matches_its_shader(name):
+    k = table()[name]
+    k.check_against(reflect(compile_variant(k.shader, dict(k.defines))))
 
 
 @needs_compiler
