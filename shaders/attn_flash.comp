@@ -12,11 +12,12 @@
 // covers the z-th of n_split equal chunks of it, so no length is baked in anywhere: p0 = params
 // [param_off], n_kv = params[param_off + 1] are read per replay (n_kv = list length for GATHER).
 // SPLIT: write the unnormalised partial (o_0..o_{DH-1}, m, l) of row (t, h) of split z at
-// out[((z*T + t)*H + h)*(DH + 2)] for attn_combine; else write o (times sigma(gate) if GATED)
+// partial[((z*T + t)*H + h)*(DH + 2)] for attn_combine; else write o (times sigma(gate) if GATED)
 // to out[o_off + t*o_row + h*o_head + d]. A row with no visible key yields 0.
 // Buffers: 0 params (int32), 1 q (f32: q_off + t*q_row + h*q_head + d), 2 gate (f32, same
 // addressing with gate_*), 3 K cache, 4 V cache ([kv_rows, H_kv, DH] of the KV type), 5 mask
-// (uint bit rows), 6 cells (uint), 7 out. Unused buffers may be any buffer.
+// (uint bit rows), 6 cells (uint), 7 out (unused with SPLIT), 8 partial (SPLIT only). Unused
+// buffers may be any buffer.
 // Spec: 1 DH, 2 BR, 3 BC, 4 FLAGS (1 GATED, 2 MASKED, 4 GATHER, 8 SPLIT).
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
@@ -40,6 +41,7 @@ KV_BUFFER(4, vc, readonly)
 layout(std430, binding = 5) readonly buffer Mask { uint mask[]; };
 layout(std430, binding = 6) readonly buffer Cells { uint cells[]; };
 layout(std430, binding = 7) writeonly buffer Out { float outp[]; };
+layout(std430, binding = 8) writeonly buffer Partial { float partial[]; };
 
 layout(push_constant) uniform P {
     uint T; uint G; uint H_kv; uint kv_rows;
@@ -47,7 +49,7 @@ layout(push_constant) uniform P {
     uint gate_off; uint gate_row; uint gate_head;
     uint o_off; uint o_row; uint o_head;
     uint param_off; uint mask_off; uint mask_stride; uint cell_off;
-    uint n_split; uint scale_bits;
+    uint n_split; float scale;
 } p;
 
 const float NEG = -1.0e30;  // score of a masked key (finite: no reliance on inf arithmetic)
@@ -87,7 +89,6 @@ void main() {
     const uint r0 = gl_WorkGroupID.x * BR;
     const uint p0 = uint(params[p.param_off]);
     const uint n_kv = uint(params[p.param_off + 1u]);
-    const float scale = uintBitsToFloat(p.scale_bits);
 
     const uint t_last = (min(r0 + BR, rows) - 1u) / G;
     const uint n_iter = GATHER ? n_kv : min(min(n_kv, p0 + t_last + 1u), p.kv_rows);
@@ -100,7 +101,7 @@ void main() {
         float x = 0.0;
         if (R < rows) {
             const uint t = R / G, h = g * G + R % G;
-            x = q[p.q_off + t * p.q_row + h * p.q_head + d] * scale;
+            x = q[p.q_off + t * p.q_row + h * p.q_head + d] * p.scale;
         }
         sQ[e] = x;
     }
@@ -173,10 +174,10 @@ void main() {
         const uint t = R / G, h = g * G + R % G;
         if (SPLIT) {
             const uint base = ((split * p.T + t) * H + h) * (DH + 2u);
-            outp[base + d] = acc[k];
+            partial[base + d] = acc[k];
             if (d == 0u) {
-                outp[base + DH] = sM[r];
-                outp[base + DH + 1u] = sL[r];
+                partial[base + DH] = sM[r];
+                partial[base + DH + 1u] = sL[r];
             }
         } else {
             const float l = sL[r];

@@ -5,7 +5,7 @@
 // ADD a+b, MUL a*b, ADD_SCALED a + alpha*b. Unary ops (b unused): SCALE alpha*a, SILU a*sigma(a),
 // SIGMOID 1/(1+e^-a), SOFTPLUS ln(1+e^a) (a when a > 20). In place (y aliasing a or b, same view)
 // is allowed: each element is read and written by the same invocation.
-// Buffers: 0 a (f32), 1 b (f32), 2 y (f32). Offsets/strides in elements; alpha as f32 bits.
+// Buffers: 0 a (f32), 1 b (f32), 2 y (f32). Offsets/strides in elements.
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"
 
@@ -19,11 +19,10 @@ layout(std430, binding = 2) buffer Y { float y[]; };
 layout(push_constant) uniform P {
     uint n_cols; uint n_rows;
     uint a_off; uint a_stride; uint b_off; uint b_stride; uint y_off; uint y_stride;
-    uint alpha_bits;
+    float alpha;
 } p;
 
 void main() {
-    float alpha = uintBitsToFloat(p.alpha_bits);
     uint n = p.n_cols * p.n_rows;
     uint step = gl_NumWorkGroups.x * gl_WorkGroupSize.x;
     for (uint i = gl_GlobalInvocationID.x; i < n; i += step) {
@@ -32,8 +31,8 @@ void main() {
         float v;
         if (OP == OP_ADD) v = x + b[p.b_off + r * p.b_stride + c];
         else if (OP == OP_MUL) v = x * b[p.b_off + r * p.b_stride + c];
-        else if (OP == OP_ADD_SCALED) v = x + alpha * b[p.b_off + r * p.b_stride + c];
-        else if (OP == OP_SCALE) v = alpha * x;
+        else if (OP == OP_ADD_SCALED) v = x + p.alpha * b[p.b_off + r * p.b_stride + c];
+        else if (OP == OP_SCALE) v = p.alpha * x;
         else if (OP == OP_SILU) v = silu(x);
         else if (OP == OP_SIGMOID) v = sigmoid(x);
         else v = softplus(x);  // OP_SOFTPLUS

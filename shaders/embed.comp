@@ -1,14 +1,14 @@
 #version 450
 // Embedding row gather (MODEL.md §5.1 E1): y[y_off + t*y_stride + e] = table[ids[ids_off + t]][e]
-// for t < n_tokens, e < d, decoding the table row on the fly (TYPE = GGML type id: F32, F16, Q8_0,
-// Q4_K, Q6_K; layouts in common/quant.glsl). The table starts at word table_off of its buffer, rows
-// of row_bytes each. An id outside [0, n_vocab) yields a NaN row (never an out-of-bounds read).
+// for t < n_tokens, e < d, decoding the table row on the fly (TABLE_TYPE = GGML type id: F32,
+// F16, Q8_0, Q4_K, Q6_K; layouts in common/quant.glsl). The table starts at word table_off of
+// its buffer, rows of row_bytes each. An id outside [0, n_vocab) yields a NaN row (never an out-of-bounds read).
 // Buffers: 0 ids (int32), 1 table (raw bytes as uint), 2 y (f32).
 // Grid: x strides over the d elements of a row, y over tokens.
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"
 
-layout(constant_id = 1) const uint TYPE = 0;
+layout(constant_id = 1) const uint TABLE_TYPE = 0;
 
 layout(std430, binding = 0) readonly buffer Ids { int ids[]; };
 layout(std430, binding = 1) readonly buffer T { uint table[]; };
@@ -21,10 +21,10 @@ layout(push_constant) uniform P {
 #include "common/quant.glsl"
 
 float decode(uint row, uint e) {
-    if (TYPE == GGML_TYPE_F32) return dequant_f32(row, e);
-    if (TYPE == GGML_TYPE_F16) return dequant_f16(row, e);
-    if (TYPE == GGML_TYPE_Q8_0) return dequant_q8_0(row + (e / Q8_0_ELEMS) * Q8_0_BYTES, e % Q8_0_ELEMS);
-    if (TYPE == GGML_TYPE_Q4_K) return dequant_q4_k(row + (e / Q4_K_ELEMS) * Q4_K_BYTES, e % Q4_K_ELEMS);
+    if (TABLE_TYPE == GGML_TYPE_F32) return dequant_f32(row, e);
+    if (TABLE_TYPE == GGML_TYPE_F16) return dequant_f16(row, e);
+    if (TABLE_TYPE == GGML_TYPE_Q8_0) return dequant_q8_0(row + (e / Q8_0_ELEMS) * Q8_0_BYTES, e % Q8_0_ELEMS);
+    if (TABLE_TYPE == GGML_TYPE_Q4_K) return dequant_q4_k(row + (e / Q4_K_ELEMS) * Q4_K_BYTES, e % Q4_K_ELEMS);
     return dequant_q6_k(row + (e / Q6_K_ELEMS) * Q6_K_BYTES, e % Q6_K_ELEMS);  // GGML_TYPE_Q6_K
 }
 

@@ -23,9 +23,10 @@
 // Buffers (f32): 0 c [T rows, stride c_stride: q (n_k·S) | k (n_k·S) | v (n_v·S)], 1 beta and
 // 2 g [T rows × n_v], 3 state [n_v, S, S] from st_off (read, then written in place), 4 o [T rows ×
 // n_v·S], 5 slots [n_slots, n_v, S, S] from sl_off. Offsets and strides in elements.
-// RAW_GATES: buffers 1 and 2 hold the raw projections b, a instead, and β = σ(b), g =
-// softplus(a + dt_bias[j])·ssm_a[j] (G2, G3, as shaders/gdn_gates.comp) are computed where read,
-// with 6 dt_bias [n_v] from dt_off and 7 ssm_a [n_v] from sa_off (any buffers otherwise).
+// RAW_GATES: β = σ(b), g = softplus(a + dt_bias[j])·ssm_a[j] (G2, G3, as shaders/gdn_gates.comp)
+// are computed where read from the raw projections 8 b and 9 a [T rows × n_v] (b_off, b_stride,
+// a_off, a_stride), 6 dt_bias [n_v] from dt_off and 7 ssm_a [n_v] from sa_off; buffers 1 and 2
+// are then unused, as 6-9 are otherwise (any buffers).
 // Shared memory is one array of SH floats (host-computed per mode), carved into regions below.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
@@ -48,17 +49,18 @@ layout(std430, binding = 4) buffer Ob { float o[]; };
 layout(std430, binding = 5) writeonly buffer Sl { float sl[]; };
 layout(std430, binding = 6) readonly buffer Dt { float dt_bias[]; };
 layout(std430, binding = 7) readonly buffer Sa { float ssm_a[]; };
+layout(std430, binding = 8) readonly buffer Braw { float b_raw[]; };
+layout(std430, binding = 9) readonly buffer Araw { float a_raw[]; };
 layout(push_constant) uniform P {
     uint n_k; uint n_v; uint T;
     uint c_off; uint c_stride; uint beta_off; uint beta_stride; uint g_off; uint g_stride;
-    uint st_off; uint o_off; uint o_stride; uint sl_off; uint n_slots; uint eps_bits;
-    uint dt_off; uint sa_off;
+    uint st_off; uint o_off; uint o_stride; uint sl_off; uint n_slots; float eps;
+    uint dt_off; uint sa_off; uint b_off; uint b_stride; uint a_off; uint a_stride;
 } p;
 
 shared float sh[SH];
 
 uint j, b0, kh;  // v-head, first value column, key head π(j)
-float eps;
 
 uint q_col(uint a) { return p.c_off + kh * S + a; }
 uint k_col(uint a) { return p.c_off + (p.n_k + kh) * S + a; }
@@ -67,13 +69,12 @@ uint st_idx(uint a, uint b) { return p.st_off + (j * S + a) * S + b0 + b; }
 
 // β and g of token t for head j: as stored, or from the raw projections (RAW_GATES).
 float beta_at(uint t) {
-    float v = beta[p.beta_off + t * p.beta_stride + j];
-    return RAW_GATES ? sigmoid(v) : v;
+    if (RAW_GATES) return sigmoid(b_raw[p.b_off + t * p.b_stride + j]);
+    return beta[p.beta_off + t * p.beta_stride + j];
 }
 float g_at(uint t) {
-    float v = gg[p.g_off + t * p.g_stride + j];
-    if (!RAW_GATES) return v;
-    float x = v + dt_bias[p.dt_off + j];
+    if (!RAW_GATES) return gg[p.g_off + t * p.g_stride + j];
+    float x = a_raw[p.a_off + t * p.a_stride + j] + dt_bias[p.dt_off + j];
     return softplus(x) * ssm_a[p.sa_off + j];
 }
 
@@ -115,8 +116,8 @@ void step_mode() {
             qq += sh[RD + 3 * i + 1];
             kq += sh[RD + 3 * i + 2];
         }
-        float rk = 1.0 / sqrt(kk + eps);
-        float rq = 1.0 / sqrt(qq + eps) / sqrt(float(S));
+        float rk = 1.0 / sqrt(kk + p.eps);
+        float rq = 1.0 / sqrt(qq + p.eps) / sqrt(float(S));
         float kq_hat = kq * rk * rq;
         float r1 = 0.0, r2 = 0.0;
         for (uint r = 0; r < ROWS; ++r) {
@@ -176,7 +177,7 @@ void chunk_mode() {
             uint base = tid < n ? KR + tid * S : QR + (tid - n) * S;
             float ss = 0.0;
             for (uint a = 0; a < S; ++a) ss += sh[base + a] * sh[base + a];
-            float r = 1.0 / sqrt(ss + eps);
+            float r = 1.0 / sqrt(ss + p.eps);
             if (tid >= n) r /= sqrt(float(S));
             for (uint a = 0; a < S; ++a) sh[base + a] *= r;
         }
@@ -482,7 +483,6 @@ void main() {
     j = gl_WorkGroupID.x / slices;
     b0 = (gl_WorkGroupID.x % slices) * BW;
     kh = GROUPED == 1 ? j / (p.n_v / p.n_k) : j % p.n_k;
-    eps = uintBitsToFloat(p.eps_bits);
     if (MODE == 0) step_mode();
     else if (MODE == 1) chunk_mode();
     else matrix_mode();

@@ -19,18 +19,17 @@ layout(std430, binding = 3) buffer Y { float y[]; };
 layout(push_constant) uniform P {
     uint S; uint n_v; uint T;
     uint o_off; uint o_stride; uint z_off; uint z_stride; uint w_off; uint y_off; uint y_stride;
-    uint eps_bits;
+    float eps;
 } p;
 
 void main() {
-    float eps = uintBitsToFloat(p.eps_bits);
     for (uint k = gl_WorkGroupID.x; k < p.T * p.n_v; k += gl_NumWorkGroups.x) {
         uint t = k / p.n_v, j = k - t * p.n_v;
         uint ob = p.o_off + t * p.o_stride + j * p.S, zb = p.z_off + t * p.z_stride + j * p.S;
         uint yb = p.y_off + t * p.y_stride + j * p.S;
         float ss = 0.0;
         for (uint i = gl_LocalInvocationID.x; i < p.S; i += gl_WorkGroupSize.x) ss += o[ob + i] * o[ob + i];
-        float r = 1.0 / sqrt(wg_sum(ss) / float(p.S) + eps);
+        float r = 1.0 / sqrt(wg_sum(ss) / float(p.S) + p.eps);
         for (uint i = gl_LocalInvocationID.x; i < p.S; i += gl_WorkGroupSize.x) {
             float zi = z[zb + i];
             float gate = sigmoid(zi);

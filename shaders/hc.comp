@@ -9,7 +9,7 @@
 //   ROW_AXPY      y[t, c·d+i] += a[t, c] · b[t, i]   (the unfused combine's last step: a = gate)
 //   BROADCAST (H0) y[t, c·d+i] = b[t, i] for every stream c   (a unused)
 // Buffers: 0 a, 1 b, 2 y (f32). Push: n, n_rows, hc, then off/stride (elements) of a, b, y, then
-// the bits of 1/hc rounded to f32: every ÷hc above is a product with it (as in mul_mat_vec.comp
+// inv_hc = 1/hc rounded to f32: every ÷hc above is a product with it (as in mul_mat_vec.comp
 // MODE 2 and norm.comp COMBINE), so the fused paths agree bit for bit on any driver.
 // In COMBINE/ROW_AXPY each y element is read and written by one invocation; PRE may be in place.
 #extension GL_GOOGLE_include_directive : require
@@ -23,19 +23,18 @@ layout(std430, binding = 1) buffer B { float b[]; };
 layout(std430, binding = 2) buffer Y { float y[]; };
 layout(push_constant) uniform P {
     uint n; uint n_rows; uint hc;
-    uint a_off; uint a_stride; uint b_off; uint b_stride; uint y_off; uint y_stride; uint inv_bits;
+    uint a_off; uint a_stride; uint b_off; uint b_stride; uint y_off; uint y_stride; float inv_hc;
 } p;
 
 
 void main() {
-    float inv = uintBitsToFloat(p.inv_bits);  // 1/hc
     uint total = p.n * p.n_rows;
     uint step = gl_NumWorkGroups.x * gl_WorkGroupSize.x;
     for (uint k = gl_GlobalInvocationID.x; k < total; k += step) {
         uint t = k / p.n, i = k - t * p.n;
         uint ar = p.a_off + t * p.a_stride, br = p.b_off + t * p.b_stride, yr = p.y_off + t * p.y_stride;
         if (MODE == MODE_PRE) {
-            float x = a[ar + i] * inv;  // 1/hc before the silu
+            float x = a[ar + i] * p.inv_hc;  // 1/hc before the silu
             y[yr + i] = x * sigmoid(x);
         } else if (MODE == MODE_MIX) {
             precise float u = 0.0;
@@ -43,14 +42,14 @@ void main() {
                 precise float gx = sigmoid(a[ar + c * p.n + i]) * b[br + c * p.n + i];
                 u = c == 0 ? gx : u + gx;
             }
-            y[yr + i] = u * inv;  // mean, not sum
+            y[yr + i] = u * p.inv_hc;  // mean, not sum
         } else if (MODE == MODE_BROADCAST) {
             float bi = b[br + i];
             for (uint c = 0; c < p.hc; ++c) y[yr + c * p.n + i] = bi;
         } else {
             float bi = b[br + i];
             for (uint c = 0; c < p.hc; ++c) {
-                precise float s = MODE == MODE_COMBINE ? 2.0 * sigmoid(a[ar + c] * inv) : a[ar + c];
+                precise float s = MODE == MODE_COMBINE ? 2.0 * sigmoid(a[ar + c] * p.inv_hc) : a[ar + c];
                 precise float v = s * bi;
                 y[yr + c * p.n + i] += v;
             }

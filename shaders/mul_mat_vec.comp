@@ -30,20 +30,25 @@
 //   MODE 2 (hyper-connection up + mix, NSTACK = HC = hc, constant_id 7): x = ℓ_pre, each loaded
 //     element becomes ℓ = silu(ℓ_pre · (1/hc)) (hc.comp PRE) before the dots, s_c = W_up[c·d + r]·ℓ
 //     (d = n_out), u[n, r] = (Σ_c σ(s_c) · X[n, c·d + r]) · (1/hc) (hc.comp MIX, streams in order);
-//     1/hc is the f32-rounded reciprocal in p.scale, as in hc.comp, so the two agree bit for bit.
-//     X comes through the mul binding (3) at X[n, j] = mul[mul_off + n*res_off + j]: res_off is
-//     X's row stride in this mode (res is unused).
+//     1/hc is the f32-rounded reciprocal in p.inv_hc, as in hc.comp, so the two agree bit for bit.
+//     The streams X are buffer 6 at X[n, j] = streams[streams_off + n*streams_stride + j].
 //   MODE 3 (MoE output, NSTACK = 1, TOPK = k at constant_id 8): W is the shared expert's down
 //     projection and the store is moe_combine.comp's (M4): y[n, r] = Σ_{j<k} ys[n·k + j, r] (slot
-//     order) + σ(g[n])·acc, with ys through the res binding (4) at res_off + row·y_stride and
-//     the shared gate logit g through the bias binding (2) at bias_off + n·mul_off (mul_off is
-//     g's row stride in this mode; mul is unused).
+//     order) + σ(g[n])·acc, with ys buffer 7 at ys_off + row·y_stride (y's row stride) and the
+//     shared gate logits g buffer 8 at gate_off + n·gate_stride.
+// Buffers beyond common/mm.glsl's: 6 streams (MODE 2), 7 ys, 8 gate (MODE 3) (f32; any buffer in
+// the other modes). The fused modes use none of the epilogue's (bias, mul, res, scale).
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"
 #extension GL_EXT_control_flow_attributes : require
 #define QUANT_BINDING 0
 #include "common/quant.glsl"
+#define MM_PUSH_MORE uint streams_off; uint streams_stride; float inv_hc; uint ys_off; uint gate_off; uint gate_stride;
 #include "common/mm.glsl"
+
+layout(std430, binding = 6) readonly buffer Streams { float streams[]; };
+layout(std430, binding = 7) readonly buffer Ys { float ys[]; };
+layout(std430, binding = 8) readonly buffer Gate { float gate[]; };
 
 layout(constant_id = 2) const uint NDEC = 1;    // weight rows decoded by a workgroup
 layout(constant_id = 3) const uint NPLAIN = 1;  // x columns dotted with each decoded row
@@ -75,17 +80,17 @@ void store(uint i, uint r, uint n) {
         y[p.y_off + n * p.y_stride + r] = v;
     } else if (MODE == MODE_MOE) {
         precise float v = 0.0;
-        for (uint j = 0u; j < TOPK; ++j) v += res[p.res_off + (n * TOPK + j) * p.y_stride + r];
-        v += sigmoid(bias[p.bias_off + n * p.mul_off]) * row_sum(i);
+        for (uint j = 0u; j < TOPK; ++j) v += ys[p.ys_off + (n * TOPK + j) * p.y_stride + r];
+        v += sigmoid(gate[p.gate_off + n * p.gate_stride]) * row_sum(i);
         y[p.y_off + n * p.y_stride + r] = v;
     } else {
-        const uint xr = p.mul_off + n * p.res_off + r;
+        const uint xr = p.streams_off + n * p.streams_stride + r;
         precise float u = 0.0;
         for (uint c = 0u; c < HC; ++c) {
-            precise float gx = sigmoid(row_sum(c * M + i)) * mulv[xr + c * p.n_out];
+            precise float gx = sigmoid(row_sum(c * M + i)) * streams[xr + c * p.n_out];
             u = c == 0u ? gx : u + gx;
         }
-        y[p.y_off + n * p.y_stride + r] = u * p.scale;  // mean, not sum: p.scale = 1/hc
+        y[p.y_off + n * p.y_stride + r] = u * p.inv_hc;  // mean, not sum
     }
 }
 
@@ -111,7 +116,7 @@ void main() {
             if (MODE == MODE_HC) {
                 for (uint q = 0u; q < 8u; ++q) {
                     for (uint e = 0u; e < 4u; ++e) {
-                        const float a = xg[q][e] * p.scale;  // ℓ = silu(ℓ_pre · (1/hc))
+                        const float a = xg[q][e] * p.inv_hc;  // ℓ = silu(ℓ_pre · (1/hc))
                         xg[q][e] = a * sigmoid(a);
                     }
                 }

@@ -4,11 +4,11 @@
 //   MODE 1 L2:   y = x / sqrt(sum(x^2) + eps) * post (* gamma)
 // A row r of n_groups*n values is n_groups groups of n, each normalised on its own (grouped
 // RMSNorm of a wide HC vector, MODEL.md §2); group c of row r starts at x_off + r*x_stride + c*n.
-// gamma (if HAS_GAMMA) spans the whole row: element c*n + i uses gamma[g_off + c*n + i].
-// COMBINE (HC, MODEL.md H6 then H1): first x[r, c*n + i] += 2σ(iota[r, c] · inv) · b[r, i] in
-// place (hc.comp COMBINE's formula; inv = 1/n_groups rounded to f32, pushed), then the norm of the
-// updated group; one dispatch for a Combine and the next Mix's grouped RMSNorm. Each x element is
-// updated and re-read by one invocation (both loops walk i the same way).
+// gamma (if HAS_GAMMA) spans the whole row: element c*n + i uses gamma[gamma_off + c*n + i].
+// COMBINE (HC, MODEL.md H6 then H1): first x[r, c*n + i] += 2σ(iota[r, c] · inv_groups) ·
+// b[r, i] in place (hc.comp COMBINE's formula; inv_groups = 1/n_groups rounded to f32, pushed),
+// then the norm of the updated group; one dispatch for a Combine and the next Mix's grouped
+// RMSNorm. Each x element is updated and re-read by one invocation (both loops walk i the same way).
 // ROPE (attention q/k, MODEL.md A2 then A3): the normalised row (a head vector; n_groups = 1) is
 // rotated by NeoX partial RoPE exactly as shaders/rope.comp (row r = t*n_heads + h at position
 // pos[pos_off + t]); outputs go through shared memory first, so y may alias x. Dh ≤ MAX_DH.
@@ -23,8 +23,8 @@
 // longer groups (and ROPE) take the plain loops. Both sum in the same order.
 // Buffers: 0 x (f32), 1 gamma (f32; any buffer when unused), 2 y (f32; may alias x, same view,
 // except with COMBINE), 3 iota, 4 b (f32; any buffer when not COMBINE), 5 pos (int32; any
-// buffer when not ROPE), 6 w_inj from w_off, 7 ι out at o_off + r*o_stride, 8 cnt and P (6-8: any
-// buffer when not INJECT).
+// buffer when not ROPE), 6 w_inj from w_inj_off, 7 ι out at iota_out_off + r*iota_out_stride,
+// 8 cnt and P (6-8: any buffer when not INJECT).
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"
 #include "common/reduce.glsl"
@@ -48,11 +48,11 @@ layout(std430, binding = 7) writeonly buffer Io { float iota_out[]; };
 layout(std430, binding = 8) coherent buffer Part { uint part[]; };
 layout(push_constant) uniform P {
     uint n; uint n_groups; uint n_rows;
-    uint x_off; uint x_stride; uint y_off; uint y_stride; uint g_off;
-    uint eps_bits; uint post_bits;
-    uint i_off; uint i_stride; uint b_off; uint b_stride;
-    uint n_heads; uint n_rot; uint pos_off; uint theta_bits;
-    uint w_off; uint o_off; uint o_stride; uint inv_bits;
+    uint x_off; uint x_stride; uint y_off; uint y_stride; uint gamma_off;
+    float eps; float post;
+    uint iota_off; uint iota_stride; uint b_off; uint b_stride;
+    uint n_heads; uint n_rot; uint pos_off; float theta;
+    uint w_inj_off; uint iota_out_off; uint iota_out_stride; float inv_groups;
 } p;
 
 shared float rotated[ROPE ? MAX_DH : 1u];
@@ -66,20 +66,19 @@ float normed(uint xb, uint g0, uint i, float s) {
 
 // COMBINE's stream weight 2σ(ι[r, c]·(1/n_groups)).
 float combine_weight(uint r, uint c) {
-    precise float s = 2.0 * sigmoid(iota[p.i_off + r * p.i_stride + c] * uintBitsToFloat(p.inv_bits));
+    precise float s = 2.0 * sigmoid(iota[p.iota_off + r * p.iota_stride + c] * p.inv_groups);
     return s;
 }
 
 // The factor that normalises a group whose squares sum (over the workgroup) to ss.
 float norm_factor(float ss) {
-    float eps = uintBitsToFloat(p.eps_bits), post = uintBitsToFloat(p.post_bits);
-    return post / sqrt((MODE == 0 ? ss / float(p.n) : ss) + eps);
+    return p.post / sqrt((MODE == 0 ? ss / float(p.n) : ss) + p.eps);
 }
 
 // inj[o] += w_inj[o, col] · v for each of the row's n_groups inject rows (unrolled: inj stays in registers).
 void add_inject(inout float inj[MAX_HC], uint col, float v) {
     [[unroll]] for (uint o = 0u; o < MAX_HC; ++o) {
-        if (o < p.n_groups) inj[o] += w_inj[p.w_off + o * p.n_groups * p.n + col] * v;
+        if (o < p.n_groups) inj[o] += w_inj[p.w_inj_off + o * p.n_groups * p.n + col] * v;
     }
 }
 
@@ -87,7 +86,7 @@ void add_inject(inout float inj[MAX_HC], uint col, float v) {
 void norm_group_cached(uint r, uint c, inout float inj[MAX_HC]) {
     const uint tid = gl_LocalInvocationID.x, wgs = gl_WorkGroupSize.x;
     uint xb = p.x_off + r * p.x_stride + c * p.n, yb = p.y_off + r * p.y_stride + c * p.n;
-    uint bb = p.b_off + r * p.b_stride, g0 = p.g_off + c * p.n;
+    uint bb = p.b_off + r * p.b_stride, g0 = p.gamma_off + c * p.n;
     float v[PER], bk[PER], gk[PER];
     [[unroll]] for (uint k = 0u; k < PER; ++k) {  // every load first
         uint i = min(tid + k * wgs, p.n - 1u);
@@ -138,16 +137,15 @@ void norm_group(uint r, uint c, inout float inj[MAX_HC]) {
     }
     for (uint i = gl_LocalInvocationID.x; i < p.n; i += gl_WorkGroupSize.x) ss += x[xb + i] * x[xb + i];
     const float s = norm_factor(wg_sum(ss));
-    uint g0 = p.g_off + c * p.n;
+    uint g0 = p.gamma_off + c * p.n;
     if (ROPE) {
         uint half_rot = p.n_rot / 2u;
-        float theta = uintBitsToFloat(p.theta_bits);
         float pt = float(pos[p.pos_off + r / p.n_heads]);
         for (uint i = gl_LocalInvocationID.x; i < p.n; i += gl_WorkGroupSize.x) {
             float v = normed(xb, g0, i, s);
             if (i < p.n_rot) {
                 uint j = i % half_rot;
-                float phi = pt * pow(theta, -2.0 * float(j) / float(p.n_rot));
+                float phi = pt * pow(p.theta, -2.0 * float(j) / float(p.n_rot));
                 float cs = cos(phi), sn = sin(phi);
                 float x0 = i < half_rot ? v : normed(xb, g0, j, s);
                 float x1 = i < half_rot ? normed(xb, g0, j + half_rot, s) : v;
@@ -189,7 +187,7 @@ void inject_partials(uint r, uint c, float inj[MAX_HC]) {
         if (tid < ng) {
             float s = 0.0;
             for (uint c2 = 0u; c2 < ng; ++c2) s += uintBitsToFloat(part[pb + c2 * ng + tid]);
-            iota_out[p.o_off + r * p.o_stride + tid] = s;
+            iota_out[p.iota_out_off + r * p.iota_out_stride + tid] = s;
         }
         if (tid == 0u) part[r] = 0u;
     }

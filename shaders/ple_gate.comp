@@ -16,7 +16,7 @@ layout(std430, binding = 4) writeonly buffer V { float v[]; };
 layout(push_constant) uniform P {
     uint d; uint hc; uint n_rows;
     uint k_off; uint k_stride; uint q_off; uint q_stride; uint vp_off; uint vp_stride;
-    uint l_off; uint l_stride; uint v_off; uint v_stride;
+    uint lam_off; uint lam_stride; uint v_off; uint v_stride;
 } p;
 
 void main() {
@@ -28,7 +28,7 @@ void main() {
         for (uint i = gl_LocalInvocationID.x; i < p.d; i += gl_WorkGroupSize.x) acc += kt[kb + i] * qt[qb + i];
         const float s = wg_sum(acc) / sqrt(float(p.d));
         const float g = sigmoid(sign(s) * sqrt(max(abs(s), 1e-6)));
-        if (gl_LocalInvocationID.x == 0u) lam[p.l_off + t * p.l_stride + c] = g;
+        if (gl_LocalInvocationID.x == 0u) lam[p.lam_off + t * p.lam_stride + c] = g;
         const uint vb = p.v_off + t * p.v_stride + c * p.d, pb = p.vp_off + t * p.vp_stride;
         for (uint i = gl_LocalInvocationID.x; i < p.d; i += gl_WorkGroupSize.x) v[vb + i] = g * vp[pb + i];
     }

@@ -21,7 +21,7 @@ layout(std430, binding = 2) readonly buffer Gain { float gain[]; };
 layout(std430, binding = 3) writeonly buffer Summary { float summary[]; };
 
 layout(push_constant) uniform P {
-    uint param_off; uint r; uint n_blocks; uint n_rot; uint eps_bits; uint theta_bits; uint repool;
+    uint param_off; uint r; uint n_blocks; uint n_rot; float eps; float theta; uint repool;
 } p;
 
 shared float sP[DH];
@@ -44,16 +44,15 @@ void pool_row(uint b, uint tid, uint WG) {
         if (tid < w) sSum[tid] += sSum[tid + w];
         barrier();
     }
-    const float inv_rms = 1.0 / sqrt(sSum[0] / float(DH) + uintBitsToFloat(p.eps_bits));
+    const float inv_rms = 1.0 / sqrt(sSum[0] / float(DH) + p.eps);
     for (uint d = tid; d < DH; d += WG) sP[d] = sP[d] * inv_rms * gain[d];
     barrier();
     const uint half_rot = p.n_rot / 2u;
-    const float theta = uintBitsToFloat(p.theta_bits);
     for (uint d = tid; d < DH; d += WG) {
         float y = sP[d];
         if (d < p.n_rot) {
             const uint i = d % half_rot;
-            const float phi = float(b * p.r) * pow(theta, -2.0 * float(i) / float(p.n_rot));
+            const float phi = float(b * p.r) * pow(p.theta, -2.0 * float(i) / float(p.n_rot));
             const float c = cos(phi), s = sin(phi);
             y = d < half_rot ? sP[d] * c - sP[d + half_rot] * s : sP[d] * c + sP[d - half_rot] * s;
         }

@@ -11,12 +11,13 @@
 // (score bits, ~b), so any kb and any nb work (no 1024 limit) and ties go to the lower block
 // index. Scores are >= 0 (sums of relu); a -0.0 counts as 0.
 // Output, by spec LIST:
-//   LIST=1: the sorted cell list out[o_off + t*o_row + i] (selected blocks' cells in ascending
+//   LIST=1: the sorted cell list cell_list[list_off + t*list_row + i] (selected blocks' cells in ascending
 //           block order, then the tail) and gp[gp_off + 2t] = t_pos, gp[gp_off + 2t + 1] = count,
 //           ready as the params and CellList of a gathered attn_flash (decode).
-//   LIST=0: bit rows for a masked attn_flash: bit j of out[o_off + t*o_row + j/32] = (j selected),
-//           for the words j < t_pos + 1 covers (the attention never looks further).
-// One workgroup per query. Buffers: 0 params (int32), 1 scores (f32), 2 gp (int32), 3 out (uint).
+//   LIST=0: bit rows for a masked attn_flash: bit j of bit_rows[bits_off + t*bits_row + j/32] =
+//           (j selected), for the words j < t_pos + 1 covers (the attention never looks further).
+// One workgroup per query. Buffers: 0 params (int32), 1 scores (f32), 2 gp (int32), 3 cell_list
+// (uint), 4 bit_rows (uint); 2 and 3 are unused when LIST=0, 4 when LIST=1.
 // Spec: 1 LIST, 2 CELL.
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"
@@ -27,10 +28,12 @@ layout(constant_id = 2) const uint CELL = 0;
 layout(std430, binding = 0) readonly buffer Params { int params[]; };
 layout(std430, binding = 1) readonly buffer Scores { float scores[]; };
 layout(std430, binding = 2) writeonly buffer GP { int gp[]; };
-layout(std430, binding = 3) coherent buffer Out { uint outp[]; };
+layout(std430, binding = 3) writeonly buffer List { uint cell_list[]; };
+layout(std430, binding = 4) coherent buffer Bits { uint bit_rows[]; };
 
 layout(push_constant) uniform P {
-    uint param_off; uint r; uint kb; uint W; uint s_off; uint s_row; uint o_off; uint o_row; uint gp_off;
+    uint param_off; uint r; uint kb; uint W; uint s_off; uint s_row; uint list_off; uint list_row; uint gp_off;
+    uint bits_off; uint bits_row;
 } p;
 
 shared uint hist[256];
@@ -45,22 +48,22 @@ uint key_hi(uint b, uint t) {
 }
 
 void set_cell(uint j, uint t) {
-    if (LIST == 0u) atomicOr(outp[p.o_off + t * p.o_row + (j >> 5)], 1u << (j & 31u));
+    if (LIST == 0u) atomicOr(bit_rows[p.bits_off + t * p.bits_row + (j >> 5)], 1u << (j & 31u));
 }
 
 void main() {
     const uint tid = gl_LocalInvocationID.x, WG = gl_WorkGroupSize.x, t = gl_WorkGroupID.x;
     const uint t_pos = uint(params[p.param_off]) + t;
     const uint n_cells = t_pos + 1u;
-    const uint row = p.o_off + t * p.o_row;
+    const uint row = p.list_off + t * p.list_row;
     if (LIST == 0u) {
-        for (uint w = tid; w < (n_cells + 31u) / 32u; w += WG) outp[row + w] = 0u;
+        for (uint w = tid; w < (n_cells + 31u) / 32u; w += WG) bit_rows[p.bits_off + t * p.bits_row + w] = 0u;
         memoryBarrierBuffer();
         barrier();
     }
     if (n_cells <= p.W) {  // (Q6) exactly dense
         for (uint j = tid; j < n_cells; j += WG) {
-            if (LIST != 0u) outp[row + j] = j; else set_cell(j, t);
+            if (LIST != 0u) cell_list[row + j] = j; else set_cell(j, t);
         }
         if (LIST != 0u && tid == 0u) {
             gp[p.gp_off + 2u * t] = int(t_pos);
@@ -121,11 +124,11 @@ void main() {
         }
         barrier();
         const uint first = sub_tot[gl_SubgroupID] + incl - f;  // cells before block b
-        for (uint i = 0u; i < f; ++i) outp[row + first + i] = b * p.r + i;
+        for (uint i = 0u; i < f; ++i) cell_list[row + first + i] = b * p.r + i;
         barrier();
     }
     for (uint i = tid; i < tail; i += WG) {
-        if (LIST != 0u) outp[row + n_blk_cells + i] = nb * p.r + i; else set_cell(nb * p.r + i, t);
+        if (LIST != 0u) cell_list[row + n_blk_cells + i] = nb * p.r + i; else set_cell(nb * p.r + i, t);
     }
     if (LIST != 0u && tid == 0u) {
         gp[p.gp_off + 2u * t] = int(t_pos);

@@ -2,6 +2,7 @@
 //   y[n, r] = epilogue(Σ_k W[r, k] · x[n, k], r, n)   for r < n_out weight rows, n < n_tok tokens.
 // Buffers: 0 W (raw GGML blocks, declared by common/quant.glsl), 1 x (f32), 2 bias (f32),
 // 3 mul (f32), 4 res (f32), 5 y (f32). Unused epilogue buffers are bound to any buffer (x).
+// A kernel with more push constants defines MM_PUSH_MORE (members appended after `scale`).
 // Addresses (elements): W row r is weight row w_row0 + r (an expert stack {K, out, E} addresses
 // expert e with w_row0 = e*out; a MoE kernel may instead compute it from an ids buffer);
 // x[n, k] = x[x_off + n*x_stride + k] (x_off, x_stride multiples of 4); y[n, r] = y[y_off +
@@ -25,10 +26,14 @@ layout(std430, binding = 3) readonly buffer Mul { float mulv[]; };
 layout(std430, binding = 4) readonly buffer Res { float res[]; };
 layout(std430, binding = 5) writeonly buffer Y { float y[]; };
 
+#ifndef MM_PUSH_MORE
+#define MM_PUSH_MORE
+#endif
 layout(push_constant) uniform P {
     uint K; uint n_out; uint n_tok; uint w_row0;
     uint x_off; uint x_stride; uint y_off; uint y_stride;
     uint bias_off; uint mul_off; uint res_off; float scale;
+    MM_PUSH_MORE
 } p;
 
 // Store output (n, r) after the fused epilogue. `precise` keeps each step separately rounded (no fma contraction), so the

@@ -28,6 +28,7 @@ import numpy as np
 
 from vkflash.errors import DeviceError
 from vkflash.gpu import cost, trace
+from vkflash.gpu.interface import PushConstants, SpecConstants, pack
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops.views import Rows
 
@@ -151,10 +152,11 @@ class Graph:
         self.nodes.append(node)
         self._changed()
 
-    def dispatch(self, kernel: str, buffers: Sequence[Buffer], groups: Sequence[int], push: Sequence[int] = (),
-                 spec: Sequence[int] = (), name: str = "", writes: Sequence[int] | None = None,
-                 desc: str = "", nbytes: int = 0, flops: int = 0) -> Dispatch:
-        """Append a dispatch. `writes` are indices into `buffers` (default: the last one)."""
+    def dispatch(self, kernel: str, buffers: Sequence[Buffer], groups: Sequence[int],
+                 push: PushConstants | Sequence[int] = (), spec: SpecConstants | Sequence[int] = (), name: str = "",
+                 writes: Sequence[int] | None = None, desc: str = "", nbytes: int = 0, flops: int = 0) -> Dispatch:
+        """Append a dispatch. push / spec are the kernel's declared typed constants (plain word lists
+        for a kernel that declares none); `writes` are indices into `buffers` (default: the last one)."""
         from vkflash.gpu.registry import kernel as lookup
 
         k = lookup(kernel)
@@ -166,7 +168,7 @@ class Graph:
             raise ValueError(f"{kernel}: workgroup count {g} outside 1..{lim}")
         w = {len(buffers) - 1} if writes is None else set(writes)
         op = Dispatch(name=name or kernel, kernel=k, buffers=tuple(buffers), groups=g,
-                      push=tuple(int(x) & 0xFFFFFFFF for x in push), spec=tuple(int(x) for x in spec),
+                      push=pack(kernel, k.push, push), spec=pack(kernel, k.spec, spec),
                       written=frozenset(w), desc=desc, nbytes=nbytes, flops=flops)
         if self._sink is not None:
             self._sink.append(op)

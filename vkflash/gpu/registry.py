@@ -15,6 +15,8 @@ from functools import cache
 from typing import Iterator
 
 from vkflash.gpu.device import Capabilities
+from vkflash.gpu.interface import InterfaceError, PushConstants, SpecConstants
+from vkflash.gpu.spirv import Reflection
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,8 @@ class Kernel:
     defines: tuple[tuple[str, str | int], ...] = ()
     local_size: int = 256
     needs: frozenset[str] = field(default_factory=frozenset)  # e.g. {"coopmat_f16", "fp16"}
+    push: type[PushConstants] | None = None  # typed push constants (None: a family not converted yet)
+    spec: type[SpecConstants] | None = None  # typed constant_ids 1, 2, … (likewise)
 
     def usable(self, caps: Capabilities) -> bool:
         """Whether the device offers what this variant needs."""
@@ -37,6 +41,18 @@ class Kernel:
 
     def workgroup(self, caps: Capabilities) -> int:
         return min(self.local_size, caps.max_invocations)
+
+    def check_against(self, r: Reflection) -> None:
+        """Raise InterfaceError unless the declared push and spec constants and the buffer count are
+        what the compiled shader declares (bindings 0..n_buffers-1 of set 0)."""
+        where = f"{self.name} ({self.shader})"
+        if self.push is None or self.spec is None:
+            raise InterfaceError(f"{where}: no typed push/spec constants declared")
+        self.push.check_against(r, where)
+        self.spec.check_against(r, where)
+        bindings = sorted({(b.set, b.binding) for b in r.bindings})
+        if bindings != [(0, i) for i in range(self.n_buffers)]:
+            raise InterfaceError(f"{where}: {self.n_buffers} buffers declared, the shader binds {bindings}")
 
 
 @cache

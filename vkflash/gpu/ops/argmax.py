@@ -7,8 +7,10 @@ be NaN-free.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from vkflash.gpu.interface import PushConstants, SpecConstants, u32
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops.views import F32, Rows
 from vkflash.gpu.registry import Kernel, kernel
@@ -17,7 +19,27 @@ if TYPE_CHECKING:
     from vkflash.gpu.device import Capabilities
     from vkflash.gpu.graph import Graph
 
-KERNELS = [Kernel("argmax", "argmax.comp", 3)]
+
+@dataclass(frozen=True)
+class ArgmaxPush(PushConstants):
+    """argmax.comp's push constants: row length and count, workgroups per row, x view, output offset."""
+
+    n: u32
+    n_rows: u32
+    n_parts: u32
+    x_off: u32
+    x_stride: u32
+    out_off: u32
+
+
+@dataclass(frozen=True)
+class ArgmaxSpec(SpecConstants):
+    """argmax.comp's pass: 0 partial maxima, 1 their reduction."""
+
+    stage: u32
+
+
+KERNELS = [Kernel("argmax", "argmax.comp", 3, push=ArgmaxPush, spec=ArgmaxSpec)]
 MAX_PARTS = 256  # partial results per row: pass 2 is one workgroup over these
 MAX_ROWS = 65535
 
@@ -51,9 +73,9 @@ def argmax(g: "Graph", x: Rows, out: Buffer, out_off: int = 0, scratch: Buffer |
         raise ValueError(f"{name}: {x.n_rows} indices at {out_off} overflow {out.name or 'the output'!r}")
     if scratch is x.buf or scratch is out or out is x.buf:
         raise ValueError(f"{name}: logits, scratch and output must be three different buffers")
-    push = [x.n_cols, x.n_rows, parts, x.off, x.stride, out_off]
+    push = ArgmaxPush(x.n_cols, x.n_rows, parts, x.off, x.stride, out_off)
     desc = f"{x.n_rows}x{x.n_cols}"
-    g.dispatch("argmax", [x.buf, scratch, out], [parts, x.n_rows], push=push, spec=[0], writes=[1],
+    g.dispatch("argmax", [x.buf, scratch, out], [parts, x.n_rows], push=push, spec=ArgmaxSpec(0), writes=[1],
                name=f"{name}.partial", desc=desc, nbytes=F32 * x.size + 8 * parts * x.n_rows)
-    g.dispatch("argmax", [x.buf, scratch, out], [1, x.n_rows], push=push, spec=[1], writes=[2],
+    g.dispatch("argmax", [x.buf, scratch, out], [1, x.n_rows], push=push, spec=ArgmaxSpec(1), writes=[2],
                name=f"{name}.reduce", desc=desc, nbytes=8 * parts * x.n_rows + 4 * x.n_rows)

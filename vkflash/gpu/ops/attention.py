@@ -18,8 +18,9 @@ from gguf import GGMLQuantizationType as Q
 
 from vkflash.formats.quants import dequantize
 from vkflash.gpu.graph import Node
+from vkflash.gpu.interface import PushConstants, SpecConstants, boolean, f32, u32
 from vkflash.gpu.memory import Buffer
-from vkflash.gpu.ops.views import F32, Rows, f32_bits, grid
+from vkflash.gpu.ops.views import F32, Rows, grid
 from vkflash.gpu.registry import Kernel, kernel
 
 if TYPE_CHECKING:
@@ -42,11 +43,94 @@ class CacheType(str, Enum):
         return {"f32": 4 * n, "f16": 2 * n, "q8_0": 34 * (n // 32)}[self.value]
 
 
+@dataclass(frozen=True)
+class AppendPush(PushConstants):
+    """kv_append.comp's push constants: tokens, heads, the source view, positions' offset, cache length,
+    the second source's view."""
+
+    T: u32
+    n_heads: u32
+    src_off: u32
+    src_row: u32
+    pos_off: u32
+    n_ctx: u32
+    src2_off: u32
+    src2_row: u32
+
+
+@dataclass(frozen=True)
+class AppendSpec(SpecConstants):
+    """kv_append.comp's head dim and whether a second (src, cache) pair is appended."""
+
+    dh: u32
+    pair: boolean
+
+
+@dataclass(frozen=True)
+class FlashPush(PushConstants):
+    """attn_flash.comp's push constants (see its header)."""
+
+    T: u32
+    G: u32
+    H_kv: u32
+    kv_rows: u32
+    q_off: u32
+    q_row: u32
+    q_head: u32
+    gate_off: u32
+    gate_row: u32
+    gate_head: u32
+    o_off: u32
+    o_row: u32
+    o_head: u32
+    param_off: u32
+    mask_off: u32
+    mask_stride: u32
+    cell_off: u32
+    n_split: u32
+    scale: f32
+
+
+@dataclass(frozen=True)
+class FlashSpec(SpecConstants):
+    """attn_flash.comp's head dim, row and key tiles, and flags (1 gated, 2 masked, 4 gather, 8 split)."""
+
+    dh: u32
+    br: u32
+    bc: u32
+    flags: u32
+
+
+@dataclass(frozen=True)
+class AttnCombinePush(PushConstants):
+    """attn_combine.comp's push constants: tokens, q heads, splits, the gate and output head views."""
+
+    T: u32
+    H: u32
+    n_split: u32
+    gate_off: u32
+    gate_row: u32
+    gate_head: u32
+    o_off: u32
+    o_row: u32
+    o_head: u32
+
+
+@dataclass(frozen=True)
+class AttnCombineSpec(SpecConstants):
+    """attn_combine.comp's head dim and whether the output is gated."""
+
+    dh: u32
+    gated: u32
+
+
 KERNELS = (
-    [Kernel(f"kv_append_{c.value}", "kv_append.comp", 5, defines=((c.define, 1),), local_size=64) for c in CacheType]
-    + [Kernel(f"attn_flash_{c.value}", "attn_flash.comp", 8, defines=((c.define, 1),), local_size=128)
-       for c in CacheType]
-    + [Kernel("attn_combine", "attn_combine.comp", 3, local_size=64)]
+    [Kernel(f"kv_append_{c.value}", "kv_append.comp", 5, defines=((c.define, 1),), local_size=64,
+            push=AppendPush, spec=AppendSpec) for c in CacheType]
+    + [Kernel(f"attn_flash_{c.value}", "attn_flash.comp", 9, defines=((c.define, 1),), local_size=128,
+              push=FlashPush, spec=FlashSpec) for c in CacheType]
+    + [Kernel("attn_combine", "attn_combine.comp", 3, local_size=64, push=AttnCombinePush,
+              spec=AttnCombineSpec)]
 )
 MAX_GROUPS = 4096  # grid-stride loop of kv_append covers the rest
 
@@ -166,9 +250,9 @@ class KvAppend(Node):
         n_blocks = n_pairs * T * src.n_heads * src.dim // 32
         g.dispatch(kname, [self.params, src.rows.buf, cache.buf, src2.rows.buf, cache2.buf],
                    [grid(n_blocks, wg, MAX_GROUPS)],
-                   push=[T, src.n_heads, src.off, src.rows.stride, self.pos_off, cache.n_ctx, src2.off,
-                         src2.rows.stride],
-                   spec=[src.dim, int(self.second is not None)], writes=[2, 4] if self.second is not None else [2],
+                   push=AppendPush(T, src.n_heads, src.off, src.rows.stride, self.pos_off, cache.n_ctx, src2.off,
+                                   src2.rows.stride),
+                   spec=AppendSpec(src.dim, self.second is not None), writes=[2, 4] if self.second is not None else [2],
                    name=self.name, desc=f"T={T} {n_pairs}x{src.n_heads}x{src.dim} {cache.type.value}",
                    nbytes=n_pairs * T * src.n_heads * (F32 * src.dim + cache.type.row_bytes(src.dim)))
 
@@ -264,22 +348,25 @@ def attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v:
     gv = gate if gate is not None else q
     kname = f"attn_flash_{k.type.value}"
     bufs = [params, q.rows.buf, gv.rows.buf, k.buf, v.buf, mask.buf if mask else k.buf,
-            cells.buf if cells else k.buf, partial if split else out.rows.buf]
-    push = [T, G, H_kv, k.n_ctx, q.off, q.rows.stride, q.head_stride, gv.off, gv.rows.stride, gv.head_stride,
-            out.off, out.rows.stride, out.head_stride, param_off, mask.off if mask else 0, mask.stride if mask else 0,
-            cells.off if cells else 0, n_split, f32_bits(1.0 / np.sqrt(Dh) if scale is None else scale)]
+            cells.buf if cells else k.buf, k.buf if split else out.rows.buf, partial if split else k.buf]
+    push = FlashPush(T, G, H_kv, k.n_ctx, q.off, q.rows.stride, q.head_stride, gv.off, gv.rows.stride,
+                     gv.head_stride, out.off, out.rows.stride, out.head_stride, param_off, mask.off if mask else 0,
+                     mask.stride if mask else 0, cells.off if cells else 0, n_split,
+                     1.0 / np.sqrt(Dh) if scale is None else scale)
     # a graph is recorded once for every position, so its cost is sized for the most keys it may see
     n_keys = cells.capacity if cells is not None else k.n_ctx
     kv_bytes = 2 * n_keys * H_kv * k.type.row_bytes(Dh)
-    g.dispatch(kname, bufs, [-(-T * G // br), H_kv, n_split], push=push, spec=[Dh, br, bc, flags], name=name,
+    g.dispatch(kname, bufs, [-(-T * G // br), H_kv, n_split], push=push, spec=FlashSpec(Dh, br, bc, flags),
+               writes=[8 if split else 7], name=name,
                desc=f"T={T} H={H}/{H_kv} Dh={Dh} {k.type.value} split={n_split}"
                + (" gated" * (gate is not None)) + (" masked" * (mask is not None)) + (" gather" * (cells is not None)),
                nbytes=kv_bytes, flops=4 * T * H * Dh * n_keys)
     if split:
         g.dispatch("attn_combine", [partial, gv.rows.buf, out.rows.buf], [H, T],
-                   push=[T, H, n_split, gv.off, gv.rows.stride, gv.head_stride,
-                         out.off, out.rows.stride, out.head_stride],
-                   spec=[Dh, int(gate is not None)], name=f"{name}.combine", desc=f"T={T} H={H} split={n_split}",
+                   push=AttnCombinePush(T, H, n_split, gv.off, gv.rows.stride, gv.head_stride,
+                                        out.off, out.rows.stride, out.head_stride),
+                   spec=AttnCombineSpec(Dh, gate is not None), name=f"{name}.combine",
+                   desc=f"T={T} H={H} split={n_split}",
                    nbytes=partial_bytes(T, H, Dh, n_split))
 
 

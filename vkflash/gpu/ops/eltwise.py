@@ -12,13 +12,37 @@ from enum import IntEnum
 from typing import TYPE_CHECKING
 
 from vkflash.gpu.graph import Node
-from vkflash.gpu.ops.views import Rows, check_alias, check_same_shape, f32_bits, grid
+from vkflash.gpu.interface import PushConstants, SpecConstants, f32, u32
+from vkflash.gpu.ops.views import Rows, check_alias, check_same_shape, grid
 from vkflash.gpu.registry import Kernel, kernel
 
 if TYPE_CHECKING:
     from vkflash.gpu.graph import Graph
 
-KERNELS = [Kernel("eltwise", "eltwise.comp", 3)]
+
+@dataclass(frozen=True)
+class EltwisePush(PushConstants):
+    """eltwise.comp's push constants: the shape, each view's offset and row stride, alpha."""
+
+    n_cols: u32
+    n_rows: u32
+    a_off: u32
+    a_stride: u32
+    b_off: u32
+    b_stride: u32
+    y_off: u32
+    y_stride: u32
+    alpha: f32
+
+
+@dataclass(frozen=True)
+class EltwiseSpec(SpecConstants):
+    """eltwise.comp's op (Op)."""
+
+    op: u32
+
+
+KERNELS = [Kernel("eltwise", "eltwise.comp", 3, push=EltwisePush, spec=EltwiseSpec)]
 MAX_GROUPS = 4096  # grid-stride loop covers the rest
 
 
@@ -71,9 +95,9 @@ class Eltwise(Node):
         wg = kernel("eltwise").workgroup(g.gpu.caps)
         n = a.size
         g.dispatch("eltwise", [a.buf, bb.buf, y.buf], [grid(n, wg, MAX_GROUPS)],
-                   push=[a.n_cols, a.n_rows, a.off, a.stride, bb.off, bb.stride, y.off, y.stride,
-                         f32_bits(self.alpha)],
-                   spec=[int(self.op)], name=self.name, desc=f"{self.op.name} {a.n_rows}x{a.n_cols}",
+                   push=EltwisePush(a.n_cols, a.n_rows, a.off, a.stride, bb.off, bb.stride, y.off, y.stride,
+                                    self.alpha),
+                   spec=EltwiseSpec(self.op), name=self.name, desc=f"{self.op.name} {a.n_rows}x{a.n_cols}",
                    nbytes=4 * n * (3 if self.op in BINARY else 2))
 
 

@@ -7,11 +7,13 @@ Q8_0, Q4_K, Q6_K, decoded by the element decoders of shaders/common/quant.glsl. 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gguf import GGMLQuantizationType as Q
 
 from vkflash.formats.quant_blocks import BLOCK, row_bytes
+from vkflash.gpu.interface import PushConstants, SpecConstants, u32
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops.views import F32, Rows, grid
 from vkflash.gpu.registry import Kernel, kernel
@@ -19,7 +21,29 @@ from vkflash.gpu.registry import Kernel, kernel
 if TYPE_CHECKING:
     from vkflash.gpu.graph import Graph
 
-KERNELS = [Kernel("embed", "embed.comp", 3)]
+
+@dataclass(frozen=True)
+class EmbedPush(PushConstants):
+    """embed.comp's push constants: row length, tokens, the table (rows, row bytes, word offset), ids and y."""
+
+    d: u32
+    n_tokens: u32
+    n_vocab: u32
+    row_bytes: u32
+    table_off: u32
+    ids_off: u32
+    y_off: u32
+    y_stride: u32
+
+
+@dataclass(frozen=True)
+class EmbedSpec(SpecConstants):
+    """embed.comp's table type (GGML type id)."""
+
+    table_type: u32
+
+
+KERNELS = [Kernel("embed", "embed.comp", 3, push=EmbedPush, spec=EmbedSpec)]
 TABLE_TYPES = (Q.F32, Q.F16, Q.Q8_0, Q.Q4_K, Q.Q6_K)
 MAX_GROUPS_X = 256  # per token row; the grid-stride loop covers longer rows
 MAX_GROUPS_Y = 65535  # tokens; more tokens loop
@@ -47,5 +71,5 @@ def embed(g: "Graph", table: Buffer, qtype: int, n_vocab: int, ids: Buffer, n_to
         raise ValueError(f"{name}: {n_tokens} ids at {ids_off} overflow {ids.name or 'the ids'!r} of {ids.nbytes // 4}")
     wg = kernel("embed").workgroup(g.gpu.caps)
     g.dispatch("embed", [ids, table, y.buf], [grid(d, wg, MAX_GROUPS_X), min(n_tokens, MAX_GROUPS_Y)],
-               push=[d, n_tokens, n_vocab, rb, table_off // 4, ids_off, y.off, y.stride], spec=[int(qt)],
+               push=EmbedPush(d, n_tokens, n_vocab, rb, table_off // 4, ids_off, y.off, y.stride), spec=EmbedSpec(qt),
                name=name, desc=f"{n_tokens}x{d} {qt.name}", nbytes=n_tokens * (rb + F32 * d + 4))

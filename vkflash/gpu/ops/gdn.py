@@ -12,17 +12,126 @@ from enum import IntEnum
 from typing import TYPE_CHECKING
 
 from vkflash.gpu.graph import Node
-from vkflash.gpu.ops.views import F32, Rows, check_alias, check_same_shape, f32_bits, grid
+from vkflash.gpu.interface import PushConstants, SpecConstants, boolean, f32, u32
+from vkflash.gpu.ops.views import F32, Rows, check_alias, check_same_shape, grid
 from vkflash.gpu.registry import Kernel, kernel
 
 if TYPE_CHECKING:
     from vkflash.gpu.graph import Graph
 
+
+@dataclass(frozen=True)
+class ConvPush(PushConstants):
+    """gdn_conv.comp's push constants: channels, tokens, then the m, w, state, c and slots views."""
+
+    C: u32
+    T: u32
+    m_off: u32
+    m_stride: u32
+    w_off: u32
+    st_off: u32
+    c_off: u32
+    c_stride: u32
+    sl_off: u32
+    n_slots: u32
+
+
+@dataclass(frozen=True)
+class ConvSpec(SpecConstants):
+    """gdn_conv.comp's conv taps and tokens per invocation."""
+
+    k: u32
+    tc: u32
+
+
+@dataclass(frozen=True)
+class GatesPush(PushConstants):
+    """gdn_gates.comp's push constants: heads, tokens, then each view's offset (and row stride)."""
+
+    n_v: u32
+    T: u32
+    b_off: u32
+    b_stride: u32
+    a_off: u32
+    a_stride: u32
+    dt_off: u32
+    sa_off: u32
+    beta_off: u32
+    beta_stride: u32
+    g_off: u32
+    g_stride: u32
+
+
+@dataclass(frozen=True)
+class DeltaPush(PushConstants):
+    """gdn_delta.comp's push constants (see its header)."""
+
+    n_k: u32
+    n_v: u32
+    T: u32
+    c_off: u32
+    c_stride: u32
+    beta_off: u32
+    beta_stride: u32
+    g_off: u32
+    g_stride: u32
+    st_off: u32
+    o_off: u32
+    o_stride: u32
+    sl_off: u32
+    n_slots: u32
+    eps: f32
+    dt_off: u32
+    sa_off: u32
+    b_off: u32
+    b_stride: u32
+    a_off: u32
+    a_stride: u32
+
+
+@dataclass(frozen=True)
+class DeltaSpec(SpecConstants):
+    """gdn_delta.comp's variant, head dim, head map, DeltaPlan's layout and whether gates come raw."""
+
+    mode: u32
+    s: u32
+    grouped: u32
+    bw: u32
+    ch: u32
+    rows: u32
+    sh: u32
+    raw_gates: boolean
+
+
+@dataclass(frozen=True)
+class GatedNormPush(PushConstants):
+    """gdn_norm.comp's push constants: head dim, heads, tokens, the o, z, w and y views, ε."""
+
+    S: u32
+    n_v: u32
+    T: u32
+    o_off: u32
+    o_stride: u32
+    z_off: u32
+    z_stride: u32
+    w_off: u32
+    y_off: u32
+    y_stride: u32
+    eps: f32
+
+
+@dataclass(frozen=True)
+class GatedNormSpec(SpecConstants):
+    """gdn_norm.comp's gate activation (Gate)."""
+
+    act: u32
+
+
 KERNELS = [
-    Kernel("gdn_conv", "gdn_conv.comp", 5, local_size=256),
-    Kernel("gdn_gates", "gdn_gates.comp", 6, local_size=256),
-    Kernel("gdn_delta", "gdn_delta.comp", 8, local_size=256),
-    Kernel("gdn_norm", "gdn_norm.comp", 4, local_size=64),
+    Kernel("gdn_conv", "gdn_conv.comp", 5, local_size=256, push=ConvPush, spec=ConvSpec),
+    Kernel("gdn_gates", "gdn_gates.comp", 6, local_size=256, push=GatesPush, spec=SpecConstants),
+    Kernel("gdn_delta", "gdn_delta.comp", 10, local_size=256, push=DeltaPush, spec=DeltaSpec),
+    Kernel("gdn_norm", "gdn_norm.comp", 4, local_size=64, push=GatedNormPush, spec=GatedNormSpec),
 ]
 CONV_TOKENS = 32  # tokens per conv invocation (≥ K_c − 1: only the first token block touches the state)
 MAX_GROUPS = 65535  # grid-stride loops of gates and norm cover the rest
@@ -87,11 +196,6 @@ class DeltaPlan:
     rows: int  # state rows per invocation (step variant)
     shared: int  # floats of the kernel's `sh` array
 
-    @property
-    def spec_tail(self) -> list[int]:
-        """Specialization constants 4–7 of gdn_delta.comp (BW, CH, ROWS, SH)."""
-        return [self.cols, self.chunk, self.rows, self.shared]
-
 
 def _check_dense(op: str, **views: Rows) -> None:
     """Views the kernels index as packed arrays (weights, states, slots) must have stride = n_cols."""
@@ -127,8 +231,8 @@ def conv(g: "Graph", m: Rows, w: Rows, state: Rows, c: Rows, slots: Rows | None 
     wg = kernel("gdn_conv").workgroup(g.gpu.caps)
     sl = slots if slots is not None else state
     g.dispatch("gdn_conv", [m.buf, w.buf, state.buf, c.buf, sl.buf], [-(-C // wg), -(-T // CONV_TOKENS)],
-               push=[C, T, m.off, m.stride, w.off, state.off, c.off, c.stride, sl.off, n_slots],
-               spec=[K, CONV_TOKENS], name=name, writes=[2, 3, 4],
+               push=ConvPush(C, T, m.off, m.stride, w.off, state.off, c.off, c.stride, sl.off, n_slots),
+               spec=ConvSpec(K, CONV_TOKENS), name=name, writes=[2, 3, 4],
                desc=f"{T}x{C} K{K} slots {n_slots}", nbytes=F32 * (2 * T * C + (K + 2 * (K - 1) * (1 + n_slots)) * C),
                flops=2 * K * T * C)
 
@@ -157,8 +261,8 @@ class Gates(Node):
         wg = kernel("gdn_gates").workgroup(g.gpu.caps)
         g.dispatch("gdn_gates", [b.buf, a.buf, dt_bias.buf, ssm_a.buf, beta.buf, gate.buf],
                    [grid(T * n_v, wg, MAX_GROUPS)],
-                   push=[n_v, T, b.off, b.stride, a.off, a.stride, dt_bias.off, ssm_a.off,
-                         beta.off, beta.stride, gate.off, gate.stride],
+                   push=GatesPush(n_v, T, b.off, b.stride, a.off, a.stride, dt_bias.off, ssm_a.off,
+                                  beta.off, beta.stride, gate.off, gate.stride),
                    name=self.name, writes=[4, 5], desc=f"{T}x{n_v}", nbytes=F32 * (4 * T * n_v + 2 * n_v))
 
 
@@ -276,13 +380,17 @@ class Delta(Node):
         c, beta, gate, state, o, shape, plan = self.c, self.beta, self.gate, self.state, self.o, self.shape, self.plan
         T, S, n_v = c.n_rows, shape.S, shape.n_v
         n_slots = self.slots.n_rows // n_v if self.slots is not None else 0
+        raw = self.raw_gates is not None
         dt, sa = self.raw_gates if self.raw_gates is not None else (beta, beta)
+        bt, gt = (c, c) if raw else (beta, gate)  # buffers 1, 2: β and g as stored
+        rb, ra = (beta, gate) if raw else (c, c)  # buffers 8, 9: the raw projections b, a
         sl = self.slots if self.slots is not None else state
-        g.dispatch("gdn_delta", [c.buf, beta.buf, gate.buf, state.buf, o.buf, sl.buf, dt.buf, sa.buf],
+        g.dispatch("gdn_delta", [c.buf, bt.buf, gt.buf, state.buf, o.buf, sl.buf, dt.buf, sa.buf, rb.buf, ra.buf],
                    [n_v * (S // plan.cols)],
-                   push=[shape.n_k, n_v, T, c.off, c.stride, beta.off, beta.stride, gate.off, gate.stride,
-                         state.off, o.off, o.stride, sl.off, n_slots, f32_bits(self.eps), dt.off, sa.off],
-                   spec=[int(plan.variant), S, int(shape.head_map), *plan.spec_tail, int(self.raw_gates is not None)],
+                   push=DeltaPush(shape.n_k, n_v, T, c.off, c.stride, bt.off, bt.stride, gt.off, gt.stride,
+                                  state.off, o.off, o.stride, sl.off, n_slots, self.eps, dt.off, sa.off,
+                                  rb.off, rb.stride, ra.off, ra.stride),
+                   spec=DeltaSpec(plan.variant, S, shape.head_map, plan.cols, plan.chunk, plan.rows, plan.shared, raw),
                    name=self.name, writes=[3, 4, 5],
                    desc=f"{plan.variant.name.lower()} {T}x{n_v}x{S} cols {plan.cols} chunk {plan.chunk} slots {n_slots}",
                    nbytes=F32 * (T * (shape.C + 2 * n_v + n_v * S) + (2 + n_slots) * n_v * S * S),
@@ -340,6 +448,6 @@ def gated_norm(g: "Graph", o: Rows, z: Rows, w: Rows, y: Rows, S: int, eps: floa
     check_alias(name, y, o, z, w)
     n_v = n // S
     g.dispatch("gdn_norm", [o.buf, z.buf, w.buf, y.buf], [grid(T * n_v, 1, MAX_GROUPS)],
-               push=[S, n_v, T, o.off, o.stride, z.off, z.stride, w.off, y.off, y.stride, f32_bits(eps)],
-               spec=[int(act)], name=name, writes=[3], desc=f"{T}x{n_v}x{S} {act.name.lower()}",
+               push=GatedNormPush(S, n_v, T, o.off, o.stride, z.off, z.stride, w.off, y.off, y.stride, eps),
+               spec=GatedNormSpec(act), name=name, writes=[3], desc=f"{T}x{n_v}x{S} {act.name.lower()}",
                nbytes=F32 * (3 * T * n + S))

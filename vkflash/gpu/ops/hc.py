@@ -14,14 +14,39 @@ from enum import IntEnum
 from typing import TYPE_CHECKING
 
 from vkflash.gpu.graph import Node
+from vkflash.gpu.interface import PushConstants, SpecConstants, f32, u32
 from vkflash.gpu.ops import eltwise as E
-from vkflash.gpu.ops.views import F32, Rows, check_alias, f32_bits, grid
+from vkflash.gpu.ops.views import F32, Rows, check_alias, grid
 from vkflash.gpu.registry import Kernel, kernel
 
 if TYPE_CHECKING:
     from vkflash.gpu.graph import Graph
 
-KERNELS = [Kernel("hc", "hc.comp", 3)]
+
+@dataclass(frozen=True)
+class HcPush(PushConstants):
+    """hc.comp's push constants: the output shape, hc, each view's offset and row stride, 1/hc."""
+
+    n: u32
+    n_rows: u32
+    hc: u32
+    a_off: u32
+    a_stride: u32
+    b_off: u32
+    b_stride: u32
+    y_off: u32
+    y_stride: u32
+    inv_hc: f32
+
+
+@dataclass(frozen=True)
+class HcSpec(SpecConstants):
+    """hc.comp's mode (Mode)."""
+
+    mode: u32
+
+
+KERNELS = [Kernel("hc", "hc.comp", 3, push=HcPush, spec=HcSpec)]
 MAX_GROUPS = 4096  # grid-stride loop covers the rest
 
 
@@ -39,8 +64,8 @@ def _dispatch(g: "Graph", mode: Mode, a: Rows, b: Rows, y: Rows, n: int, hc: int
     """One hc.comp dispatch over y's n_rows × n output elements."""
     wg = kernel("hc").workgroup(g.gpu.caps)
     g.dispatch("hc", [a.buf, b.buf, y.buf], [grid(n * y.n_rows, wg, MAX_GROUPS)],
-               push=[n, y.n_rows, hc, a.off, a.stride, b.off, b.stride, y.off, y.stride, f32_bits(1.0 / hc)],
-               spec=[int(mode)], name=name, desc=f"{mode.name} T={y.n_rows} n={n} hc={hc}", nbytes=nbytes)
+               push=HcPush(n, y.n_rows, hc, a.off, a.stride, b.off, b.stride, y.off, y.stride, 1.0 / hc),
+               spec=HcSpec(mode), name=name, desc=f"{mode.name} T={y.n_rows} n={n} hc={hc}", nbytes=nbytes)
 
 
 def _check(op: str, hc: int, **shapes: tuple[Rows, int]) -> int:

@@ -31,10 +31,11 @@ from gguf import GGMLQuantizationType as Q
 
 from vkflash.formats.quant_blocks import row_bytes
 from vkflash.gpu.graph import Node
+from vkflash.gpu.interface import PushConstants, SpecConstants, boolean, f32, u32
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops import eltwise
+from vkflash.gpu.ops.views import Rows, check_alias
 from vkflash.gpu.options import Fusion
-from vkflash.gpu.ops.views import Rows, check_alias, f32_bits
 from vkflash.gpu.registry import Kernel, kernel
 
 if TYPE_CHECKING:
@@ -74,16 +75,84 @@ EP_SCALE, EP_BIAS, EP_SIGMOID, EP_SILU, EP_MUL, EP_RES = 1, 2, 4, 8, 16, 32
 GEMV_GLU, GEMV_HC, GEMV_MOE = 1, 2, 3  # fused modes of mul_mat_vec.comp (constant_id 6; 0 = plain)
 
 
+@dataclass(frozen=True)
+class MatMulPush(PushConstants):
+    """common/mm.glsl's push constants: shapes, W's first row, x and y views, epilogue offsets and scale."""
+
+    K: u32
+    n_out: u32
+    n_tok: u32
+    w_row0: u32
+    x_off: u32
+    x_stride: u32
+    y_off: u32
+    y_stride: u32
+    bias_off: u32
+    mul_off: u32
+    res_off: u32
+    scale: f32
+
+
+@dataclass(frozen=True)
+class MatVecPush(MatMulPush):
+    """mul_mat_vec.comp's: common/mm.glsl's, then the fused modes' streams view and 1/hc (GEMV_HC),
+    ys offset (y's row stride) and shared-gate view (GEMV_MOE)."""
+
+    streams_off: u32 = 0
+    streams_stride: u32 = 0
+    inv_hc: f32 = 1.0
+    ys_off: u32 = 0
+    gate_off: u32 = 0
+    gate_stride: u32 = 0
+
+
+@dataclass(frozen=True)
+class MatMulSpec(SpecConstants):
+    """common/mm.glsl's epilogue flags (EP_*): all the scalar GEMM has."""
+
+    epilogue: u32
+
+
+@dataclass(frozen=True)
+class MatMulCmSpec(MatMulSpec):
+    """mul_mat_cm.comp's (common/mm_cm.glsl): the epilogue, the cooperative-matrix shape, the largest
+    subgroup size and the tile (cm_spec)."""
+
+    tm: u32
+    tn: u32
+    tk: u32
+    sg_max: u32
+    bm: u32
+    bn: u32
+    wm: u32
+    wn: u32
+
+
+@dataclass(frozen=True)
+class MatVecSpec(MatMulSpec):
+    """mul_mat_vec.comp's: the epilogue, rows and columns per workgroup, layout, smallest subgroup
+    size, then the fused mode (GEMV_*; 0 plain) with its hc and top-k."""
+
+    ndec: u32
+    nplain: u32
+    transposed: boolean
+    sg_min: u32
+    mode: u32 = 0
+    hc: u32 = 1
+    topk: u32 = 1
+
+
 def _kernels() -> list[Kernel]:
     out = []
     for t in TYPES:
         d = (("QTYPE", int(t)),)
-        out.append(Kernel(f"mul_mat_vec_{t.name.lower()}", "mul_mat_vec.comp", 6, d,
-                          local_size=GEMV_WG_K if t in GEMV_K_QUANTS else GEMV_WG))
-        out.append(Kernel(f"mul_mat_{t.name.lower()}", "mul_mat.comp", 6, d, local_size=256))
+        out.append(Kernel(f"mul_mat_vec_{t.name.lower()}", "mul_mat_vec.comp", 9, d,
+                          local_size=GEMV_WG_K if t in GEMV_K_QUANTS else GEMV_WG, push=MatVecPush, spec=MatVecSpec))
+        out.append(Kernel(f"mul_mat_{t.name.lower()}", "mul_mat.comp", 6, d, local_size=256,
+                          push=MatMulPush, spec=MatMulSpec))
         if t in COOPMAT_TYPES:
             out.append(Kernel(f"mul_mat_cm_{t.name.lower()}", "mul_mat_cm.comp", 6, d, local_size=CM_WG,
-                              needs=frozenset({"coopmat_f16"})))
+                              needs=frozenset({"coopmat_f16"}), push=MatMulPush, spec=MatMulCmSpec))
     return out
 
 
@@ -275,9 +344,8 @@ def _dispatch(g: "Graph", w: QWeight, x: Rows, y: Rows, ep: Epilogue, coopmat: b
     n_tok, t = x.n_rows, w.type_name
     bias, mul, res = ep.bias, ep.mul, ep.res
     bufs = [w.buf, x.buf, (bias or x).buf, (mul or x).buf, (res or x).buf, y.buf]
-    push = [w.k, w.n_out, n_tok, w.row0, x.off, x.stride, y.off, y.stride,
-            bias.off if bias else 0, mul.off if mul else 0, res.off if res else 0,
-            f32_bits(1.0 if ep.scale is None else ep.scale)]
+    push = (w.k, w.n_out, n_tok, w.row0, x.off, x.stride, y.off, y.stride, bias.off if bias else 0,
+            mul.off if mul else 0, res.off if res else 0, 1.0 if ep.scale is None else ep.scale)
     flops = 2 * w.k * w.n_out * n_tok
     desc = f"{t} {w.k}x{w.n_out} n={n_tok}"
     if n_tok <= GEMV_MAX_COLS or w.n_out <= TINY_OUT:
@@ -285,9 +353,9 @@ def _dispatch(g: "Graph", w: QWeight, x: Rows, y: Rows, ep: Epilogue, coopmat: b
         rows = gemv_rows(caps, w.qtype, w.n_out)
         ndec, nplain = (w.n_out, TINY_TOKENS) if tr else (rows, n_tok)
         groups = _grid(caps, -(-(n_tok if tr else w.n_out) // (nplain if tr else ndec)))
-        spec = [ep.flags, ndec, nplain, int(tr), max(1, caps.subgroup_min)]
-        g.dispatch(f"mul_mat_vec_{t}", bufs, groups, push, spec, name=name, desc=desc,
-                   nbytes=w.nbytes + 4 * (x.size + y.size), flops=flops)
+        spec = MatVecSpec(ep.flags, ndec, nplain, tr, max(1, caps.subgroup_min))
+        g.dispatch(f"mul_mat_vec_{t}", bufs + [x.buf] * 3, groups, MatVecPush(*push), spec, name=name, writes=[5],
+                   desc=desc, nbytes=w.nbytes + 4 * (x.size + y.size), flops=flops)
         return
     groups = (-(-w.n_out // TILE), -(-n_tok // TILE))
     if coopmat:
@@ -296,13 +364,13 @@ def _dispatch(g: "Graph", w: QWeight, x: Rows, y: Rows, ep: Epilogue, coopmat: b
             raise ValueError(f"matmul: no coopmat tile {tile or ''} fits {caps.name}")
         if kernel(f"{CM_KERNEL}_{t}").workgroup(caps) != CM_WG:
             raise ValueError(f"matmul: the coopmat GEMM needs {CM_WG} invocations per workgroup")
-        g.dispatch(f"{CM_KERNEL}_{t}", bufs, (-(-w.n_out // tile.bm), -(-n_tok // tile.bn)), push,
-                   [ep.flags, *cm_spec(caps, tile)], name=name, desc=f"{desc} cm {tile}",
+        g.dispatch(f"{CM_KERNEL}_{t}", bufs, (-(-w.n_out // tile.bm), -(-n_tok // tile.bn)), MatMulPush(*push),
+                   MatMulCmSpec(ep.flags, *cm_spec(caps, tile)), name=name, desc=f"{desc} cm {tile}",
                    nbytes=w.nbytes + 4 * (x.size + y.size), flops=flops)
     else:
         if kernel(f"mul_mat_{t}").workgroup(caps) != 256:
             raise ValueError("matmul: the scalar GEMM needs 256 invocations per workgroup")
-        g.dispatch(f"mul_mat_{t}", bufs, groups, push, [ep.flags], name=name, desc=desc,
+        g.dispatch(f"mul_mat_{t}", bufs, groups, MatMulPush(*push), MatMulSpec(ep.flags), name=name, desc=desc,
                    nbytes=w.nbytes + 4 * (x.size + y.size), flops=flops)
 
 
@@ -378,7 +446,7 @@ def matmul(g: "Graph", w: QWeight, x: Rows, y: Rows, epilogue: Epilogue = PLAIN,
 def stacked_gemv(g: "Graph", w: QWeight, x: Rows, y: Rows, mode: int, name: str, nbytes: int,
                  X: Rows | None = None, hc: int = 1, moe: tuple[Rows, Rows, int] | None = None) -> None:
     """One fused-mode GEMV: y's n_cols output rows, each combining weight rows r + c·n_cols of the stacked blocks
-    (GEMV_MOE: moe = (ys, gate, k) feed the store; the caller checks their shapes).
+    (GEMV_HC: the streams X and hc; GEMV_MOE: moe = (ys, gate, k) feed the store; the caller checks their shapes).
 
     A workgroup owns m output rows and decodes n_stack·m weight rows, about the plain GEMV's (same
     registers, same loads in flight); GEMV_STACK_ROWS_CPU on CPU drivers.
@@ -388,17 +456,15 @@ def stacked_gemv(g: "Graph", w: QWeight, x: Rows, y: Rows, mode: int, name: str,
     n_stack = 2 if mode == GEMV_GLU else (hc if mode == GEMV_HC else 1)  # the shader's NSTACK
     rows = gemv_rows(caps, w.qtype, n * n_stack, GEMV_STACK_ROWS_CPU)
     m = max(1, rows // n_stack)  # output rows per workgroup
-    mul = X or x  # binding 3: X in GEMV_HC, unused (any buffer) in GEMV_GLU
-    push = [w.k, n, n_tok, w.row0, x.off, x.stride, y.off, y.stride, 0, mul.off, mul.stride,
-            f32_bits(1.0 / hc if mode == GEMV_HC else 1.0)]  # GEMV_HC: the mean's 1/hc, as hc.comp's
-    bias, res, k = x, x, 1
-    if moe is not None:  # bias = the shared gate (row stride in the mul_off slot), res = ys
-        res, bias, k = moe
-        push[8:11] = [bias.off, bias.stride, res.off]
-    spec = [0, n_stack * m, n_tok, 0, max(1, caps.subgroup_min), mode, hc, k]
+    streams = X or x  # buffer 6 (GEMV_HC; any buffer otherwise)
+    ys, gate, k = moe or (x, x, 1)  # buffers 7, 8 (GEMV_MOE; any buffers otherwise)
+    push = MatVecPush(w.k, n, n_tok, w.row0, x.off, x.stride, y.off, y.stride, 0, 0, 0, 1.0,
+                      streams.off, streams.stride, 1.0 / hc, ys.off, gate.off, gate.stride)  # 1/hc as hc.comp's
+    spec = MatVecSpec(0, n_stack * m, n_tok, False, max(1, caps.subgroup_min), mode, hc, k)
     tag = {GEMV_GLU: "glu", GEMV_HC: f"hc={hc}", GEMV_MOE: f"moe k={k}"}[mode]
-    g.dispatch(f"mul_mat_vec_{w.type_name}", [w.buf, x.buf, bias.buf, mul.buf, res.buf, y.buf], _grid(caps, -(-n // m)),
-               push, spec, name=name, desc=f"{w.type_name} {w.k}x{w.n_out} n={n_tok} {tag}",
+    g.dispatch(f"mul_mat_vec_{w.type_name}", [w.buf, x.buf, x.buf, x.buf, x.buf, y.buf, streams.buf, ys.buf, gate.buf],
+               _grid(caps, -(-n // m)), push, spec, writes=[5], name=name,
+               desc=f"{w.type_name} {w.k}x{w.n_out} n={n_tok} {tag}",
                nbytes=nbytes, flops=2 * w.k * w.n_out * n_tok)
 
 

@@ -24,6 +24,7 @@ from gguf import GGMLQuantizationType as Q
 
 from vkflash.formats.quant_blocks import row_bytes
 from vkflash.gpu.graph import Node
+from vkflash.gpu.interface import PushConstants, SpecConstants, boolean, u32
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops.matmul import (CM_WG, COOPMAT_TYPES, GEMV_MAX_COLS, GEMV_MOE, TYPES, CmTile, QWeight, cm_shape,
                                     cm_spec, stacked_gemv, use_coopmat)
@@ -33,7 +34,30 @@ from vkflash.gpu.registry import Kernel, kernel
 if TYPE_CHECKING:
     from vkflash.gpu.graph import Graph
 
-KERNELS = [Kernel("moe_router", "moe_router.comp", 3)]
+
+@dataclass(frozen=True)
+class RouterPush(PushConstants):
+    """moe_router.comp's push constants: experts, k, tokens, then the logits', ids' and weights' views."""
+
+    E: u32
+    k: u32
+    n_rows: u32
+    z_off: u32
+    z_stride: u32
+    id_off: u32
+    id_stride: u32
+    w_off: u32
+    w_stride: u32
+
+
+@dataclass(frozen=True)
+class MaxExpertsSpec(SpecConstants):
+    """The expert count that sizes the router's and the prepass's shared arrays."""
+
+    max_e: u32
+
+
+KERNELS = [Kernel("moe_router", "moe_router.comp", 3, push=RouterPush, spec=MaxExpertsSpec)]
 MAX_GROUPS = 65535  # router: one workgroup per token, more tokens loop; combine: grid-stride
 
 
@@ -55,8 +79,8 @@ def moe_router(g: "Graph", z: Rows, ids: Rows, w: Rows, k: int, name: str = "moe
     if shared > caps.shared_memory:
         raise ValueError(f"{name}: {E} experts need {shared} B of shared memory, the device has {caps.shared_memory}")
     g.dispatch("moe_router", [z.buf, ids.buf, w.buf], [grid(T, 1, MAX_GROUPS)],
-               push=[E, k, T, z.off, z.stride, ids.off, ids.stride, w.off, w.stride],
-               spec=[E], writes=[1, 2], name=name, desc=f"T={T} E={E} k={k}",
+               push=RouterPush(E, k, T, z.off, z.stride, ids.off, ids.stride, w.off, w.stride),
+               spec=MaxExpertsSpec(E), writes=[1, 2], name=name, desc=f"T={T} E={E} k={k}",
                nbytes=F32 * T * (E + 2 * k))
 
 
@@ -83,20 +107,135 @@ class Mode(IntEnum):
 CM_KERNEL = "mul_mat_id_cm"  # kernel family of the coopmat expert GEMM (tests swap in an emulated build)
 
 
+@dataclass(frozen=True)
+class PrepassPush(PushConstants):
+    """moe_prepass.comp's push constants: experts, k, tokens, the ids' view, tile width, live-pair bound."""
+
+    E: u32
+    k: u32
+    T: u32
+    id_off: u32
+    id_stride: u32
+    BN: u32
+    live_cap: u32
+
+
+@dataclass(frozen=True)
+class ExpertGemmPush(PushConstants):
+    """mul_mat_id.comp's push constants (see its header)."""
+
+    K: u32
+    n_out: u32
+    E: u32
+    k: u32
+    live_cap: u32
+    max_tiles: u32
+    w_row0: u32
+    w_row0b: u32
+    w_estride: u32
+    x_off: u32
+    x_stride: u32
+    y_off: u32
+    y_stride: u32
+    wt_off: u32
+    wt_stride: u32
+
+
+@dataclass(frozen=True)
+class ExpertGemmSpec(SpecConstants):
+    """mul_mat_id.comp's store (Mode), row-tile width and grid kind."""
+
+    mode: u32
+    bn: u32
+    compact: boolean
+
+
+@dataclass(frozen=True)
+class ExpertGemvPush(PushConstants):
+    """mul_mat_id_vec.comp's push constants (see its header)."""
+
+    K: u32
+    n_out: u32
+    E: u32
+    k: u32
+    w_row0: u32
+    w_row0b: u32
+    w_estride: u32
+    x_off: u32
+    x_stride: u32
+    y_off: u32
+    y_stride: u32
+    id_off: u32
+    id_stride: u32
+    wt_off: u32
+    wt_stride: u32
+
+
+@dataclass(frozen=True)
+class ExpertGemvSpec(SpecConstants):
+    """mul_mat_id_vec.comp's store (Mode), rows per workgroup and smallest subgroup size."""
+
+    mode: u32
+    ndec: u32
+    sg_min: u32
+
+
+@dataclass(frozen=True)
+class MoeCombinePush(PushConstants):
+    """moe_combine.comp's push constants: tokens, d, k, then the ys, shared, gate and f views."""
+
+    T: u32
+    d: u32
+    k: u32
+    ys_off: u32
+    ys_stride: u32
+    s_off: u32
+    s_stride: u32
+    g_off: u32
+    g_stride: u32
+    f_off: u32
+    f_stride: u32
+
+
+@dataclass(frozen=True)
+class MoeCombineSpec(SpecConstants):
+    """moe_combine.comp: whether the gated shared expert is added."""
+
+    shared: boolean
+
+
+@dataclass(frozen=True)
+class ExpertGemmCmSpec(SpecConstants):
+    """mul_mat_id_cm.comp's store (Mode), the coopmat shape, subgroup bound and tile (cm_spec), grid kind."""
+
+    mode: u32
+    tm: u32
+    tn: u32
+    tk: u32
+    sg_max: u32
+    bm: u32
+    bn: u32
+    wm: u32
+    wn: u32
+    compact: boolean
+
+
 def _expert_kernels() -> list[Kernel]:
     out = []
     for t in TYPES:
         d = (("QTYPE", int(t)),)
-        out.append(Kernel(f"mul_mat_id_{t.name.lower()}", "mul_mat_id.comp", 5, d, local_size=GEMM_WG))
-        out.append(Kernel(f"mul_mat_id_vec_{t.name.lower()}", "mul_mat_id_vec.comp", 5, d, local_size=GEMV_WG))
+        out.append(Kernel(f"mul_mat_id_{t.name.lower()}", "mul_mat_id.comp", 5, d, local_size=GEMM_WG,
+                          push=ExpertGemmPush, spec=ExpertGemmSpec))
+        out.append(Kernel(f"mul_mat_id_vec_{t.name.lower()}", "mul_mat_id_vec.comp", 5, d, local_size=GEMV_WG,
+                          push=ExpertGemvPush, spec=ExpertGemvSpec))
         if t in COOPMAT_TYPES:
             out.append(Kernel(f"mul_mat_id_cm_{t.name.lower()}", "mul_mat_id_cm.comp", 5, d, local_size=CM_WG,
-                              needs=frozenset({"coopmat_f16"})))
+                              needs=frozenset({"coopmat_f16"}), push=ExpertGemmPush, spec=ExpertGemmCmSpec))
     return out
 
 
-KERNELS += [Kernel("moe_prepass", "moe_prepass.comp", 2, local_size=256),
-            Kernel("moe_combine", "moe_combine.comp", 4)] + _expert_kernels()
+KERNELS += [Kernel("moe_prepass", "moe_prepass.comp", 2, local_size=256, push=PrepassPush, spec=MaxExpertsSpec),
+            Kernel("moe_combine", "moe_combine.comp", 4, push=MoeCombinePush, spec=MoeCombineSpec)] + _expert_kernels()
 
 
 @dataclass(frozen=True)
@@ -207,7 +346,8 @@ def moe_prepass(g: "Graph", ids: Rows, plan: MoEPlan, name: str = "moe_prepass")
         raise ValueError(f"{name}: {plan.E} experts need {shared} B of shared memory, "
                          f"the device has {caps.shared_memory}")
     g.dispatch("moe_prepass", [ids.buf, plan.buf], [1],
-               push=[plan.E, plan.k, plan.T, ids.off, ids.stride, plan.bn, plan.live_cap], spec=[plan.E],
+               push=PrepassPush(plan.E, plan.k, plan.T, ids.off, ids.stride, plan.bn, plan.live_cap),
+               spec=MaxExpertsSpec(plan.E),
                name=name, desc=f"T={plan.T} k={plan.k} E={plan.E} bn={plan.bn}",
                nbytes=4 * (plan.T * plan.k + plan.words))
 
@@ -293,17 +433,19 @@ def expert_gemm(g: "Graph", plan: MoEPlan, mode: Mode, w: ExpertStack, x: Rows, 
         tile = cm_expert_tile(caps, plan.bn, nb)
         if tile is None or not kernel(f"mul_mat_id_cm_{w.type_name}").usable(caps):
             raise ValueError(f"{name}: {caps.name} has no coopmat expert GEMM for tile width {plan.bn}")
-        kname, bm, spec = f"{CM_KERNEL}_{w.type_name}", tile.bm, [int(mode), *cm_spec(caps, tile), int(cm)]
+        kname, bm = f"{CM_KERNEL}_{w.type_name}", tile.bm
+        spec: SpecConstants = ExpertGemmCmSpec(mode, *cm_spec(caps, tile), cm)
         if kernel(kname).workgroup(caps) != CM_WG:
             raise ValueError(f"{name}: the coopmat expert GEMM needs {CM_WG} invocations per workgroup")
     else:
         if kernel(f"mul_mat_id_{w.type_name}").workgroup(caps) != GEMM_WG:
             raise ValueError(f"{name}: the expert GEMM needs {GEMM_WG} invocations per workgroup (16×16)")
-        kname, bm, spec, tile = f"mul_mat_id_{w.type_name}", GEMM_BM, [int(mode), plan.bn, int(cm)], None
+        kname, bm, spec, tile = f"mul_mat_id_{w.type_name}", GEMM_BM, ExpertGemmSpec(mode, plan.bn, cm), None
     g.dispatch(kname, [w.buf, x.buf, plan.buf, (wts or x).buf, y.buf],
                [-(-w.n_out // bm), gy, gz],
-               push=[w.k, w.n_out, plan.E, k, plan.live_cap, plan.max_tiles, w.row0, (w2 or w).row0, w.expert_rows,
-                     x.off, x.stride, y.off, y.stride, wts.off if wts else 0, wts.stride if wts else 0],
+               push=ExpertGemmPush(w.k, w.n_out, plan.E, k, plan.live_cap, plan.max_tiles, w.row0, (w2 or w).row0,
+                                   w.expert_rows, x.off, x.stride, y.off, y.stride, wts.off if wts else 0,
+                                   wts.stride if wts else 0),
                spec=spec, name=name,
                desc=(f"{w.type_name} {w.k}x{w.n_out} T={T} k={k} E={plan.E} bn={plan.bn}{'' if cm else ' plain'}"
                      f"{f' cm {tile}' if tile else ''}"),
@@ -322,9 +464,10 @@ def expert_gemv(g: "Graph", ids: Rows, mode: Mode, w: ExpertStack, x: Rows, y: R
     nb = 2 if w2 is not None else 1
     g.dispatch(f"mul_mat_id_vec_{w.type_name}", [w.buf, x.buf, ids.buf, (wts or x).buf, y.buf],
                [-(-w.n_out // GEMV_ROWS), T * k],
-               push=[w.k, w.n_out, w.n_exp, k, w.row0, (w2 or w).row0, w.expert_rows, x.off, x.stride, y.off, y.stride,
-                     ids.off, ids.stride, wts.off if wts else 0, wts.stride if wts else 0],
-               spec=[int(mode), GEMV_ROWS, max(1, caps.subgroup_min)], name=name,
+               push=ExpertGemvPush(w.k, w.n_out, w.n_exp, k, w.row0, (w2 or w).row0, w.expert_rows, x.off, x.stride,
+                                   y.off, y.stride, ids.off, ids.stride, wts.off if wts else 0,
+                                   wts.stride if wts else 0),
+               spec=ExpertGemvSpec(mode, GEMV_ROWS, max(1, caps.subgroup_min)), name=name,
                desc=f"{w.type_name} {w.k}x{w.n_out} T={T} k={k}",
                nbytes=nb * T * k * w.expert_bytes + 4 * (x.size + y.size), flops=2 * nb * w.k * w.n_out * T * k)
 
@@ -429,8 +572,8 @@ class MoeCombine(Node):
         s, gl = self.shared or ys, self.gate or ys
         wg = kernel("moe_combine").workgroup(g.gpu.caps)
         g.dispatch("moe_combine", [ys.buf, s.buf, gl.buf, f.buf], [grid(T * d, wg, MAX_GROUPS)],
-                   push=[T, d, k, ys.off, ys.stride, s.off, s.stride, gl.off, gl.stride, f.off, f.stride],
-                   spec=[int(self.shared is not None)], name=self.name, desc=f"T={T} d={d} k={k}",
+                   push=MoeCombinePush(T, d, k, ys.off, ys.stride, s.off, s.stride, gl.off, gl.stride, f.off, f.stride),
+                   spec=MoeCombineSpec(self.shared is not None), name=self.name, desc=f"T={T} d={d} k={k}",
                    nbytes=4 * (T * d * (k + 2 if self.shared is not None else k + 1)))
 
 

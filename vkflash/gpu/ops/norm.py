@@ -13,15 +13,56 @@ from enum import IntEnum
 from typing import TYPE_CHECKING
 
 from vkflash.gpu.graph import Node
+from vkflash.gpu.interface import PushConstants, SpecConstants, boolean, f32, u32
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops.rope import check_neox
-from vkflash.gpu.ops.views import F32, Rows, check_alias, check_same_shape, f32_bits, grid
+from vkflash.gpu.ops.views import F32, Rows, check_alias, check_same_shape, grid
 from vkflash.gpu.registry import Kernel
 
 if TYPE_CHECKING:
     from vkflash.gpu.graph import Graph
 
-KERNELS = [Kernel("norm", "norm.comp", 9)]
+
+@dataclass(frozen=True)
+class NormPush(PushConstants):
+    """norm.comp's push constants (element offsets and strides; see the shader's header)."""
+
+    n: u32
+    n_groups: u32
+    n_rows: u32
+    x_off: u32
+    x_stride: u32
+    y_off: u32
+    y_stride: u32
+    gamma_off: u32
+    eps: f32
+    post: f32
+    iota_off: u32
+    iota_stride: u32
+    b_off: u32
+    b_stride: u32
+    n_heads: u32
+    n_rot: u32
+    pos_off: u32
+    theta: f32
+    w_inj_off: u32
+    iota_out_off: u32
+    iota_out_stride: u32
+    inv_groups: f32
+
+
+@dataclass(frozen=True)
+class NormSpec(SpecConstants):
+    """norm.comp's variant: the statistic (Mode) and which fused parts run."""
+
+    mode: u32
+    has_gamma: boolean
+    combine: boolean
+    rope: boolean
+    inject: boolean
+
+
+KERNELS = [Kernel("norm", "norm.comp", 9, push=NormPush, spec=NormSpec)]
 MAX_DH = 512  # norm.comp ROPE: longest head row
 MAX_HC = 8  # norm.comp INJECT: most groups (hyper-connection streams)
 MAX_GROUPS = 65535  # one workgroup per group; more groups loop
@@ -128,12 +169,12 @@ class Norm(Node):
         g.dispatch("norm", [x.buf, gamma if gamma is not None else x.buf, y.buf, iota.buf, b.buf,
                             rope.pos if rope is not None else x.buf, w_inj.buf, i_out.buf, part],
                    [grid(x.n_rows * n_groups, 1, MAX_GROUPS)],
-                   push=[n, n_groups, x.n_rows, x.off, x.stride, y.off, y.stride, self.gamma_off, f32_bits(self.eps),
-                         f32_bits(self.post), iota.off, iota.stride, b.off, b.stride]
-                   + ([rope.n_heads, rope.n_rot, rope.pos_off, f32_bits(rope.theta)] if rope else [1, 2, 0, 0])
-                   + [w_inj.off, i_out.off, i_out.stride, f32_bits(1.0 / n_groups)],
-                   spec=[int(self.mode), int(gamma is not None), int(self.combine is not None), int(rope is not None),
-                         int(self.inject is not None)],
+                   push=NormPush(n, n_groups, x.n_rows, x.off, x.stride, y.off, y.stride, self.gamma_off, self.eps,
+                                 self.post, iota.off, iota.stride, b.off, b.stride,
+                                 *((rope.n_heads, rope.n_rot, rope.pos_off, rope.theta) if rope else (1, 2, 0, 0.0)),
+                                 w_inj.off, i_out.off, i_out.stride, 1.0 / n_groups),
+                   spec=NormSpec(self.mode, gamma is not None, self.combine is not None, rope is not None,
+                                 self.inject is not None),
                    writes=sorted(writes), name=self.name,
                    desc=f"{self.mode.name} {x.n_rows}x{n_groups}x{n}{' +combine' if self.combine else ''}",
                    nbytes=F32 * (x.size * ((3 if gamma is not None else 2) + 2 * (self.combine is not None))

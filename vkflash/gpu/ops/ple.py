@@ -3,15 +3,37 @@ and query streams, the signed-sqrt sigmoid gate λ_c, and V_c = λ_c·v_p for ev
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from vkflash.gpu.interface import PushConstants, SpecConstants, u32
 from vkflash.gpu.ops.views import F32, Rows, grid
 from vkflash.gpu.registry import Kernel
 
 if TYPE_CHECKING:
     from vkflash.gpu.graph import Graph
 
-KERNELS = [Kernel("ple_gate", "ple_gate.comp", 5, local_size=64)]
+
+@dataclass(frozen=True)
+class PleGatePush(PushConstants):
+    """ple_gate.comp's push constants: d, hc, tokens, then each view's offset and row stride."""
+
+    d: u32
+    hc: u32
+    n_rows: u32
+    k_off: u32
+    k_stride: u32
+    q_off: u32
+    q_stride: u32
+    vp_off: u32
+    vp_stride: u32
+    lam_off: u32
+    lam_stride: u32
+    v_off: u32
+    v_stride: u32
+
+
+KERNELS = [Kernel("ple_gate", "ple_gate.comp", 5, local_size=64, push=PleGatePush, spec=SpecConstants)]
 MAX_GROUPS = 65535  # one workgroup per (token, stream); more loop
 
 
@@ -29,6 +51,6 @@ def ple_gate(g: "Graph", Kt: Rows, Qt: Rows, vp: Rows, lam: Rows, V: Rows, hc: i
     if lam.overlaps(V):
         raise ValueError(f"{name}: λ and V overlap")
     g.dispatch("ple_gate", [Kt.buf, Qt.buf, vp.buf, lam.buf, V.buf], [grid(T * hc, 1, MAX_GROUPS)],
-               push=[d, hc, T, Kt.off, Kt.stride, Qt.off, Qt.stride, vp.off, vp.stride,
-                     lam.off, lam.stride, V.off, V.stride],
+               push=PleGatePush(d, hc, T, Kt.off, Kt.stride, Qt.off, Qt.stride, vp.off, vp.stride,
+                                lam.off, lam.stride, V.off, V.stride),
                writes=[3, 4], name=name, desc=f"T={T} hc={hc} d={d}", nbytes=F32 * T * (3 * hc * d + d + hc))

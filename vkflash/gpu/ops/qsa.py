@@ -12,21 +12,114 @@ Positions and lengths come from the params buffer ([p0, n] at param_off), as for
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from vkflash.gpu.interface import PushConstants, SpecConstants, f32, u32
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops.attention import Cache, CacheType
-from vkflash.gpu.ops.views import Rows, f32_bits
+from vkflash.gpu.ops.views import Rows
 from vkflash.gpu.registry import Kernel
 
 if TYPE_CHECKING:
     from vkflash.gpu.graph import Graph
 
+
+@dataclass(frozen=True)
+class PoolPush(PushConstants):
+    """qsa_pool.comp's push constants: params offset, block size, summary rows, RoPE dims, ε, θ, re-pool."""
+
+    param_off: u32
+    r: u32
+    n_blocks: u32
+    n_rot: u32
+    eps: f32
+    theta: f32
+    repool: u32
+
+
+@dataclass(frozen=True)
+class HeadDimSpec(SpecConstants):
+    """The indexer head dim D_I (qsa_pool.comp)."""
+
+    dh: u32
+
+
+@dataclass(frozen=True)
+class ScoresPush(PushConstants):
+    """qsa_scores.comp's push constants: params offset, block size, summary rows, the qI and scores views."""
+
+    param_off: u32
+    r: u32
+    n_blocks: u32
+    q_off: u32
+    q_row: u32
+    s_off: u32
+    s_row: u32
+
+
+@dataclass(frozen=True)
+class ScoresSpec(SpecConstants):
+    """qsa_scores.comp's head dim D_I and indexer heads n_I."""
+
+    dh: u32
+    n_i: u32
+
+
+@dataclass(frozen=True)
+class TopkPush(PushConstants):
+    """qsa_topk.comp's push constants: params offset, r, kb, W, the scores, cell-list, gather-params and
+    bit-row views."""
+
+    param_off: u32
+    r: u32
+    kb: u32
+    W: u32
+    s_off: u32
+    s_row: u32
+    list_off: u32
+    list_row: u32
+    gp_off: u32
+    bits_off: u32
+    bits_row: u32
+
+
+@dataclass(frozen=True)
+class TopkSpec(SpecConstants):
+    """qsa_topk.comp's output (1: cell lists, 0: bit rows) and mode (1: `cell`, 0: `block`)."""
+
+    list: u32
+    cell: u32
+
+
+@dataclass(frozen=True)
+class UnionPush(PushConstants):
+    """qsa_union.comp's push constants: params offset, queries, tile, the selection view, list capacity,
+    the slot-row view."""
+
+    param_off: u32
+    T: u32
+    TQ: u32
+    m_off: u32
+    m_row: u32
+    cap: u32
+    s_off: u32
+    s_row: u32
+
+
+@dataclass(frozen=True)
+class UnionSpec(SpecConstants):
+    """qsa_union.comp's pass: 0 the lists, 1 the slot rows."""
+
+    phase: u32
+
+
 KERNELS = (
-    [Kernel(f"qsa_pool_{c.value}", "qsa_pool.comp", 4, defines=((c.define, 1),), local_size=128) for c in CacheType]
-    + [Kernel("qsa_scores", "qsa_scores.comp", 4, local_size=64),
-       Kernel("qsa_topk", "qsa_topk.comp", 4, local_size=256),
-       Kernel("qsa_union", "qsa_union.comp", 5, local_size=256)]
+    [Kernel(f"qsa_pool_{c.value}", "qsa_pool.comp", 4, defines=((c.define, 1),), local_size=128,
+            push=PoolPush, spec=HeadDimSpec) for c in CacheType]
+    + [Kernel("qsa_scores", "qsa_scores.comp", 4, local_size=64, push=ScoresPush, spec=ScoresSpec),
+       Kernel("qsa_topk", "qsa_topk.comp", 5, local_size=256, push=TopkPush, spec=TopkSpec),
+       Kernel("qsa_union", "qsa_union.comp", 5, local_size=256, push=UnionPush, spec=UnionSpec)]
 )
 SCORE_GROUPS = 64  # workgroups per query striding over blocks (grid-stride: any depth)
 REPOOL_GROUPS = 256  # workgroups striding over all complete blocks when re-pooling (POOLED=0)
@@ -48,7 +141,7 @@ def qsa_pool(g: "Graph", params: Buffer, param_off: int, keys: Cache, gain: Buff
     kname = f"qsa_pool_{keys.type.value}"
     groups = min(summary.n_rows, REPOOL_GROUPS) if repool else T // r + 1
     g.dispatch(kname, [params, keys.buf, gain, summary.buf], [groups],
-               push=[param_off, r, summary.n_rows, n_rot, f32_bits(eps), f32_bits(theta), int(repool)], spec=[D],
+               push=PoolPush(param_off, r, summary.n_rows, n_rot, eps, theta, repool), spec=HeadDimSpec(D),
                name=name, desc=f"T={T} r={r} D_I={D} {keys.type.value}" + " repool" * repool)
 
 
@@ -61,8 +154,8 @@ def qsa_scores(g: "Graph", params: Buffer, param_off: int, qI: Rows, summary: Ro
         raise ValueError(f"{name}: qI {qI.n_rows}x{qI.n_cols}, summary {summary.n_rows}x{D}, scores "
                          f"{scores.n_rows}x{scores.n_cols} do not fit n_I={n_I}")
     g.dispatch("qsa_scores", [params, qI.buf, summary.buf, scores.buf], [SCORE_GROUPS, T],
-               push=[param_off, r, summary.n_rows, qI.off, qI.stride, scores.off, scores.stride],
-               spec=[D, n_I], name=name, desc=f"T={T} n_I={n_I} D_I={D}")
+               push=ScoresPush(param_off, r, summary.n_rows, qI.off, qI.stride, scores.off, scores.stride),
+               spec=ScoresSpec(D, n_I), name=name, desc=f"T={T} n_I={n_I} D_I={D}")
 
 
 def qsa_select(g: "Graph", params: Buffer, param_off: int, scores: Rows, out: Rows, *, r: int, B: int,
@@ -80,9 +173,12 @@ def qsa_select(g: "Graph", params: Buffer, param_off: int, scores: Rows, out: Ro
     listing = gather_params is not None
     if listing and (out.n_cols < W or gather_params.nbytes < 4 * (gp_off + 2 * T)):
         raise ValueError(f"{name}: cell lists need {W} columns and {2 * T} gather-params words")
-    g.dispatch("qsa_topk", [params, scores.buf, gather_params if listing else params, out.buf], [T],
-               push=[param_off, r, B // r, W, scores.off, scores.stride, out.off, out.stride, gp_off],
-               spec=[int(listing), int(cell)], writes=[2, 3] if listing else [3], name=name,
+    cells, bits = (out, None) if listing else (None, out)
+    g.dispatch("qsa_topk", [params, scores.buf, gather_params if listing else params, cells.buf if cells else params,
+                            bits.buf if bits else params], [T],
+               push=TopkPush(param_off, r, B // r, W, scores.off, scores.stride, cells.off if cells else 0,
+                             cells.stride if cells else 0, gp_off, bits.off if bits else 0, bits.stride if bits else 0),
+               spec=TopkSpec(listing, cell), writes=[2, 3] if listing else [4], name=name,
                desc=f"T={T} kb={B // r} r={r} {'cell' if cell else 'block'} {'list' if listing else 'mask'}")
 
 
@@ -102,10 +198,11 @@ def qsa_union(g: "Graph", params: Buffer, param_off: int, sel: Rows, gp: Buffer,
     if cells.nbytes < 4 * n_tiles * cap or gp.nbytes < 8 * n_tiles or tile < 1:
         raise ValueError(f"{name}: {n_tiles} tiles of {tile} need {n_tiles}x{cap} list words and {2 * n_tiles} "
                          f"gather-params words")
-    bufs, push = [params, sel.buf, gp, cells, slots.buf], [param_off, T, tile, sel.off, sel.stride, cap, slots.off,
-                                                          slots.stride]
-    g.dispatch("qsa_union", bufs, [n_tiles], push=push, spec=[0], writes=[2, 3], name=name,
+    bufs = [params, sel.buf, gp, cells, slots.buf]
+    push = UnionPush(param_off, T, tile, sel.off, sel.stride, cap, slots.off, slots.stride)
+    g.dispatch("qsa_union", bufs, [n_tiles], push=push, spec=UnionSpec(0), writes=[2, 3], name=name,
                desc=f"T={T} tile={tile} cap={cap} lists")
-    g.dispatch("qsa_union", bufs, [n_tiles, min(tile, T)], push=push, spec=[1], writes=[4], name=f"{name}.slots",
+    g.dispatch("qsa_union", bufs, [n_tiles, min(tile, T)], push=push, spec=UnionSpec(1), writes=[4],
+               name=f"{name}.slots",
                desc=f"T={T} tile={tile} cap={cap} slot rows")
     return n_tiles

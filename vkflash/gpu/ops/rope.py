@@ -11,14 +11,32 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from vkflash.gpu.graph import Node
+from vkflash.gpu.interface import PushConstants, SpecConstants, f32, u32
 from vkflash.gpu.memory import Buffer
-from vkflash.gpu.ops.views import F32, Rows, check_alias, check_same_shape, f32_bits, grid
+from vkflash.gpu.ops.views import F32, Rows, check_alias, check_same_shape, grid
 from vkflash.gpu.registry import Kernel, kernel
 
 if TYPE_CHECKING:
     from vkflash.gpu.graph import Graph
 
-KERNELS = [Kernel("rope", "rope.comp", 3)]
+
+@dataclass(frozen=True)
+class RopePush(PushConstants):
+    """rope.comp's push constants: head rows, x and y views, the positions' offset, θ."""
+
+    n_rows: u32
+    n_heads: u32
+    dh: u32
+    n_rot: u32
+    x_off: u32
+    x_stride: u32
+    y_off: u32
+    y_stride: u32
+    pos_off: u32
+    theta: f32
+
+
+KERNELS = [Kernel("rope", "rope.comp", 3, push=RopePush, spec=SpecConstants)]
 MAX_GROUPS = 4096  # grid-stride loop covers the rest
 
 
@@ -63,8 +81,8 @@ class RopeNeox(Node):
         wg = kernel("rope").workgroup(g.gpu.caps)
         items = x.n_rows * (n_rot // 2 + dh - n_rot)
         g.dispatch("rope", [self.pos, x.buf, y.buf], [grid(items, wg, MAX_GROUPS)],
-                   push=[x.n_rows, self.n_heads, dh, n_rot, x.off, x.stride, y.off, y.stride, self.pos_off,
-                         f32_bits(self.theta)],
+                   push=RopePush(x.n_rows, self.n_heads, dh, n_rot, x.off, x.stride, y.off, y.stride, self.pos_off,
+                                 self.theta),
                    name=self.name, desc=f"{x.n_rows // self.n_heads}x{self.n_heads}x{dh} rot {n_rot}",
                    nbytes=2 * F32 * x.size + 4 * (x.n_rows // self.n_heads))
 

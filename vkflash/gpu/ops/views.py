@@ -8,16 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from vkflash.gpu.memory import Buffer
 
 F32 = 4  # bytes per element of every view
-
-
-def f32_bits(x: float) -> int:
-    """The IEEE-754 bits of x as an f32, for push constants."""
-    return int(np.float32(x).view(np.uint32))
 
 
 @dataclass(frozen=True)
