@@ -322,7 +322,7 @@ void matrix_mode() {
         for (uint r = tid; r < 2 * CH; r += WG) {
             float ss = 0.0;
             for (uint part = 0; part < NPART; ++part) ss += sh[AT + part * 2 * CH + r];
-            float x = 1.0 / sqrt(ss + eps);
+            float x = 1.0 / sqrt(ss + p.eps);
             if (r < CH) {
                 x = r < n ? x : 0.0;
                 sh[RK + r] = x;
