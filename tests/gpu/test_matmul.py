@@ -16,7 +16,7 @@ from vkflash.gpu.ops.matmul import COOPMAT_TYPES, GEMV_MAX_COLS, TYPES, matmul, 
 
 @pytest.fixture
 def cm_gpu(gpu):
-    """The device with cooperative-matrix GEMMs on (off by default: VKFLASH_DISABLE_COOPMAT=1)."""
+    """The device with cooperative-matrix GEMMs on (the test session's device runs scalar f32 GEMMs)."""
     return gpu.with_options(replace(gpu.options, coopmat=True))
 
 pytestmark = pytest.mark.gpu

@@ -65,7 +65,7 @@ def _expected(acc, bound, k, scale, bias, act, mul, res, full, f16: bool):
 
 
 def _options(cm: bool, fused: bool) -> GpuOptions:
-    """Coopmat as the path asks (off by default: VKFLASH_DISABLE_COOPMAT=1), the epilogue fused or not."""
+    """Coopmat as the path asks, the epilogue fused or not."""
     opts = GpuOptions(coopmat=cm)
     return opts if fused else opts.without(Fusion.EPILOGUE)
 
