@@ -72,33 +72,37 @@ class Gpu:
 
     def commit(self, buf: Buffer, nbytes: int, keep: int | None = None) -> None:
         """Back the first nbytes of buf (grow or shrink its memory), keeping the first `keep` bytes
-        of its contents (default: all both sizes hold), copied on the GPU; the old memory is freed
-        after the copy, so the peak is old + new for this one buffer."""
+        of its contents (default: all both sizes hold), copied on the GPU. The old memory is freed
+        after the copy, so the peak is old + new for this one buffer (keep=0: freed first)."""
         n = words(min(nbytes, buf.nbytes))
         if n == buf.committed:
             return
-        keep = min(buf.committed, n) if keep is None else min(words(keep), buf.committed, n)
+        keep = min(buf.committed, n) if keep is None else min(words(keep) if keep else 0, buf.committed, n)
         if self.ledger.counts(buf):
-            self.ledger.check(n, f"resizing {buf.name!r} to {fmt_bytes(n)}")
+            self.ledger.check(n if keep else n - buf.committed, f"resizing {buf.name!r} to {fmt_bytes(n)}")
         self._replace_backing(buf, n, keep)
         buf.committed = n
         self.ledger.rebinds += 1
 
     def _replace_backing(self, buf: Buffer, n: int, keep: int) -> None:
-        """Swap buf's memory for n new bytes holding its first `keep` bytes; the old memory freed."""
+        """Swap buf's memory for n new bytes holding its first `keep` bytes; the old memory freed
+        (before the new is allocated when nothing is kept)."""
         from vkflash.gpu.ops.copy import copy_words
 
+        old = buf.tensor
+        assert old is not None
+        self.retire(buf)
+        if not keep:
+            old.destroy()
         fresh = Buffer(self, backing(self, n, buf.host_visible, buf.name), n, buf.host_visible, buf.name)
         if keep:
             g = self.graph(f"commit.{buf.name}")
             copy_words(g, buf, 0, fresh, 0, keep // 4, name=f"commit.{buf.name}")
             g.run()
-        old = buf.tensor
-        self.retire(buf)
+            self.retire(buf)
+            old.destroy()
         self.retire(fresh)
         buf.tensor = fresh.tensor
-        assert old is not None
-        old.destroy()
 
     def free(self, buf: Buffer) -> None:
         """Release buf's memory now (graphs that bind it must be rebuilt)."""
@@ -121,6 +125,10 @@ class Gpu:
         the polling core is one the driver computes on)."""
         v = self.options.spin_wait
         return v == "1" or (v == "auto" and self.caps.device_type != "cpu")
+
+    def staged(self) -> list[Buffer]:
+        """The staging ring's buffer, once made (a device-local buffer was filled or read)."""
+        return [self._staging.host] if self._staging is not None else []
 
     @property
     def staging(self) -> "Staging":
@@ -197,6 +205,12 @@ class PlanningGpu(Gpu):
     def free(self, buf: Buffer) -> None:
         buf.committed = 0
         self.ledger.drop(buf)
+
+    def graph(self, name: str, max_ops_per_submission: int = 0) -> "Graph":
+        """A graph whose run() only places its intermediates (the bytes count, nothing runs)."""
+        from vkflash.gpu.graph import PlannedGraph
+
+        return PlannedGraph(self, name, max_ops_per_submission)
 
 
 class Staging:

@@ -353,3 +353,11 @@ class Graph:
             self._pending.clear()
             raise DeviceError(f"{self.name}: the GPU failed while running it: {e}") from e
         trace.finished(self, sub, t0)
+
+
+class PlannedGraph(Graph):
+    """A graph of a planning Gpu (gpu/context.py): running it places its intermediates in the arena
+    (what the memory planner counts) and dispatches nothing."""
+
+    def run(self) -> None:
+        self.place()
