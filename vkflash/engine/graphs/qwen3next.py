@@ -48,8 +48,11 @@ class Qwen3NextGraph:
     def extra_dim(self, hp: HParams) -> int:
         return 0
 
+    def host_tensors(self, hp: HParams) -> list[str]:
+        return []
+
     def allocate_state(self, gpu: "Gpu", gf: GGUFFile, hp: HParams, n_ctx: int, kv: CacheType,
-                       ub: int) -> RecurrentState:
+                       ub: int, held: int) -> RecurrentState:
         """GDN conv and SSM states (+ checkpoint slots) of every GDN layer."""
         return RecurrentState.allocate(gpu, hp, n_draft())
 
