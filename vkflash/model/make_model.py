@@ -2,7 +2,10 @@
 
 `tiny` writes seeded random float weights (F32 by default; F16, Q8_0 or a mixed set) that
 llama.cpp loads; `shape-8L` writes the real per-layer shapes with random quant blocks,
-streamed to disk tensor by tensor. Weights are deterministic per (seed, tensor name).
+streamed to disk tensor by tensor; `shape-48L` is the real model's 48 layers. Weights are
+deterministic per (seed, tensor name). A `sparse` file has the header and tensor table only, its
+data region a hole that reads as zeros: `vkflash plan` reads no data, so it plans the 48-layer
+model from such a file without 100 GB of disk.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from vkflash.model.chat import QWEN3_THINKING_TEMPLATE
 from vkflash.model.vocab_build import VocabMeta, qwen3_vocab, tiny_vocab
 
 ARCHS = ("qwen4exp", "qwen3next")
-CONFIGS = ("tiny", "shape-8L")
+CONFIGS = ("tiny", "shape-8L", "shape-48L")
+SHAPE_QUANTS = ("Q4_K_M", "Q8_0")
 TINY_QUANTS = ("F32", "F16", "Q8_0", "mix")
 VARIANTS = ("tied", "f_array", "hc_norm_2d", "ple_conv_f16", "dense", "tie_stress", "ssm_in")
 CHUNK_BYTES = 64 << 20
@@ -95,6 +99,10 @@ GEOMETRIES: dict[tuple[str, str], Geometry] = {
         d=2048, V=151936, ctx=262144, L=8, H=16, H_kv=2, Dh=256, n_rot=64, theta=1e7, n_k=16, n_v=32,
         S=128, K_c=4, E=512, k=10, F=512, F_s=512),
 }
+GEOMETRIES.update({(a, "shape-48L"): replace(GEOMETRIES[(a, "shape-8L")], L=48) for a in ARCHS})
+# the real PLE table: P_h = the 16 primes after 2·10⁷ (MODEL.md §8), 320,001,536 rows
+GEOMETRIES[("qwen4exp", "shape-48L")] = replace(GEOMETRIES[("qwen4exp", "shape-48L")],
+                                                ple_vocab_base=20_000_000)
 
 
 @dataclass
@@ -337,8 +345,9 @@ def _k_or(qt: QT, ne0: int) -> QT:
     return qt
 
 
-def shape8l_type(t: Tensor) -> QT:
-    """§9 shape-8L types: 1-D, routers, inject, convs F32; PLE table Q4_0; else Q4_K-family."""
+def shape8l_type(t: Tensor, quant: str = "Q4_K_M") -> QT:
+    """§9 shape-8L types: 1-D, routers, inject, convs F32; PLE table Q4_0; else Q4_K-family
+    (quant Q8_0: every quantized tensor Q8_0)."""
     name = t.name
     if t.qtype != QT.F32:
         return t.qtype  # explicit (variant ple_conv_f16)
@@ -346,6 +355,8 @@ def shape8l_type(t: Tensor) -> QT:
         return QT.F32
     if name.endswith("_norm.weight") or ".enorm" in name or ".hnorm" in name:
         return QT.F32
+    if quant == "Q8_0":
+        return QT.Q8_0
     if name == "per_layer_token_embd.weight":
         return QT.Q4_0
     if "ffn_down" in name:
@@ -526,8 +537,10 @@ def random_block_chunks(t: Tensor, seed: int) -> Iterator[np.ndarray]:
 
 # ---------------------------------------------------------------- writing
 
-def write_gguf(path: Path, spec: ModelSpec, chunks: Callable[[Tensor], Iterator[np.ndarray]]) -> Path:
-    """Write spec to path, streaming each tensor's bytes from chunks(t) (never all in RAM)."""
+def write_gguf(path: Path, spec: ModelSpec, chunks: Callable[[Tensor], Iterator[np.ndarray]],
+               sparse: bool = False) -> Path:
+    """Write spec to path, streaming each tensor's bytes from chunks(t) (never all in RAM); sparse:
+    skip over the data instead (a hole the file system does not store)."""
     w = gguf.GGUFWriter(str(path), spec.arch, use_temp_file=False)
     for key, (val, vt, sub) in spec.meta.items():
         w.add_key_value(key, val, vt, sub_type=sub)
@@ -539,6 +552,10 @@ def write_gguf(path: Path, spec: ModelSpec, chunks: Callable[[Tensor], Iterator[
     fout = w.fout[0]
     for t in spec.tensors:
         w.write_padding(fout, fout.tell())
+        if sparse:
+            fout.seek(t.nbytes, 1)
+            w.write_padding(fout, t.nbytes)
+            continue
         n = 0
         for c in chunks(t):
             c = np.ascontiguousarray(c)
@@ -547,6 +564,7 @@ def write_gguf(path: Path, spec: ModelSpec, chunks: Callable[[Tensor], Iterator[
         if n != t.nbytes:
             raise RuntimeError(f"{t.name}: wrote {n} bytes, expected {t.nbytes}")
         w.write_padding(fout, t.nbytes)
+    fout.truncate()  # a sparse file ending in a hole still has its full length
     w.close()
     return path
 
@@ -563,11 +581,13 @@ def _variants(variant: str | tuple[str, ...] | frozenset[str] | None) -> frozens
 
 
 def make_model(arch: str, config: str, quant: str | None, seed: int, out: str | Path,
-               mtp_separate: bool = False, variant: str | tuple[str, ...] | None = None) -> list[Path]:
+               mtp_separate: bool = False, variant: str | tuple[str, ...] | None = None,
+               sparse: bool = False) -> list[Path]:
     """Write a synthetic model (and, with mtp_separate, its MTP-only file `<out>-mtp.gguf`).
 
-    Returns the written paths. tiny: quant ∈ F32 (default) | F16 | Q8_0 | mix; shape-8L:
-    the §9 types (quant must be None or "Q4_K_M").
+    Returns the written paths. tiny: quant ∈ F32 (default) | F16 | Q8_0 | mix; shape configs:
+    the §9 types (quant None or "Q4_K_M"), or "Q8_0" for every quantized tensor. sparse: header
+    and tensor table only (see the module docstring).
     """
     if arch not in ARCHS:
         raise ConfigError(f"--arch must be one of {', '.join(ARCHS)}, not {arch!r}")
@@ -588,13 +608,15 @@ def make_model(arch: str, config: str, quant: str | None, seed: int, out: str | 
             raise ConfigError(f"--quant for tiny must be one of {', '.join(TINY_QUANTS)}, not {quant!r}")
         vm = tiny_vocab(g.V)
     else:
-        if quant not in (None, "Q4_K_M"):
-            raise ConfigError("shape-8L uses the fixed §9 type mix (Q4_K_M-like); omit --quant")
+        quant = quant or "Q4_K_M"
+        if quant not in SHAPE_QUANTS:
+            raise ConfigError(f"--quant for {config} must be one of {', '.join(SHAPE_QUANTS)} (the §9 mix, or all "
+                              f"quantized tensors Q8_0), not {quant!r}")
         vm = qwen3_vocab(g.V)
     rank1 = Rank1.make(seed, g) if arch == "qwen4exp" and "tie_stress" not in v else None
 
     def typed(spec: ModelSpec) -> ModelSpec:
-        spec.tensors = [replace(t, qtype=tiny_type(t, quant) if tiny else shape8l_type(t)) for t in spec.tensors]
+        spec.tensors = [replace(t, qtype=tiny_type(t, quant) if tiny else shape8l_type(t, quant)) for t in spec.tensors]
         return spec
 
     def chunks(t: Tensor) -> Iterator[np.ndarray]:
@@ -606,10 +628,10 @@ def make_model(arch: str, config: str, quant: str | None, seed: int, out: str | 
     spec = typed(trunk_spec(arch, g, v))
     _hparams_meta(spec, g, v, mtp=False)
     _tokenizer_meta(spec, vm)
-    paths = [write_gguf(out, spec, chunks)]
+    paths = [write_gguf(out, spec, chunks, sparse)]
     if mtp_separate:
         mspec = typed(mtp_spec(g, v))
         _hparams_meta(mspec, g, v, mtp=True)
         _tokenizer_meta(mspec, vm)
-        paths.append(write_gguf(out.with_name(out.stem + "-mtp" + out.suffix), mspec, chunks))
+        paths.append(write_gguf(out.with_name(out.stem + "-mtp" + out.suffix), mspec, chunks, sparse))
     return paths
