@@ -6,7 +6,9 @@ two depths, not a single probe), pp512 and tg128 there. Per decode token: dispat
 and barriers of the recorded decode graph; host µs per step = wall time − GPU time (GPU time from
 the graph's timestamps, recorded for that measurement only) and its share of the step. Each decode
 row carries its roofline fraction: bytes touched per token (weights read + K/V read + recurrent
-state read and written) × tok/s ÷ the copy bandwidth measured in the same run.
+state read and written) × tok/s ÷ the copy bandwidth measured in the same run. The forward
+reserves every step graph first (its arena is what the memory plan counts), and the deep-context
+guard's steps taken during the depth sweep are listed with the rows.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ class Result:
     weight_bytes: int  # weight bytes read per decode token
     rows: list[Row] = field(default_factory=list)
     decode: DecodeCost | None = None
+    guard: list[str] = field(default_factory=list)  # the deep-context guard's steps in the depth sweep
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -196,6 +199,7 @@ def bench(path: Path, plan: Plan, ub: int | None = None, kv: str | None = None) 
     depths = tuple(sorted(d for d in set(plan.depths) if d + plan.window + plan.tg <= n_train))
     plan = Plan(plan.pp, plan.window, plan.tg, depths, plan.host_steps)
     fwd = GpuForward(path, ctx=min(plan.context(), n_train), ub=ub, kv=kv)
+    fwd.reserve()
     small = fwd.gpu.caps.device_type == "cpu" or max(plan.pp) < 512
     copy = copy_bandwidth(fwd.gpu, (32 << 20) if small else (1 << 30), 5 if small else 50)
     res = Result(fwd.gpu.caps.name, path.name, copy.rate, weight_bytes_per_token(fwd))
@@ -227,6 +231,7 @@ def bench(path: Path, plan: Plan, ub: int | None = None, kv: str | None = None) 
         s, _ = timed_decode(fwd, tok, plan.tg)
         res.rows.append(roofline(Row(f"tg{plan.tg} @ d{d + plan.window}", d + plan.window, plan.tg, s)))
         pos = d + plan.window + plan.tg
+    res.guard = [e.line() for e in fwd.guard.events]
     return res
 
 
@@ -239,6 +244,8 @@ def show(res: Result, console: Console) -> None:
         t.add_row(r.name, str(r.depth), str(r.tokens), f"{r.seconds:.3f}", f"{r.rate:.1f}",
                   "" if r.roofline is None else f"{r.roofline:.1%}")
     console.print(t)
+    for line in res.guard:
+        console.print(line)
     d = res.decode
     if d is None:
         return

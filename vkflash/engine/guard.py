@@ -15,12 +15,13 @@ With DEEPGUARD=0 (or no step left) a growth that does not fit raises DoesNotFit:
 never an allocation failure. GUARD_<STEP>=<depth> forces a step once the context reaches that
 depth, `off` skips it. The memory planner (engine/plan.py) runs this same code on a planning Gpu,
 so the depths at which the steps engage are the plan's thresholds. Each step prints one line
-(what, why, bytes freed), goes to the job log and counts in /metrics (guard_tier, bytes freed).
+(what, why, bytes freed) on stderr, goes to the job log and counts in /metrics (guard_tier, bytes freed).
 reset() of a forward puts back the boot configuration once any step was taken.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -133,7 +134,7 @@ class Guard:
         self.budget = cfg.budget or detect(caps, cfg.override)
         self.events: list[Event] = []
         self._forced = self._next_forced()  # the least depth a GUARD_<STEP> knob forces a step at
-        self.out: Callable[[str], None] = lambda line: print(line, flush=True)
+        self.out: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
 
     # --- state ----------------------------------------------------------------------------
     @property
