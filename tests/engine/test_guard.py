@@ -172,3 +172,18 @@ def test_requantized_kv_logits(gpu, rng, tmp_path):
     for x in "kv":
         a, b = getattr(fwd.model.kv[0], x).buf, getattr(q8.model.kv[0], x).buf
         assert np.array_equal(a.read(np.uint8, 64 * row, 32 * row), b.read(np.uint8, 64 * row, 32 * row))
+
+
+def test_knobs_force_and_skip_steps(gpu, rng, model):
+    """GUARD_UB=100 halves UB once when the context reaches 100 (not twice), with no budget at all;
+    GUARD_KV=off under the least budget makes the guard go from the draft straight to UB."""
+    path, draft = model
+    when = {Kind.DRAFT: "auto", Kind.KV: "auto", Kind.UB: 100}
+    fwd = _forward(gpu.with_options(gpu.options, own_arena=True), path, None, GuardConfig(when=when, budget=NONE))
+    fwd.prefill(rng.integers(0, GEO.V, 200))
+    assert [(e.depth, e.kind) for e in fwd.guard.events] == [(128, Kind.UB)] and fwd.ub == UB // 2
+    budget = _least_budget(path, draft)
+    skip_kv = GuardConfig(when={Kind.DRAFT: "auto", Kind.KV: "off", Kind.UB: "auto"})
+    plan = make_plan(path, ctx=CTX, ub=UB, kv="f16", budget=Budget(budget, "t"), draft=draft, guard=skip_kv,
+                     suggest=False)
+    assert Kind.KV not in [e.kind for e in plan.events] and plan.events[0].kind is Kind.DRAFT

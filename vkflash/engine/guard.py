@@ -187,9 +187,10 @@ class Guard:
         chunks), taking the guard's steps where a growth would not fit; DoesNotFit when nothing
         makes it fit."""
         if need >= self._forced:
-            for kind in self._pending(fwd):
+            taken = {e.kind for e in self.events}
+            for kind in dict.fromkeys(self._pending(fwd)):  # a knob forces a step once (UB: its first halving)
                 when = self.cfg.when[kind]
-                if isinstance(when, int) and when <= need:
+                if kind not in taken and isinstance(when, int) and when <= need:
                     self._engage(fwd, kind, need, f"{KNOB[kind]}={when}")
             self._forced = self._next_forced()
         if need <= self.held:
@@ -232,7 +233,9 @@ class Guard:
         out = []
         if fwd.draft is not None and fwd.draft.can_shrink and Kind.DRAFT not in taken:
             out.append(Kind.DRAFT)
-        if fwd.model.kv.type is not CacheType.Q8_0 and fwd.hp.Dh % 32 == 0 and Kind.KV not in taken:
+        caches = self._caches(fwd)
+        if (Kind.KV not in taken and fwd.model.kv.type is not CacheType.Q8_0 and caches
+                and all(c.dim % 32 == 0 for c in caches)):
             out.append(Kind.KV)
         out += [Kind.UB] * min(UB_HALVINGS - taken.count(Kind.UB), max(0, fwd.ub.bit_length() - 1))
         return out
