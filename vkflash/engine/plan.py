@@ -206,7 +206,7 @@ class Plan:
         head = (f"memory plan: {self.arch} {self.n_ctx} positions, UB {self.ub}, KV {self.kv}, budget {self.budget}: "
                 f"boot {fmt_bytes(self.boot.usage.total)}")
         if not self.boot_fits:
-            return head + f" does NOT fit" + (f"; {self.makes_it_fit} would" if self.makes_it_fit else "")
+            return head + " does NOT fit" + (f"; {self.makes_it_fit} would fit" if self.makes_it_fit else "")
         full = self.rows[-1]
         if self.fails_at is not None:
             tail = f"; fills to {self.fails_at - 1} positions only" + (
@@ -306,8 +306,8 @@ def make_plan(model: str | os.PathLike[str], ctx: int | None = None, ub: int | N
 
 def _what_fits(plan: Plan, model: str | os.PathLike[str], ctx: int | None, kv: str | None, budget: Budget,
                draft: DraftFiles | None, uma: bool | None, cfg: GuardConfig, caps: Capabilities) -> str:
-    """The first of DEEPGUARD=1, KV=q8_0, and UB halved once or twice (with KV=q8_0), then a smaller
-    CTX, whose plan fits; empty when none does."""
+    """The first of DEEPGUARD=1, KV=q8_0, UB halved once or twice, both, then a smaller CTX, whose
+    plan fits; empty when none does."""
     tries: list[tuple[str, Callable[[], Plan]]] = []
 
     def again(**kw: object) -> Callable[[], Plan]:
@@ -318,11 +318,14 @@ def _what_fits(plan: Plan, model: str | os.PathLike[str], ctx: int | None, kv: s
 
     if not cfg.enabled:
         tries.append(("DEEPGUARD=1", again(guard=replace(cfg, enabled=True))))
-    if cache_type(plan.kv) is not CacheType.Q8_0:
+    q8 = cache_type(plan.kv) is not CacheType.Q8_0
+    if q8:
         tries.append(("KV=q8_0", again(kv="q8_0")))
     for k in (1, 2):
         if plan.ub >> k:
-            tries.append((f"KV=q8_0 UB={plan.ub >> k}", again(kv="q8_0", ub=plan.ub >> k)))
+            tries.append((f"UB={plan.ub >> k}", again(ub=plan.ub >> k)))
+    if q8 and plan.ub >> 2:
+        tries.append((f"KV=q8_0 UB={plan.ub >> 2}", again(kv="q8_0", ub=plan.ub >> 2)))
     for label, attempt in tries:
         if attempt().fill_fits:
             return label
