@@ -138,12 +138,16 @@ def plan_cmd(
 ) -> None:
     """Memory per part at depths 0 … full, the guard's steps, boot-fit and fill-fit, what makes it fit."""
     try:
+        from vkflash.engine.guard import GuardConfig
         from vkflash.engine.plan import DraftFiles, make_plan
+        from vkflash.gpu.budget import Budget
 
         s = settings.load(flags={"CTX": ctx, "VKFLASH_MEM_BUDGET": mem, "UB": ub, "KV": kv, "MODEL_DRAFT": draft,
                                  "MODEL_DRAFT_SMALL": draft_small})
-        settings.install(s)
-        p = make_plan(model, draft=DraftFiles.from_settings(s) if mtp else None, uma=uma)
+        src = s.sources["VKFLASH_MEM_BUDGET"]
+        budget = Budget(s["VKFLASH_MEM_BUDGET"], "--mem" if src == "flag" else src) if s["VKFLASH_MEM_BUDGET"] else None
+        p = make_plan(model, ctx=s["CTX"], ub=s["UB"], kv=s["KV"], budget=budget, guard=GuardConfig.from_settings(s),
+                      draft=DraftFiles.from_settings(s) if mtp else None, uma=uma)
     except VkflashError as e:
         _fail(e)
         return
@@ -191,8 +195,14 @@ def show_plan(p) -> None:
     console.print(f"fill-fit: {fill}")
     if p.makes_it_fit:
         console.print(f"makes it fit: {p.makes_it_fit}")
+    def by_type(types: dict[str, int]) -> str:
+        return ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(types.items(), key=lambda kv: -kv[1]))
+
+    where = "host-visible (UMA: no staging copy)" if p.uma else "device-local"
+    console.print(f"weights: {fmt_bytes(sum(p.weight_types.values()))} {where}: {by_type(p.weight_types)}")
     if p.mmapped:
-        console.print(f"mmapped: {fmt_bytes(p.mmapped)} of host-gathered tables (file pages, evictable: not counted)")
+        console.print(f"mmapped: {fmt_bytes(p.mmapped)} of host-gathered tables ({by_type(p.mmap_types)}; file pages, "
+                      f"evictable: not counted)")
     if p.boot.usage.host:
         console.print(f"host memory beside the budget: {fmt_bytes(p.boot.usage.host)} (staging, step params)")
     console.print(p.summary())

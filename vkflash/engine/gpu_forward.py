@@ -213,7 +213,6 @@ class GpuForward:
     def set_ubatch(self, ub: int) -> None:
         """Prefill in steps of at most ub tokens: the arena's memory returned, the graphs rebuilt."""
         self.ub = ub
-        self._graphs.clear()
         self.gpu.arena.clear()
         self.drop_graphs()
 

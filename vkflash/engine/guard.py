@@ -62,11 +62,11 @@ class Draft(Protocol):
     def can_shrink(self) -> bool:
         """A smaller quant is given and not in use."""
 
-    def buffers(self) -> list[Buffer]:
-        """Every buffer the draft holds (its weights and caches)."""
+    def weights(self) -> list[Buffer]:
+        """The buffers of its weights."""
 
     def fills(self) -> list["Fill"]:
-        """Its caches that grow with the context."""
+        """Its caches, which grow with the context."""
 
     def shrink(self) -> None:
         """Free the weights and load the smaller quant."""

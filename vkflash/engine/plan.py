@@ -8,12 +8,13 @@ buffers are the liveness allocator's arena. Then it walks the context chunk by c
 deep-context guard (engine/guard.py), the same code the run executes: the caches grow, and where
 the budget would not hold them the guard's steps engage, at the depths the plan reports.
 
-Parts: weights (uploaded; host-gathered tables are mmapped file pages, shown apart and not
-counted: the page cache can evict them), kv (attention K/V), indexer (QSA keys and summary
-rows), states (recurrent rows and checkpoint slots), compute (arena and graph-owned buffers), io
-(step params, logits, argmax ids, staging ring), draft (the MTP draft's weights and K/V cache,
-from its GGUF header: the draft engine is not built yet, so its compute is not counted).
-Budgeted bytes are everything on UMA; device-local memory on a discrete GPU.
+Parts: weights (uploaded, also by GGML type; host-gathered tables are mmapped file pages, shown
+apart and not counted: the page cache can evict them), kv (attention K/V), indexer (QSA keys and
+summary rows), states (recurrent rows), slots (their checkpoint copies), compute (arena and
+graph-owned buffers), io (step params, logits, argmax ids, staging ring), draft and draft kv (the
+MTP draft's weights and K/V cache, from its GGUF header: the draft engine is not built yet, so
+its compute is not counted). Budgeted bytes are everything on UMA (weights host-visible, no
+staging); device-local memory on a discrete GPU.
 """
 
 from __future__ import annotations
@@ -49,17 +50,22 @@ class Part(str, Enum):
     KV = "kv"
     INDEXER = "indexer"
     STATES = "states"
+    SLOTS = "slots"
     COMPUTE = "compute"
     IO = "io"
     DRAFT = "draft"
+    DRAFT_KV = "draft kv"
 
 
-def _recurrent(st: RecurrentState) -> list[Buffer]:
-    out = [b for layer in st.gdn.values() for b in (layer.conv.state, layer.conv.slots, layer.ssm.state,
-                                                    layer.ssm.slots)]
+def _recurrent(st: RecurrentState | None) -> tuple[list[Buffer], list[Buffer]]:
+    """(states, checkpoint slots) of the recurrent rows."""
+    if st is None:
+        return [], []
+    rows = [(layer.conv.state, layer.conv.slots) for layer in st.gdn.values()]
+    rows += [(layer.ssm.state, layer.ssm.slots) for layer in st.gdn.values()]
     if st.ple_conv is not None:
-        out += [st.ple_conv.state, st.ple_conv.slots]
-    return out
+        rows.append((st.ple_conv.state, st.ple_conv.slots))
+    return [s for s, _ in rows], [s for _, s in rows]
 
 
 def buffers_by_part(fwd: GpuForward) -> dict[Part, list[Buffer]]:
@@ -68,14 +74,17 @@ def buffers_by_part(fwd: GpuForward) -> dict[Part, list[Buffer]]:
     st = m.state
     rec = st if isinstance(st, RecurrentState) else getattr(st, "rec", None)
     idx: dict[int, IndexerCache] = indexer_caches(st)
+    states, slots = _recurrent(rec)
     parts = {
         Part.WEIGHTS: [t.buf for t in m.weights.tensors.values()],
         Part.KV: [c.buf for kv in m.kv.layers.values() for c in (kv.k, kv.v)],
         Part.INDEXER: [b for ic in idx.values() for b in (ic.keys.buf, ic.summary)],
-        Part.STATES: _recurrent(rec) if rec is not None else [],
+        Part.STATES: states,
+        Part.SLOTS: slots,
         Part.COMPUTE: list(fwd.gpu.arena.slots) + [b for g in fwd.graphs() for b in g.owned],
         Part.IO: [m.params.buf, m.head.logits, m.head.ids] + fwd.gpu.staged(),
-        Part.DRAFT: fwd.draft.buffers() if fwd.draft is not None else [],
+        Part.DRAFT: fwd.draft.weights() if fwd.draft is not None else [],
+        Part.DRAFT_KV: [f.buf for f in fwd.draft.fills()] if fwd.draft is not None else [],
     }
     return {p: list({b.id: b for b in bufs}.values()) for p, bufs in parts.items()}
 
@@ -117,28 +126,29 @@ class DraftMemory:
     def __init__(self, gpu: Gpu, big: Path, small: Path | None, fwd: GpuForward) -> None:
         self.gpu, self.big, self.small = gpu, big, small
         self.in_use = big
-        self.weights = self._load(big)
+        self._weights = self._load(big)
         hp, kv = fwd.hp, fwd.model.kv.type
         self.cache = [growable_cache(gpu, fwd.n_ctx, hp.H_kv, hp.Dh, kv, fwd.guard.held, f"mtp.cache_{x}")
                       for x in "kv"]
 
     def _load(self, path: Path) -> list[Buffer]:
+        """A buffer per tensor of the draft file, as uploaded."""
         return [self.gpu.buffer(n, f"mtp.{name}") for name, n in draft_bytes(path)]
 
     @property
     def can_shrink(self) -> bool:
         return self.small is not None and self.in_use is self.big
 
-    def buffers(self) -> list[Buffer]:
-        return self.weights + [c.buf for c in self.cache]
+    def weights(self) -> list[Buffer]:
+        return self._weights
 
     def fills(self) -> list[Fill]:
         return [Fill(c.buf, lambda t, c=c: Cache.nbytes(t, c.n_heads, c.dim, c.type)) for c in self.cache]
 
     def _switch(self, path: Path) -> None:
-        for b in self.weights:
+        for b in self._weights:
             self.gpu.free(b)
-        self.weights = self._load(path)
+        self._weights = self._load(path)
         self.in_use = path
 
     def shrink(self) -> None:
@@ -163,6 +173,7 @@ class Row:
     event: str = ""  # the guard step taken on the way to this depth, if any
 
     def headroom(self, budget: int) -> int:
+        """Budget left at this depth (0 without a budget)."""
         return budget - self.usage.total if budget else 0
 
 
@@ -178,7 +189,8 @@ class Plan:
     budget: Budget
     uma: bool
     guard: bool
-    mmapped: int  # file bytes gathered on the host (not counted)
+    weight_types: dict[str, int]  # uploaded weight bytes by GGML type
+    mmap_types: dict[str, int]  # bytes of host-gathered tables (mmapped file pages, not counted), by type
     rows: list[Row] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     fails_at: int | None = None  # the depth the guard could not make fit (None: the full context fits)
@@ -186,15 +198,23 @@ class Plan:
     makes_it_fit: str = ""  # the first knob change that fits, when this does not
 
     @property
+    def mmapped(self) -> int:
+        """Bytes of host-gathered tables (not counted)."""
+        return sum(self.mmap_types.values())
+
+    @property
     def boot(self) -> Row:
+        """The row at depth 0: what is held at start."""
         return self.rows[0]
 
     @property
     def boot_fits(self) -> bool:
+        """What is held at start fits the budget."""
         return not self.budget.nbytes or self.boot.usage.total <= self.budget.nbytes
 
     @property
     def fill_fits(self) -> bool:
+        """It boots and, with the guard's steps, holds the full context."""
         return self.boot_fits and self.fails_at is None
 
     def thresholds(self) -> str:
@@ -218,10 +238,12 @@ class Plan:
         return head + f" fits; full depth {fmt_bytes(full.usage.total)} fits{steps}{mm}"
 
     def to_json(self) -> dict:
+        """Everything above as plain JSON values (`vkflash plan --json`)."""
         return {
             "model": self.model, "arch": self.arch, "n_ctx": self.n_ctx, "ub": self.ub, "kv": self.kv,
             "budget": self.budget.nbytes, "budget_source": self.budget.source, "uma": self.uma, "guard": self.guard,
-            "mmapped": self.mmapped, "boot_fits": self.boot_fits, "fill_fits": self.fill_fits,
+            "weight_types": self.weight_types, "mmap_types": self.mmap_types, "boot_fits": self.boot_fits,
+            "fill_fits": self.fill_fits,
             "fails_at": self.fails_at, "error": self.error, "makes_it_fit": self.makes_it_fit,
             "events": [{"depth": e.depth, "step": e.kind.value, "what": e.what, "why": e.why, "freed": e.freed}
                        for e in self.events],
@@ -293,9 +315,16 @@ def make_plan(model: str | os.PathLike[str], ctx: int | None = None, ub: int | N
     if draft is not None:
         fwd.draft = DraftMemory(gpu, draft.big, draft.small, fwd)
     fwd.reserve()
-    skipped = set(fwd.model.weights.file.tensors) - set(fwd.model.weights.tensors)
+    w = fwd.model.weights
+    uploaded: dict[str, int] = {}
+    for t in w.tensors.values():
+        uploaded[t.qtype.name] = uploaded.get(t.qtype.name, 0) + t.nbytes
+    mapped: dict[str, int] = {}
+    for name in set(w.file.tensors) - set(w.tensors):
+        info = w.file.tensors[name]
+        mapped[info.ggml_type.name] = mapped.get(info.ggml_type.name, 0) + info.nbytes
     plan = Plan(str(model), fwd.hp.arch, fwd.n_ctx, fwd.ub, fwd.model.kv.type.value, budget, caps.uma,
-                cfg.enabled, sum(fwd.model.weights.file.tensors[n].nbytes for n in skipped), [_row(fwd, 0)])
+                cfg.enabled, uploaded, mapped, [_row(fwd, 0)])
     if plan.boot_fits:
         fwd.guard.set_budget(fwd, budget)
         _walk(fwd, plan, depths)
