@@ -29,16 +29,7 @@ layout(push_constant) uniform P {
 
 // Round the 32 source values S[S0 ..] into the cache C at element E0 (one block).
 #if defined(KV_Q8_0)
-#define STORE_BLOCK(S, S0, C, E0) {                                                     \
-        float amax = 0.0;                                                               \
-        for (uint i = 0; i < 32u; ++i) amax = max(amax, abs(S[S0 + i]));               \
-        const float df = round_f16(amax / 127.0);                                       \
-        const float id = df != 0.0 ? 1.0 / df : 0.0;                                    \
-        const uint blk = (E0) >> 5;                                                     \
-        C[blk].d = float16_t(df);                                                       \
-        for (uint i = 0; i < 32u; ++i)                                                  \
-            C[blk].qs[i] = int8_t(clamp(int(roundEven(S[S0 + i] * id)), -127, 127));    \
-    }
+#define STORE_BLOCK(S, S0, C, E0) Q8_STORE_BLOCK(S, S0, C, E0)
 #elif defined(KV_F16)
 #define STORE_BLOCK(S, S0, C, E0) { for (uint i = 0; i < 32u; ++i) C[E0 + i] = float16_t(S[S0 + i]); }
 #else

@@ -67,3 +67,13 @@ def test_planned_knobs_are_named_when_set():
     s = settings.load(env={"MTP": "1", "UB": "512"})
     assert s.planned_in_use() == ["MTP"]
     assert "planned" in settings.markdown_table().split("`MTP`")[1].splitlines()[0]
+
+
+def test_guard_step_knobs():
+    """GUARD_<STEP>: auto, off, or a depth (k = ×1024); anything else stops startup."""
+    s = settings.load(env={"GUARD_KV": "128k", "GUARD_UB": "off", "GUARD_DRAFT": "98304"})
+    assert (s["GUARD_KV"], s["GUARD_UB"], s["GUARD_DRAFT"]) == (131072, "off", 98304)
+    assert settings.load(env={})["GUARD_KV"] == "auto" and settings.load(env={})["DEEPGUARD"] is True
+    for bad in ("soon", "-5", "12q"):
+        with pytest.raises(ConfigError, match="GUARD_KV"):
+            settings.load(env={"GUARD_KV": bad})

@@ -1,4 +1,4 @@
-"""The `vkflash` command line (typer): info, make-model, bench, and the knob table.
+"""The `vkflash` command line (typer): info, plan, make-model, bench, and the knob table.
 
 Every user-caused error prints one `error: …` line and exits 1; `--debug` shows the traceback.
 """
@@ -120,6 +120,94 @@ def serve(
         _fail(e)
 
 
+@app.command("plan")
+def plan_cmd(
+    model: Path = typer.Argument(..., help="GGUF file"),
+    ctx: Optional[str] = typer.Option(None, "--ctx", "-c", help="context tokens (knob CTX; 0: the model's)"),
+    mem: Optional[str] = typer.Option(None, "--mem", help="memory budget, e.g. 128G (knob VKFLASH_MEM_BUDGET; "
+                                                          "default: the device's)"),
+    ub: Optional[str] = typer.Option(None, "--ub", help="prefill ubatch (knob UB)"),
+    kv: Optional[str] = typer.Option(None, "--kv", help="KV cache type (knob KV)"),
+    mtp: bool = typer.Option(False, "--mtp", help="count the MTP draft (--draft / MODEL_DRAFT)"),
+    draft: Optional[str] = typer.Option(None, "--draft", help="the draft's GGUF (knob MODEL_DRAFT)"),
+    draft_small: Optional[str] = typer.Option(None, "--draft-small", help="its smaller quant, for the guard "
+                                                                          "(knob MODEL_DRAFT_SMALL)"),
+    uma: Optional[bool] = typer.Option(None, "--uma/--discrete", help="plan for a UMA device (Strix Halo) or a "
+                                                                      "discrete GPU (default: this device's kind)"),
+    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+) -> None:
+    """Memory per part at depths 0 … full, the guard's steps, boot-fit and fill-fit, what makes it fit."""
+    try:
+        from vkflash.engine.guard import GuardConfig
+        from vkflash.engine.plan import DraftFiles, make_plan
+        from vkflash.gpu.budget import Budget
+
+        s = settings.load(flags={"CTX": ctx, "VKFLASH_MEM_BUDGET": mem, "UB": ub, "KV": kv, "MODEL_DRAFT": draft,
+                                 "MODEL_DRAFT_SMALL": draft_small})
+        src = s.sources["VKFLASH_MEM_BUDGET"]
+        budget = Budget(s["VKFLASH_MEM_BUDGET"], "--mem" if src == "flag" else src) if s["VKFLASH_MEM_BUDGET"] else None
+        p = make_plan(model, ctx=s["CTX"], ub=s["UB"], kv=s["KV"], budget=budget, guard=GuardConfig.from_settings(s),
+                      draft=DraftFiles.from_settings(s) if mtp else None, uma=uma)
+    except VkflashError as e:
+        _fail(e)
+        return
+    if as_json:
+        typer.echo(json.dumps(p.to_json(), indent=1))
+        return
+    show_plan(p)
+
+
+def show_plan(p) -> None:
+    """The plan as a rich table (bytes in one unit), then boot-fit, fill-fit, what makes it fit and
+    the summary line."""
+    from vkflash.engine.plan import Part
+    from vkflash.gpu.memory import fmt_bytes
+
+    parts = [q for q in Part if any(r.usage.parts[q] for r in p.rows)]
+    top = max([r.usage.total for r in p.rows] + [p.budget.nbytes])
+    unit, scale = next((u, x) for u, x in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1))
+                       if top >= 10 * x or x == 1)
+
+    def num(n: int) -> str:
+        return f"{n / scale:.2f}" if scale > 1 else str(n)
+
+    def depth(d: int) -> str:
+        return f"{d // 1024}k" if d >= 1024 and d % 1024 == 0 else str(d)
+
+    t = Table(title=f"memory plan: {Path(p.model).name} ({p.arch}, {'UMA' if p.uma else 'discrete'}), "
+                    f"{p.n_ctx} positions, budget {p.budget}; bytes in {unit}")
+    for c in ["depth", "KV", "UB", "tier"] + [q.value for q in parts] + ["total", "headroom", "guard step"]:
+        t.add_column(c, justify="left" if c in ("KV", "guard step") else "right")
+    for r in p.rows:
+        t.add_row(depth(r.depth), r.kv, str(r.ub), str(r.tier), *[num(r.usage.parts[q]) for q in parts],
+                  num(r.usage.total), num(r.headroom(p.budget.nbytes)) if p.budget.nbytes else "-", r.event)
+    Console(width=max(console.width, 150)).print(t)
+    console.print(f"boot-fit: {'yes' if p.boot_fits else 'NO'}: {fmt_bytes(p.boot.usage.total)} at start "
+                  f"(weights, states, compute, the first cache chunk)")
+    if not p.boot_fits:
+        fill = "not reached (the model does not boot)"
+    elif p.fails_at is not None:
+        fill = f"NO: {p.error}"
+    elif p.events:
+        fill = f"yes, with the guard's steps: {p.thresholds()}"
+    else:
+        fill = "yes, the guard has nothing to do"
+    console.print(f"fill-fit: {fill}")
+    if p.makes_it_fit:
+        console.print(f"makes it fit: {p.makes_it_fit}")
+    def by_type(types: dict[str, int]) -> str:
+        return ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(types.items(), key=lambda kv: -kv[1]))
+
+    where = "host-visible (UMA: no staging copy)" if p.uma else "device-local"
+    console.print(f"weights: {fmt_bytes(sum(p.weight_types.values()))} {where}: {by_type(p.weight_types)}")
+    if p.mmapped:
+        console.print(f"mmapped: {fmt_bytes(p.mmapped)} of host-gathered tables ({by_type(p.mmap_types)}; file pages, "
+                      f"evictable: not counted)")
+    if p.boot.usage.host:
+        console.print(f"host memory beside the budget: {fmt_bytes(p.boot.usage.host)} (staging, step params)")
+    console.print(p.summary())
+
+
 @app.command()
 def knobs(markdown: bool = typer.Option(False, "--markdown", help="the README table")) -> None:
     """List every knob, its value and where it came from."""
@@ -138,18 +226,21 @@ def knobs(markdown: bool = typer.Option(False, "--markdown", help="the README ta
 @app.command("make-model")
 def make_model_cmd(
     arch: str = typer.Option(..., "--arch", help="qwen4exp | qwen3next"),
-    config: str = typer.Option("tiny", "--config", help="tiny | shape-8L"),
-    quant: Optional[str] = typer.Option(None, "--quant", help="tiny: F32 | F16 | Q8_0 | mix"),
+    config: str = typer.Option("tiny", "--config", help="tiny | shape-8L | shape-48L"),
+    quant: Optional[str] = typer.Option(None, "--quant", help="tiny: F32 | F16 | Q8_0 | mix; shape: Q4_K_M | Q8_0"),
     mtp_separate: bool = typer.Option(False, "--mtp-separate", help="write the MTP block to <out>-mtp.gguf"),
     variant: Optional[str] = typer.Option(None, "--variant", help="comma-separated layout variants"),
     seed: int = typer.Option(0, "--seed"),
+    sparse: bool = typer.Option(False, "--sparse", help="header and tensor table only, the data a hole (for "
+                                                       "`vkflash plan`)"),
     out: Path = typer.Option(..., "--out", help="output GGUF path"),
 ) -> None:
     """Write a synthetic GGUF with random weights (MODEL.md §9 configs) for tests and benchmarks."""
     try:
         from vkflash.model.make_model import make_model
 
-        for p in make_model(arch, config, quant, seed, out, mtp_separate=mtp_separate, variant=variant):
+        for p in make_model(arch, config, quant, seed, out, mtp_separate=mtp_separate, variant=variant,
+                            sparse=sparse):
             typer.echo(f"wrote {p} ({p.stat().st_size / 2**20:.1f} MiB)")
     except VkflashError as e:
         _fail(e)

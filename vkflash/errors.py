@@ -23,3 +23,7 @@ class ConfigError(VkflashError):
 
 class DeviceError(VkflashError):
     """The Vulkan device is missing, lacks a required feature, or was lost."""
+
+
+class DoesNotFit(VkflashError):
+    """A configuration or a step needs more memory than the budget (VKFLASH_MEM_BUDGET or the device's)."""

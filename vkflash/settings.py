@@ -56,6 +56,17 @@ def _choice(*options: str) -> Parser:
     return parse
 
 
+def _guard_step(s: str) -> str | int:
+    """auto | off | a depth in tokens (k = ×1024), e.g. 128k"""
+    v = s.strip().lower()
+    if v in ("auto", "off"):
+        return v
+    n = int(v[:-1]) * 1024 if v.endswith("k") else int(v, 0)
+    if n < 0:
+        raise ValueError
+    return n
+
+
 def _text(s: str) -> str:
     """any text"""
     return s
@@ -116,7 +127,15 @@ KNOBS: tuple[Knob, ...] = (
     _k("TEMP", _float_range(0.0, 5.0), 0.8, "default sampling temperature", "launcher"),
     _k("REASONING", _choice("", "none", "low", "medium", "high", "xhigh"), "",
        "reasoning effort (empty: the template's default)", "launcher"),
-    _planned("DEEPGUARD", _bool, True, "deep-context guard (downgrade UB/KV as the context fills)", "launcher"),
+    # the deep-context guard (engine/guard.py): each step engages where the memory plan says the
+    # context would outgrow the budget; a depth forces it there, off skips it
+    _k("DEEPGUARD", _bool, True, "deep-context guard: as the context fills past what the memory budget holds, "
+       "switch the MTP draft to MODEL_DRAFT_SMALL, re-quantize the KV caches to q8_0, halve UB twice", "launcher"),
+    _k("GUARD_DRAFT", _guard_step, "auto", "when the guard switches to the small MTP draft", "launcher"),
+    _k("GUARD_KV", _guard_step, "auto", "when the guard re-quantizes the KV and indexer caches to q8_0", "launcher"),
+    _k("GUARD_UB", _guard_step, "auto", "when the guard first halves UB (the second halving stays auto)", "launcher"),
+    _planned("MODEL_DRAFT_SMALL", _text, "", "smaller-quant MTP draft the guard switches to (`vkflash plan --mtp` "
+             "counts it)", "launcher"),
     _k("API_KEY", _text, "", "require this bearer token on every request (empty: none)", "launcher"),
     _k("QUEUE", _int_range(0, 1024), 8, "requests that may wait for the generation slot (more get 503)", "launcher"),
     # revert knobs: each 0 restores the plain path so an optimisation can be A/B-tested
@@ -157,7 +176,8 @@ KNOBS: tuple[Knob, ...] = (
     _k("VKFLASH_SPIN_WAIT", _choice("auto", "0", "1"), "auto",
        "1: poll the fence instead of sleeping in the driver (one core busy while the GPU runs; on the "
        "H200 a decode step's host share fell from 12% to 5%); auto: 1 on GPUs, 0 on CPU drivers", "backend"),
-    _planned("VKFLASH_MEM_BUDGET", _bytes, 0, "memory budget override in bytes, e.g. 96G (0: detect)", "backend"),
+    _k("VKFLASH_MEM_BUDGET", _bytes, 0, "memory budget in bytes, e.g. 96G (0: the device's: VK_EXT_memory_budget; "
+       "on UMA also the GTT room and MemAvailable)", "backend"),
     # tracing
     _k("VKFLASH_JOB_LOG", _bool, False, "one line per submission: id, ops, GPU ms, host ms", "trace", "GGML_VK_JOB_LOG"),
     _k("VKFLASH_SUBMIT_TRACE", _bool, False, "print each submission's op list before it is sent", "trace",

@@ -4,7 +4,7 @@
 // element index i lives in block i/32 at code i%32 (Dh is a multiple of 32, so a block never
 // straddles two head rows).
 //   KV_BUFFER(binding, Name, qualifier) declares the buffer; KV_LOAD(Name, i) reads element i
-//   as float; kv_store_block(...) in kv_append.comp writes 32 elements at once.
+//   as float; Q8_STORE_BLOCK(...) rounds 32 values into one q8_0 block (kv_append, kv_requant).
 #if defined(KV_Q8_0)
 struct BlockQ8_0 {
     float16_t d;
@@ -12,6 +12,18 @@ struct BlockQ8_0 {
 };
 #define KV_BUFFER(B, NAME, QUAL) layout(std430, binding = B) QUAL buffer NAME##_buf { BlockQ8_0 NAME[]; };
 #define KV_LOAD(NAME, I) (float(NAME[(I) >> 5].qs[(I) & 31u]) * float(NAME[(I) >> 5].d))
+// Round the 32 values S[S0 ..] (any float type) into the q8_0 block of element E0 of C:
+// d = f16(max|x|/127), q = clamp(roundEven(x/d), -127, 127), as vkflash.formats q_q8_0.
+#define Q8_STORE_BLOCK(S, S0, C, E0) {                                                  \
+        float amax = 0.0;                                                               \
+        for (uint i = 0; i < 32u; ++i) amax = max(amax, abs(float(S[S0 + i])));        \
+        const float df = round_f16(amax / 127.0);                                       \
+        const float id = df != 0.0 ? 1.0 / df : 0.0;                                    \
+        const uint blk = (E0) >> 5;                                                     \
+        C[blk].d = float16_t(df);                                                       \
+        for (uint i = 0; i < 32u; ++i)                                                  \
+            C[blk].qs[i] = int8_t(clamp(int(roundEven(float(S[S0 + i]) * id)), -127, 127)); \
+    }
 #elif defined(KV_F16)
 #define KV_BUFFER(B, NAME, QUAL) layout(std430, binding = B) QUAL buffer NAME##_buf { float16_t NAME[]; };
 #define KV_LOAD(NAME, I) float(NAME[I])

@@ -8,6 +8,7 @@ from gguf import GGUFReader, GGUFValueType as VT
 from gguf.quants import dequantize
 
 from vkflash.errors import ConfigError
+from vkflash.formats.gguf_file import GGUFFile
 from vkflash.model import make_model as mm
 from vkflash.model import ple_hash
 
@@ -216,3 +217,24 @@ def test_random_blocks_have_the_target_scale(qt):
     w = dequantize(raw, qt).astype(np.float64)
     assert np.all(np.isfinite(w))
     assert abs(w.std() * np.sqrt(ne0) - 1) < 0.05 and abs(w.mean()) * np.sqrt(ne0) < 0.12
+
+
+def test_shape48l_is_the_real_geometry_and_writes_sparse(tmp_path):
+    """shape-48L: MODEL.md §8's 176.944 B trunk and 2.607 B MTP parameters, the real 320,001,536 PLE
+    rows; --quant Q8_0 makes every quantized tensor Q8_0; a sparse file has the full length, reads
+    back its header and stores almost nothing."""
+    g = mm.GEOMETRIES[("qwen4exp", "shape-48L")]
+    trunk, mtp = mm.trunk_spec("qwen4exp", g, frozenset()), mm.mtp_spec(g, frozenset())
+    assert abs(sum(t.n for t in trunk.tensors) / 176.944e9 - 1) < 1e-4
+    assert abs(sum(t.n for t in mtp.tensors) / 2.607e9 - 1) < 1e-3
+    assert [t.ne for t in trunk.tensors if t.name == "per_layer_token_embd.weight"] == [(160, 320001536)]
+    q8 = {mm.shape8l_type(t, "Q8_0") for t in mtp.tensors}
+    assert q8 == {QT.Q8_0, QT.F32}
+    paths = mm.make_model("qwen4exp", "shape-8L", "Q8_0", SEED, tmp_path / "s.gguf", mtp_separate=True, sparse=True)
+    for p in paths:
+        f = GGUFFile(p)
+        end = max(t.offset + t.nbytes for t in f.tensors.values())
+        assert p.stat().st_size >= end and p.stat().st_blocks * 512 < 64 << 20
+    assert {t.ggml_type for t in GGUFFile(paths[1]).tensors.values()} == {QT.Q8_0, QT.F32}
+    with pytest.raises(ConfigError, match="--quant"):
+        mm.make_model("qwen4exp", "shape-8L", "mix", SEED, tmp_path / "x.gguf", sparse=True)

@@ -10,7 +10,9 @@ of the step; bytes touched. Each decode row carries its roofline fraction: bytes
 (weights read — k of E experts, one row of an embedding table, nothing of host tables — + K/V read
 + recurrent state read and written) × tok/s ÷ the copy bandwidth measured in the same run. The
 longest prefill submission's GPU time is printed beside the submission budget. `--profile` adds
-the decode step's per-op GPU time, grouped over layers.
+the decode step's per-op GPU time, grouped over layers. The forward reserves every step graph first
+(its arena is what the memory plan counts), and the deep-context guard's steps taken during the
+depth sweep are listed with the rows.
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ class Result:
     longest_submission_ms: float = 0.0  # GPU time of the longest prefill submission seen
     budget_ms: float = 0.0
     profile: dict[str, tuple[int, float]] = field(default_factory=dict)  # op → (calls, µs) per token
+    guard: list[str] = field(default_factory=list)  # the deep-context guard's steps in the depth sweep
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -247,6 +250,7 @@ def bench(path: Path, plan: Plan, ub: int | None = None, kv: str | None = None, 
     depths = tuple(sorted(d for d in set(plan.depths) if d + 2 * plan.window + plan.tg <= n_train))
     plan = replace(plan, depths=depths)
     fwd = GpuForward(path, ctx=min(plan.context(), n_train), ub=ub, kv=kv)
+    fwd.reserve()
     small = fwd.gpu.caps.device_type == "cpu" or max(plan.pp) < 512
     copy = copy_bandwidth(fwd.gpu, (32 << 20) if small else (1 << 30), 5 if small else 50)
     res = Result(fwd.gpu.caps.name, path.name, copy.rate, weight_bytes_per_token(fwd),
@@ -291,6 +295,7 @@ def bench(path: Path, plan: Plan, ub: int | None = None, kv: str | None = None, 
     if plan.window <= fwd.ub:  # one more window at the deepest point: its longest submission (watchdog)
         window = fwd.graph(plan.window, Head.LAST)
         res.longest_submission_ms = longest_submission_ms(window, lambda: fwd.prefill_argmax(ids(plan.window)))
+    res.guard = [e.line() for e in fwd.guard.events]
     return res
 
 
@@ -304,6 +309,8 @@ def show(res: Result, console: Console) -> None:
                   "" if r.spread is None else f"{r.spread[0]:.1f}–{r.spread[1]:.1f}",
                   "" if r.roofline is None else f"{r.roofline:.1%}")
     console.print(t)
+    for line in res.guard:
+        console.print(line)
     d = res.decode
     if d is None:
         return

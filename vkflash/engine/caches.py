@@ -4,6 +4,10 @@ layers the raw indexer keys and the pooled-key summary rows.
 Each attention layer has a K and a V cache of [n_ctx, H_kv, Dh] in f16 (default), q8_0 (KV knob)
 or f32 (exact comparisons). Rows are written at their positions by kv_append; the valid length
 (n_kv) lives in the step-params buffer, so truncating a sequence needs no GPU work.
+
+Every cache buffer is growable (gpu/memory.py): it is sized for n_ctx positions but holds memory
+for the first `held` ones, grown in chunks of `chunk(n_ctx)` positions as the context fills
+(engine/guard.py), so what a sequence holds at depth t is an allocation the budget can count.
 """
 
 from __future__ import annotations
@@ -19,6 +23,23 @@ from vkflash.model.hparams import HParams
 
 if TYPE_CHECKING:
     from vkflash.gpu.context import Gpu
+
+
+def chunk(n_ctx: int) -> int:
+    """Positions a cache grows by: a power of two ≥ 64, about n_ctx/32 (8192 at 256k)."""
+    return max(64, 1 << max(0, -(-n_ctx // 32) - 1).bit_length())
+
+
+def held_positions(t: int, n_ctx: int) -> int:
+    """Positions a cache holds memory for once it must hold [0, t): t rounded up to whole chunks,
+    at least one chunk, at most n_ctx."""
+    c = chunk(n_ctx)
+    return min(n_ctx, max(c, -(-t // c) * c))
+
+
+def summary_bytes(positions: int, r: int, dim: int) -> int:
+    """Bytes of the f32 summary rows of complete blocks (and one more) for `positions` positions."""
+    return 4 * (positions // r + 1) * dim
 
 
 def cache_type(name: str) -> CacheType:
@@ -53,16 +74,19 @@ class KVCaches:
         return sum(kv.k.buf.nbytes + kv.v.buf.nbytes for kv in self.layers.values())
 
 
-def allocate_kv(gpu: "Gpu", hp: HParams, n_ctx: int, type: CacheType, layers: Iterable[int]) -> KVCaches:
-    """K and V caches of n_ctx positions for each attention layer in `layers`."""
+def growable_cache(gpu: "Gpu", n_ctx: int, n_heads: int, dim: int, type: CacheType, held: int, name: str) -> Cache:
+    """A cache of n_ctx positions with memory for the first `held`."""
+    buf = gpu.buffer(Cache.nbytes(n_ctx, n_heads, dim, type), name, commit=Cache.nbytes(held, n_heads, dim, type))
+    return Cache(buf, n_ctx, n_heads, dim, type)
+
+
+def allocate_kv(gpu: "Gpu", hp: HParams, n_ctx: int, type: CacheType, layers: Iterable[int], held: int) -> KVCaches:
+    """K and V caches of n_ctx positions for each attention layer in `layers`, `held` of them backed."""
     if type is CacheType.Q8_0 and hp.Dh % 32:
         raise ConfigError(f"KV=q8_0 needs a head dim that is a multiple of 32, the model has {hp.Dh}")
-    out: dict[int, LayerKV] = {}
-    nbytes = Cache.nbytes(n_ctx, hp.H_kv, hp.Dh, type)
-    for i in layers:
-        k = gpu.buffer(nbytes, f"blk.{i}.cache_k")
-        v = gpu.buffer(nbytes, f"blk.{i}.cache_v")
-        out[i] = LayerKV(Cache(k, n_ctx, hp.H_kv, hp.Dh, type), Cache(v, n_ctx, hp.H_kv, hp.Dh, type))
+    out = {i: LayerKV(growable_cache(gpu, n_ctx, hp.H_kv, hp.Dh, type, held, f"blk.{i}.cache_k"),
+                      growable_cache(gpu, n_ctx, hp.H_kv, hp.Dh, type, held, f"blk.{i}.cache_v"))
+           for i in layers}
     return KVCaches(n_ctx, type, out)
 
 
@@ -84,13 +108,15 @@ class IndexerCache:
         return Rows(self.summary, self.n_blocks, self.keys.dim)
 
 
-def allocate_indexer(gpu: "Gpu", hp: HParams, n_ctx: int, type: CacheType) -> dict[int, IndexerCache]:
-    """Indexer caches of every QSA layer (r > 0) of the trunk."""
+def allocate_indexer(gpu: "Gpu", hp: HParams, n_ctx: int, type: CacheType, held: int) -> dict[int, IndexerCache]:
+    """Indexer caches of every QSA layer (r > 0) of the trunk, `held` positions backed."""
     out: dict[int, IndexerCache] = {}
     for i in range(hp.L):
         r = hp.r[i] if hp.r else 0
         if hp.is_gdn[i] or r == 0:
             continue
-        keys = Cache(gpu.buffer(Cache.nbytes(n_ctx, 1, hp.D_I, type), f"blk.{i}.cache_idx"), n_ctx, 1, hp.D_I, type)
-        out[i] = IndexerCache(keys, gpu.buffer(4 * (n_ctx // r + 1) * hp.D_I, f"blk.{i}.qsa_summary"), r)
+        keys = growable_cache(gpu, n_ctx, 1, hp.D_I, type, held, f"blk.{i}.cache_idx")
+        summary = gpu.buffer(summary_bytes(n_ctx, r, hp.D_I), f"blk.{i}.qsa_summary",
+                             commit=summary_bytes(held, r, hp.D_I))
+        out[i] = IndexerCache(keys, summary, r)
     return out

@@ -6,6 +6,8 @@ ubatch that is not a whole recorded size is cut into power-of-two pieces (37 = 3
 token is ever padded and there is never a per-token loop. A prefill graph is cut into submissions
 of at most VKFLASH_SUBMIT_BUDGET_MS estimated GPU time; decode is one replay of the 1-token graph,
 never split: one submission, ending in the LM head and a device argmax (greedy reads 4 bytes).
+The caches grow with the context and the deep-context guard keeps them inside the memory budget
+(engine/guard.py): it runs before every step.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from vkflash.engine import graphs
 from vkflash.engine.api import InvalidRequest
 from vkflash.engine.caches import allocate_kv, cache_type
 from vkflash.engine.dump import read_taps, tapped
+from vkflash.engine.guard import Draft, Guard, GuardConfig
 from vkflash.engine.graphs.common import Head, HeadBuffers, StepModel
 from vkflash.engine.step_params import StepParams
 from vkflash.engine.weights_gpu import device_embeddable, host_row_gather, upload_weights
@@ -68,10 +71,11 @@ class GpuForward:
 
     def __init__(self, model_path: str | os.PathLike[str], ctx: int | None = None, ub: int | None = None,
                  kv: str | None = None, gpu: Gpu | None = None, logits_rows: int | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> None:
+                 progress: Callable[[int, int], None] | None = None, guard: GuardConfig | None = None) -> None:
         """ctx/ub/kv default to the CTX/UB/KV knobs (CTX 0: the model's context length);
         logits_rows bounds the rows of one all-logits step (default: LOGITS_BUDGET / V);
-        progress(done, total) is called with weight bytes uploaded (a load progress bar)."""
+        progress(done, total) is called with weight bytes uploaded (a load progress bar);
+        guard defaults to the DEEPGUARD, GUARD_* and VKFLASH_MEM_BUDGET knobs."""
         s = settings.current()
         self.gpu = gpu or Gpu()
         gf = GGUFFile(model_path)
@@ -81,6 +85,9 @@ class GpuForward:
         self.n_ctx = int((s["CTX"] if ctx is None else ctx) or hp.n_ctx_train)
         self.n_vocab = hp.V
         self.ub = max(1, min(int(s["UB"] if ub is None else ub), self.n_ctx))
+        kv_type = cache_type(s["KV"] if kv is None else kv)
+        self.guard = Guard(guard or GuardConfig.from_settings(s), self.n_ctx, kv_type, self.ub, self.gpu.caps)
+        self.draft: Draft | None = None  # the MTP draft, when one runs (the guard may shrink it)
         table = gf.tensors["token_embd.weight"].ggml_type
         host_embed = not device_embeddable(table)
         # a table the embed kernel cannot decode is gathered on the host; keep it on the GPU only as LM head
@@ -90,15 +97,17 @@ class GpuForward:
         stacks = self.arch.weight_stacks(gf, hp) if self.gpu.options.stack_weights else ()
         weights = upload_weights(self.gpu, gf, hp, skip, progress, self.arch.weight_transforms(gf, hp), stacks)
         rows = logits_rows or max(1, min(self.ub, LOGITS_BUDGET // (4 * hp.V)))
-        kv_type = cache_type(s["KV"] if kv is None else kv)
-        kv_caches = allocate_kv(self.gpu, hp, self.n_ctx, kv_type, self.arch.attention_layers(hp))
-        state = self.arch.allocate_state(self.gpu, gf, hp, self.n_ctx, kv_type, self.ub)
+        held = self.guard.held
+        kv_caches = allocate_kv(self.gpu, hp, self.n_ctx, kv_type, self.arch.attention_layers(hp), held)
+        state = self.arch.allocate_state(self.gpu, gf, hp, self.n_ctx, kv_type, self.ub, held)
         params = StepParams.allocate(self.gpu, self.ub, hp.d if host_embed else 0, self.arch.extra_dim(hp))
         self.model = StepModel(self.gpu, hp, weights, kv_caches, params, HeadBuffers.allocate(self.gpu, hp.V, rows),
                                state)
         self._graphs: dict[tuple[int, Head], Graph] = {}
+        self._reserved = False
         self._n = 0
         self._seq: list[int] = []  # the tokens fed (a recurrent model replays a prefix it cannot restore)
+        self.guard.start(self)
 
     # --- Forward protocol -----------------------------------------------------------------
     @property
@@ -107,9 +116,11 @@ class GpuForward:
         return self._n
 
     def reset(self) -> None:
-        """Start a new, empty sequence (cache rows past n_kv are never read; recurrent states zeroed)."""
+        """Start a new, empty sequence (cache rows past n_kv are never read; recurrent states zeroed;
+        the guard's steps undone)."""
         self._n = 0
         self._seq = []
+        self.guard.reset(self)
         if self.model.state is not None:
             self.model.state.reset()
 
@@ -149,7 +160,7 @@ class GpuForward:
         """Feed ids; the logits after every one of them, (len(ids), V) (teacher forcing, verify)."""
         arr = self._ids(ids)
         out = np.empty((len(arr), self.n_vocab), np.float32)
-        for start, n in steps(len(arr), self.model.head.rows):
+        for start, n in self._steps(len(arr), lambda: min(self.model.head.rows, self.ub)):
             self._run(arr[start:start + n], Head.ALL)
             out[start:start + n] = self.model.head.logits.read(np.float32, n * self.n_vocab).reshape(n, -1)
         return out
@@ -178,6 +189,38 @@ class GpuForward:
             self._graphs[key] = g
         return g
 
+    def reserve(self) -> None:
+        """Build and place every step graph a run can use (steps of UB and of each smaller power of
+        two, with and without the head), so the arena holds from now on what any run needs: the
+        compute buffers the memory plan counts. The guard's steps keep it so."""
+        self._reserved = True
+        sizes = sorted({self.ub} | {1 << k for k in range(self.ub.bit_length()) if 1 << k < self.ub}, reverse=True)
+        for n in sizes:
+            for head in (Head.NONE, Head.LAST):
+                if (n, head) != (1, Head.NONE):  # a 1-token piece is always the last
+                    self.graph(n, head).place()
+
+    def graphs(self) -> list[Graph]:
+        """The step graphs built so far."""
+        return list(self._graphs.values())
+
+    def drop_graphs(self) -> None:
+        """Forget every step graph (the caches they bind changed): built again on use."""
+        self._graphs.clear()
+        if self._reserved:
+            self.reserve()
+
+    def set_ubatch(self, ub: int) -> None:
+        """Prefill in steps of at most ub tokens: the arena's memory returned, the graphs rebuilt."""
+        self.ub = ub
+        self.gpu.arena.clear()
+        self.drop_graphs()
+
+    @property
+    def guard_tier(self) -> int:
+        """Deep-context guard steps in force (/metrics)."""
+        return self.guard.tier
+
     def graph_stats(self, n: int = 1, head: Head = Head.LAST) -> GraphStats:
         """Dispatches, submissions and barriers of one replay of a step graph (recording it)."""
         g = self.graph(n, head)
@@ -196,15 +239,25 @@ class GpuForward:
             raise InvalidRequest(f"token id outside the vocabulary 0..{self.n_vocab - 1}")
         return arr.astype(np.int32)
 
+    def _steps(self, total: int, cap: Callable[[], int]) -> Iterator[tuple[int, int]]:
+        """(start, n) of the steps feeding `total` tokens as in steps(); cap() is read before each
+        one, after the guard has made room for it (a guard step may lower UB)."""
+        start = 0
+        while start < total:
+            self.guard.before_step(self, self._n + min(cap(), total - start))
+            n = next(pieces(total - start, cap()))
+            yield start, n
+            start += n
+
     def _feed(self, ids: np.ndarray) -> None:
         """Run ids in steps of at most UB tokens; only the last step computes logits."""
-        plan = list(steps(len(ids), self.ub))
-        for j, (start, n) in enumerate(plan):
-            self._run(ids[start:start + n], Head.LAST if j == len(plan) - 1 else Head.NONE)
+        for start, n in self._steps(len(ids), lambda: self.ub):
+            self._run(ids[start:start + n], Head.LAST if start + n == len(ids) else Head.NONE)
 
     def _run(self, ids: np.ndarray, head: Head, g: Graph | None = None) -> None:
         """One replay: params for len(ids) tokens at n_past, then the graph (or `g`, a tapped copy)."""
         n = len(ids)
+        self.guard.before_step(self, self._n + n)
         emb = self._gather(ids) if self._gather is not None else None
         self.model.params.set(self._n, ids, emb)
         st = self.model.state

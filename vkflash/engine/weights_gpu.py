@@ -179,11 +179,20 @@ def _stackable(parts: Sequence[Stored]) -> bool:
                and len(p.ne) <= 3 for p in parts)  # a vector among matrices is one row
 
 
+def _upload_made(gpu: "Gpu", nbytes: int, make: Callable[[], np.ndarray], name: str) -> Buffer:
+    """A buffer holding make()'s nbytes; a planning Gpu counts it without making (reading) them."""
+    buf = gpu.buffer(nbytes, name)
+    if not gpu.planning:
+        buf.write(make())
+    return buf
+
+
 def _upload_stack(gpu: "Gpu", w: GpuWeights, stack: Stack, parts: Sequence[Stored]) -> None:
     """One buffer holding the members' rows per expert in order (vectors: their values in order);
     each member registered as its rows (vectors: row0 counts elements)."""
     if len(parts[0].ne) == 1:
-        buf = gpu.upload(np.concatenate([np.asarray(p.data, np.float32).reshape(-1) for p in parts]), stack.name)
+        vecs = [np.asarray(p.data, np.float32).reshape(-1) for p in parts]
+        buf = _upload_made(gpu, sum(v.nbytes for v in vecs), lambda: np.concatenate(vecs), stack.name)
         off = 0
         for name, p in zip(stack.members, parts):
             w.tensors[name] = GpuTensor(name, buf, Q.F32, p.ne, off)
@@ -192,7 +201,7 @@ def _upload_stack(gpu: "Gpu", w: GpuWeights, stack: Stack, parts: Sequence[Store
     E = _rows(parts[0])[1]
     blocks = [np.ascontiguousarray(p.data).view(np.uint8).reshape(E, _rows(p)[0], -1) for p in parts]
     total = sum(b.shape[1] for b in blocks)
-    buf = gpu.upload(np.concatenate(blocks, axis=1), stack.name)
+    buf = _upload_made(gpu, sum(b.nbytes for b in blocks), lambda: np.concatenate(blocks, axis=1), stack.name)
     row0 = 0
     for name, p, b in zip(stack.members, parts, blocks):
         w.tensors[name] = GpuTensor(name, buf, p.qtype, p.ne, row0, total)

@@ -147,13 +147,15 @@ def write_gguf(
     metadata: Mapping[str, Any],
     tensors: Mapping[str, TensorSpec],
     alignment: int | None = None,
+    sparse: bool = False,
 ) -> None:
     """Write a GGUF (v3) with general.architecture = arch, the given metadata and tensors in order.
 
     Metadata: bool, int (u32), float (f32), str, lists of those, 1-D NumPy arrays in their dtype
     (u64 stays u64), NumPy scalars, or Typed(value, type) for anything else.
     Tensors: float arrays (stored F32), FloatTensor(values, qtype) or RawTensor(bytes, qtype, ne),
-    where the bytes may come from a callable, whole or as consecutive chunks.
+    where the bytes may come from a callable, whole or as consecutive chunks. sparse: the header and
+    tensor table only, the data region a hole that reads as zeros (for tools that read no data).
     """
     if "general.architecture" in metadata:
         raise FormatError("pass the architecture as `arch`, not as general.architecture metadata")
@@ -181,6 +183,10 @@ def write_gguf(
         fout = writer.fout[0]  # the data is streamed here, chunk by chunk, between the alignment pads
         for name, nbytes, make in makers:
             writer.write_padding(fout, fout.tell())
+            if sparse:
+                fout.seek(nbytes, 1)
+                writer.write_padding(fout, nbytes)
+                continue
             written = 0
             for chunk in make():
                 chunk.tofile(fout)
@@ -188,6 +194,7 @@ def write_gguf(
             if written != nbytes:
                 raise FormatError(f"tensor '{name}': expected {nbytes} encoded bytes, got {written}")
             writer.write_padding(fout, nbytes)
+        fout.truncate()  # a sparse file ending in a hole still has its full length
     except BaseException:
         writer.close()
         Path(path).unlink(missing_ok=True)  # never leave a half-written GGUF behind

@@ -5,8 +5,11 @@ each one's lifetime is the span of dispatches from its first to its last use; in
 lifetimes do not overlap share one physical buffer. The physical buffers form the `Arena` of a
 Gpu, shared by all its graphs: graphs run one at a time (a submission starts with a barrier
 against everything before it), so decode, prefill and verify graphs reuse the same memory. An
-arena buffer grows when a graph needs more of it; graphs recorded against the old one are then
-recorded again (`generation`). `Arena.nbytes` is what the memory planner counts as compute buffers.
+arena buffer grows when a graph needs more of it (the old one is freed); graphs recorded against
+it are then recorded again (`generation`). A graph is placed once per arena (slots only grow, so
+its placement stays valid); `clear()` frees every slot and invalidates all placements (`epoch`),
+which is how a smaller ubatch returns its compute memory. `Arena.nbytes` is what the memory planner
+counts as compute buffers.
 """
 
 from __future__ import annotations
@@ -72,25 +75,34 @@ class Arena:
         self.gpu = gpu
         self.slots: list[Buffer] = []
         self.generation = 0  # bumped whenever a buffer a recorded graph may use is replaced
+        self.epoch = 0  # bumped by clear(): every placement is void
 
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.slots)
 
-    def place(self, ops: Sequence["Dispatch"]) -> tuple[dict[int, Buffer], int]:
-        """Physical buffers for the virtual buffers of `ops` (by id), growing the arena where
-        needed, and the bytes this graph alone would need (its own slots' sizes)."""
+    def place(self, ops: Sequence["Dispatch"]) -> tuple[dict[int, int], int]:
+        """The arena slot of each virtual buffer of `ops` (by id), growing the arena where needed
+        (the replaced buffer is freed first), and the bytes this graph alone needs (its own slots' sizes)."""
         spans = lifetimes(ops)
         slot_of, need = assign(spans, [b.nbytes for b in self.slots])
         for i, n in enumerate(need):
             if i == len(self.slots):
                 self.slots.append(self.gpu.buffer(n, f"arena.{i}"))
             elif n > self.slots[i].nbytes:
-                self.gpu.retire(self.slots[i])
+                self.gpu.free(self.slots[i])
                 self.slots[i] = self.gpu.buffer(n, f"arena.{i}")
                 self.generation += 1
         own: dict[int, int] = {}
         for s in spans:
             slot = slot_of[s.buf.id]
             own[slot] = max(own.get(slot, 0), s.buf.nbytes)
-        return {s.buf.id: self.slots[slot_of[s.buf.id]] for s in spans}, sum(own.values())
+        return slot_of, sum(own.values())
+
+    def clear(self) -> None:
+        """Free every slot; graphs placed before must be placed (and recorded) again."""
+        for b in self.slots:
+            self.gpu.free(b)
+        self.slots = []
+        self.epoch += 1
+        self.generation += 1

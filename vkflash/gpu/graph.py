@@ -133,11 +133,13 @@ class Graph:
         self.rates: cost.Rates = cost.assumed_rates(gpu.caps)
         self.submissions: list[Submission] = []
         self.owned: list[Buffer] = []  # buffers the graph's kernels keep between replays
-        self.temp_bytes = 0  # arena bytes this graph's intermediates need (set when recorded)
+        self.temp_bytes = 0  # arena bytes this graph's intermediates need (set when placed)
         self._ops: list[Dispatch] | None = None
         self._sink: list[Dispatch] | None = None  # where dispatches go while lowering
+        self._slot_of: dict[int, int] = {}  # arena slot of each intermediate (by id)
+        self._epoch = -1  # the arena epoch the placement belongs to
         self._phys: dict[int, Buffer] = {}
-        self._generation = -1
+        self._generation: tuple[int, int] = (-1, -1)  # (arena generation, ledger rebinds) when recorded
         self._pending: list[Submission] = []
         # where a named value lives: name -> (the dispatch after which it is final, buffer, element
         # offset, rows, columns, row stride), for `vkflash verify`'s taps
@@ -209,7 +211,8 @@ class Graph:
 
     def _changed(self) -> None:
         self._ops = None
-        self.submissions = []  # a changed graph must be lowered and recorded again
+        self._epoch = -1
+        self.submissions = []  # a changed graph must be lowered, placed and recorded again
 
     # --- lowering -------------------------------------------------------------------------
     @property
@@ -251,13 +254,27 @@ class Graph:
         """The buffer a dispatch really binds for b (an intermediate's arena buffer once recorded)."""
         return self._phys.get(b.id, b) if b.is_virtual else b
 
+    def place(self) -> None:
+        """Give the intermediates their arena slots (once per arena epoch; growing the arena where
+        they do not fit). The memory planner places graphs without recording them."""
+        arena = self.gpu.arena
+        if self._epoch != arena.epoch:
+            self._slot_of, self.temp_bytes = arena.place(self.ops)
+            self._epoch = arena.epoch
+
+    @property
+    def _bound(self) -> tuple[int, int]:
+        """What a recording depends on: the arena's buffers and every buffer's memory."""
+        return self.gpu.arena.generation, self.gpu.ledger.rebinds
+
     def record(self) -> None:
         """Place the intermediates and record every submission once (barriers only on real
         dependencies); the budget and rates in effect now decide the cuts."""
         timestamps = self.options.tracing.timestamps
-        ops = self.ops
-        self._phys, self.temp_bytes = self.gpu.arena.place(ops)
-        self._generation = self.gpu.arena.generation
+        self.place()
+        slots = self.gpu.arena.slots
+        self._phys = {vid: slots[i] for vid, i in self._slot_of.items()}
+        self._generation = self._bound
         self.submissions = []
         every = not self.options.dep_barriers
         for run in self._split():
@@ -303,8 +320,8 @@ class Graph:
 
     def submit(self) -> None:
         """Replay without waiting for the last submission (at most max_inflight in flight); records
-        first when never recorded or when the arena replaced a buffer it uses."""
-        if not self.submissions or self._generation != self.gpu.arena.generation:
+        first when never recorded or when a buffer it may bind got new memory."""
+        if not self.submissions or self._generation != self._bound:
             self.record()
         limit = 1 if self.options.serialize else self.options.max_inflight
         for sub in self.submissions:
@@ -337,3 +354,11 @@ class Graph:
             self._pending.clear()
             raise DeviceError(f"{self.name}: the GPU failed while running it: {e}") from e
         trace.finished(self, sub, t0)
+
+
+class PlannedGraph(Graph):
+    """A graph of a planning Gpu (gpu/context.py): running it places its intermediates in the arena
+    (what the memory planner counts) and dispatches nothing."""
+
+    def run(self) -> None:
+        self.place()

@@ -1,6 +1,7 @@
 """GGML_VK-style tracing of submissions: job log, submit trace, perf logger, timeline file.
 
-- VKFLASH_JOB_LOG=1: `job <id> <graph> ops=<n> barriers=<b> gpu=<ms> host=<ms>` per submission.
+- VKFLASH_JOB_LOG=1: `job <id> <graph> ops=<n> barriers=<b> gpu=<ms> host=<ms>` per submission,
+  and `note <line>` for events between them (the deep-context guard's steps).
 - VKFLASH_SUBMIT_TRACE=1: each submission's op list, printed and flushed *before* it is sent,
   so a hang names its culprit.
 - VKFLASH_PERF_LOGGER=1: per-op GPU time aggregated by name and shape, printed by `report()`
@@ -82,6 +83,13 @@ def before_submit(graph: "Graph", sub: "Submission") -> None:
         OUT.write(f"submit {sub.job_id} {graph.name} ops={len(sub.ops)}\n")  # type: ignore[attr-defined]
         for op in sub.ops:
             OUT.write(f"  {op_line(op)}\n")
+        OUT.flush()
+
+
+def note(tracing: Tracing, line: str) -> None:
+    """A line of the job log that is not a submission (the deep-context guard's steps)."""
+    if tracing.job_log:
+        OUT.write(f"note {line}\n")
         OUT.flush()
 
 

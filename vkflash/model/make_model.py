@@ -2,8 +2,10 @@
 
 `tiny` writes seeded random float weights (F32 by default; F16, Q8_0 or a mixed set) that
 llama.cpp loads; `shape-8L` writes the real per-layer shapes with random quant blocks,
-streamed to disk in chunks. Weights are deterministic per (seed, tensor name). Files are
-written and encoded by vkflash.formats.
+streamed to disk in chunks; `shape-48L` is the real model's 48 layers. Weights are deterministic
+per (seed, tensor name). Files are written and encoded by vkflash.formats. A `sparse` file has the
+header and tensor table only, its data region a hole that reads as zeros: `vkflash plan` reads no
+data, so it plans the 48-layer model from such a file without 100 GB of disk.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from vkflash.model.chat import QWEN3_THINKING_TEMPLATE
 from vkflash.model.vocab_build import VocabMeta, qwen3_vocab, tiny_vocab
 
 ARCHS = ("qwen4exp", "qwen3next")
-CONFIGS = ("tiny", "shape-8L")
+CONFIGS = ("tiny", "shape-8L", "shape-48L")
+SHAPE_QUANTS = ("Q4_K_M", "Q8_0")
 TINY_QUANTS = ("F32", "F16", "Q8_0", "mix")
 VARIANTS = ("tied", "f_array", "hc_norm_2d", "ple_conv_f16", "dense", "tie_stress", "ssm_in")
 CHUNK_BYTES = 64 << 20
@@ -97,6 +100,10 @@ GEOMETRIES: dict[tuple[str, str], Geometry] = {
         d=2048, V=151936, ctx=262144, L=8, H=16, H_kv=2, Dh=256, n_rot=64, theta=1e7, n_k=16, n_v=32,
         S=128, K_c=4, E=512, k=10, F=512, F_s=512),
 }
+GEOMETRIES.update({(a, "shape-48L"): replace(GEOMETRIES[(a, "shape-8L")], L=48) for a in ARCHS})
+# the real PLE table: P_h = the 16 primes after 2·10⁷ (MODEL.md §8), 320,001,536 rows
+GEOMETRIES[("qwen4exp", "shape-48L")] = replace(GEOMETRIES[("qwen4exp", "shape-48L")],
+                                                ple_vocab_base=20_000_000)
 
 
 @dataclass
@@ -338,8 +345,9 @@ def _k_or(qt: QT, ne0: int) -> QT:
     return qt
 
 
-def shape8l_type(t: Tensor) -> QT:
-    """§9 shape-8L types: 1-D, routers, inject, convs F32; PLE table Q4_0; else Q4_K-family."""
+def shape8l_type(t: Tensor, quant: str = "Q4_K_M") -> QT:
+    """§9 shape-8L types: 1-D, routers, inject, convs F32; PLE table Q4_0; else Q4_K-family
+    (quant Q8_0: every quantized tensor Q8_0)."""
     name = t.name
     if t.qtype != QT.F32:
         return t.qtype  # explicit (variant ple_conv_f16)
@@ -347,6 +355,8 @@ def shape8l_type(t: Tensor) -> QT:
         return QT.F32
     if name.endswith("_norm.weight") or ".enorm" in name or ".hnorm" in name:
         return QT.F32
+    if quant == "Q8_0":
+        return QT.Q8_0
     if name == "per_layer_token_embd.weight":
         return QT.Q4_0
     if "ffn_down" in name:
@@ -511,10 +521,11 @@ def random_block_chunks(t: Tensor, seed: int) -> Iterator[np.ndarray]:
 
 # ---------------------------------------------------------------- writing
 
-def _write(path: Path, spec: ModelSpec, chunks: Callable[[Tensor], Iterator[np.ndarray]]) -> Path:
-    """Write spec to path, streaming each tensor's bytes from chunks(t) (never all in RAM)."""
+def _write(path: Path, spec: ModelSpec, chunks: Callable[[Tensor], Iterator[np.ndarray]], sparse: bool = False) -> Path:
+    """Write spec to path, streaming each tensor's bytes from chunks(t) (never all in RAM); sparse:
+    the data a hole (formats.gguf_write)."""
     tensors = {t.name: RawTensor(lambda t=t: chunks(t), t.qtype, t.ne) for t in spec.tensors}
-    write_gguf(path, spec.arch, spec.meta, tensors)
+    write_gguf(path, spec.arch, spec.meta, tensors, sparse=sparse)
     return path
 
 
@@ -530,11 +541,13 @@ def _variants(variant: str | tuple[str, ...] | frozenset[str] | None) -> frozens
 
 
 def make_model(arch: str, config: str, quant: str | None, seed: int, out: str | Path,
-               mtp_separate: bool = False, variant: str | tuple[str, ...] | None = None) -> list[Path]:
+               mtp_separate: bool = False, variant: str | tuple[str, ...] | None = None,
+               sparse: bool = False) -> list[Path]:
     """Write a synthetic model (and, with mtp_separate, its MTP-only file `<out>-mtp.gguf`).
 
-    Returns the written paths. tiny: quant ∈ F32 (default) | F16 | Q8_0 | mix; shape-8L:
-    the §9 types (quant must be None or "Q4_K_M").
+    Returns the written paths. tiny: quant ∈ F32 (default) | F16 | Q8_0 | mix; shape configs:
+    the §9 types (quant None or "Q4_K_M"), or "Q8_0" for every quantized tensor. sparse: header
+    and tensor table only (see the module docstring).
     """
     if arch not in ARCHS:
         raise ConfigError(f"--arch must be one of {', '.join(ARCHS)}, not {arch!r}")
@@ -555,13 +568,15 @@ def make_model(arch: str, config: str, quant: str | None, seed: int, out: str | 
             raise ConfigError(f"--quant for tiny must be one of {', '.join(TINY_QUANTS)}, not {quant!r}")
         vm = tiny_vocab(g.V)
     else:
-        if quant not in (None, "Q4_K_M"):
-            raise ConfigError("shape-8L uses the fixed §9 type mix (Q4_K_M-like); omit --quant")
+        quant = quant or "Q4_K_M"
+        if quant not in SHAPE_QUANTS:
+            raise ConfigError(f"--quant for {config} must be one of {', '.join(SHAPE_QUANTS)} (the §9 mix, or all "
+                              f"quantized tensors Q8_0), not {quant!r}")
         vm = qwen3_vocab(g.V)
     rank1 = Rank1.make(seed, g) if arch == "qwen4exp" and "tie_stress" not in v else None
 
     def typed(spec: ModelSpec) -> ModelSpec:
-        spec.tensors = [replace(t, qtype=tiny_type(t, quant) if tiny else shape8l_type(t)) for t in spec.tensors]
+        spec.tensors = [replace(t, qtype=tiny_type(t, quant) if tiny else shape8l_type(t, quant)) for t in spec.tensors]
         return spec
 
     def chunks(t: Tensor) -> Iterator[np.ndarray]:
@@ -573,10 +588,10 @@ def make_model(arch: str, config: str, quant: str | None, seed: int, out: str | 
     spec = typed(trunk_spec(arch, g, v))
     _hparams_meta(spec, g, v, mtp=False)
     _tokenizer_meta(spec, vm)
-    paths = [_write(out, spec, chunks)]
+    paths = [_write(out, spec, chunks, sparse)]
     if mtp_separate:
         mspec = typed(mtp_spec(g, v))
         _hparams_meta(mspec, g, v, mtp=True)
         _tokenizer_meta(mspec, vm)
-        paths.append(_write(out.with_name(out.stem + "-mtp" + out.suffix), mspec, chunks))
+        paths.append(_write(out.with_name(out.stem + "-mtp" + out.suffix), mspec, chunks, sparse))
     return paths

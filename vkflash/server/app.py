@@ -163,12 +163,23 @@ def create_app(state: ServerState) -> ASGIApp:
             "queue_capacity": ("requests that may wait", float(state.options.queue_depth)),
             "slot_busy": ("1 while a generation runs", float(slot.busy if slot else 0)),
             "kv_fill_ratio": ("fraction of the context in use", slot.kv_fill() if slot else 0.0),
-            "guard_tier": ("deep-context guard tier in effect (0: none)", float(getattr(fwd, "guard_tier", 0))),
+            "guard_tier": ("deep-context guard steps in force (0: none)", float(getattr(fwd, "guard_tier", 0))),
+            **_memory_gauges(fwd),
             "draft_acceptance_ratio": ("MTP draft tokens accepted / drafted", float(getattr(fwd, "draft_acceptance", 0))),
         }
         return PlainTextResponse(state.metrics.render(gauges), media_type="text/plain; version=0.0.4")
 
     return Gate(app, state)
+
+
+def _memory_gauges(fwd: Any) -> dict[str, tuple[str, float]]:
+    """Memory held against the budget and what the guard's steps returned (GPU forward only)."""
+    guard = getattr(fwd, "guard", None)
+    if guard is None:
+        return {}
+    return {"guard_freed_bytes": ("bytes the deep-context guard's steps returned", float(guard.freed)),
+            "memory_bytes": ("bytes held against the memory budget", float(fwd.gpu.ledger.total)),
+            "memory_budget_bytes": ("the memory budget", float(guard.budget.nbytes))}
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -194,6 +205,9 @@ def serve(settings: Settings, options: ServerOptions | None = None,
     planned = settings.planned_in_use()
     if planned:
         print(f"note: {', '.join(planned)} set, but what they steer is not built yet: no effect", flush=True)
+    summary = backend.preflight(settings)  # refuses a configuration that cannot boot, before any load
+    if summary:
+        print(summary, flush=True)
     sock = bind(settings["HOST"], settings["PORT"])
     state = ServerState(settings, options or ServerOptions(), loader)
     app = create_app(state)

@@ -9,7 +9,7 @@ from pathlib import Path
 from vkflash.engine.api import EngineInfo, Forward
 from vkflash.engine.qsa_config import QSAConfig
 from vkflash.engine.reference_backend import ReferenceForward
-from vkflash.errors import ConfigError, ModelError
+from vkflash.errors import ConfigError, DoesNotFit, ModelError, VkflashError
 from vkflash.model.chat import QWEN3_THINKING_TEMPLATE
 from vkflash.model.default_model import resolve_model
 from vkflash.model.tokenizer import Tokenizer, read_tokenizer_meta
@@ -35,19 +35,47 @@ class Loaded:
 def _forward(settings: Settings, path: Path, hp: HParams, n_ctx: int) -> tuple[Forward, str]:
     """The GPU forward when VKFLASH_BACKEND allows and the arch has step graphs, else the reference
     (only then are the weights dequantized on the host)."""
-    from vkflash.engine import graphs
-
-    choice = settings["VKFLASH_BACKEND"]
-    if choice == "gpu" or (choice == "auto" and hp.arch in graphs.ARCHS):
+    if uses_gpu(settings, hp.arch):
         from vkflash.engine.gpu_forward import GpuForward
 
-        return GpuForward(path, ctx=n_ctx), "vulkan"
+        fwd = GpuForward(path, ctx=n_ctx)
+        fwd.reserve()  # the compute buffers of every step now, as the memory plan counts them
+        return fwd, "vulkan"
     qsa = QSAConfig.from_settings(settings)
     fwd = ReferenceForward(load_model(path), n_ctx, gathered=qsa.gathered, **qsa.reference_options())
     unused = [k for k in REFERENCE_IGNORES if settings.sources.get(k, "default") != "default"]
     if unused:
         print(f"note: {', '.join(unused)} set but without effect on the NumPy reference backend", flush=True)
     return fwd, "numpy-reference"
+
+
+def uses_gpu(settings: Settings, arch: str) -> bool:
+    """Whether VKFLASH_BACKEND picks the GPU forward for this arch."""
+    from vkflash.engine import graphs
+
+    choice = settings["VKFLASH_BACKEND"]
+    return choice == "gpu" or (choice == "auto" and arch in graphs.ARCHS)
+
+
+def preflight(settings: Settings) -> str:
+    """The memory plan's one-line summary for the model the settings name (empty when it is not
+    served by the GPU forward, or cannot be read: the load then says why); DoesNotFit, before
+    any weight is loaded, when the configuration cannot even boot."""
+    from vkflash.engine.plan import make_plan
+
+    try:
+        path = model_path(settings)
+        hp = hparams_from_gguf(path)
+        if not uses_gpu(settings, hp.arch) or settings["CTX"] > hp.n_ctx_train:
+            return ""
+        plan = make_plan(path, ctx=settings["CTX"] or hp.n_ctx_train)
+    except DoesNotFit:
+        raise
+    except VkflashError:
+        return ""
+    if not plan.boot_fits:
+        raise DoesNotFit(plan.summary())
+    return plan.summary()
 
 
 def model_path(settings: Settings) -> Path:

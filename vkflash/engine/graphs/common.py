@@ -108,8 +108,9 @@ class ArchGraph(Protocol):
         """f32 values per token the host writes into the step params before each step (0: none)."""
 
     def allocate_state(self, gpu: "Gpu", gf: GGUFFile, hp: HParams, n_ctx: int, kv: CacheType,
-                       ub: int) -> SequenceState | None:
-        """The per-sequence state beyond K/V (None: the arch has none)."""
+                       ub: int, held: int) -> SequenceState | None:
+        """The per-sequence state beyond K/V (None: the arch has none); caches that grow with the
+        context hold memory for `held` positions."""
 
     def build(self, g: "Graph", m: StepModel, n: int, head: Head) -> None:
         """The ops of an n-token step with `head`'s logits."""

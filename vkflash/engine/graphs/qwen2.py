@@ -95,7 +95,8 @@ class Qwen2Graph:
     def extra_dim(self, hp: HParams) -> int:
         return 0
 
-    def allocate_state(self, gpu: "Gpu", gf: GGUFFile, hp: HParams, n_ctx: int, kv: CacheType, ub: int) -> None:
+    def allocate_state(self, gpu: "Gpu", gf: GGUFFile, hp: HParams, n_ctx: int, kv: CacheType, ub: int,
+                       held: int) -> None:
         return None
 
     def build(self, g: "Graph", m: StepModel, n: int, head: Head) -> None:

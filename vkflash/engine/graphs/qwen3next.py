@@ -52,7 +52,7 @@ class Qwen3NextGraph:
         return 0
 
     def allocate_state(self, gpu: "Gpu", gf: GGUFFile, hp: HParams, n_ctx: int, kv: CacheType,
-                       ub: int) -> RecurrentState:
+                       ub: int, held: int) -> RecurrentState:
         """GDN conv and SSM states (+ checkpoint slots) of every GDN layer."""
         return RecurrentState.allocate(gpu, hp, n_draft())
 

@@ -209,11 +209,11 @@ class Qwen4ExpGraph:
         return hp.d if hp.has_ple else 0
 
     def allocate_state(self, gpu: "Gpu", gf: GGUFFile, hp: HParams, n_ctx: int, kv: CacheType,
-                       ub: int) -> Qwen4State:
-        """Recurrent rows with n_draft+1 slots, indexer caches, the QSA knobs in effect now (BLKTOPK,
-        GP, POOLED), PLE host side."""
+                       ub: int, held: int) -> Qwen4State:
+        """Recurrent rows with n_draft+1 slots, indexer caches (`held` positions backed), the QSA
+        knobs in effect now (BLKTOPK, GP, POOLED), PLE host side."""
         rec = RecurrentState.allocate(gpu, hp, n_draft(), ple_taps(hp) - 1 if hp.has_ple else 0)
-        idx = allocate_indexer(gpu, hp, n_ctx, kv)
+        idx = allocate_indexer(gpu, hp, n_ctx, kv, held)
         if hp.has_ple:
             return Qwen4State(rec, idx, QSAConfig.from_settings(), ple_params(hp),
                               host_row_gather(gf, "per_layer_token_embd.weight"))

@@ -1,0 +1,45 @@
+"""`vkflash serve` and the memory plan: the one-line summary at start; a configuration that cannot
+boot is refused with a clear line before any weight is loaded; /metrics has the guard's gauges."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from harness import ROOT, call, free_port, start_server, stop_server
+
+pytestmark = pytest.mark.gpu
+
+
+def test_refuses_what_cannot_boot(tiny_model):
+    """VKFLASH_MEM_BUDGET below the weights: exit 1 with `error: memory plan: … does NOT fit`, never
+    listening."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MODEL", "CTX", "PORT", "HOST")}
+    env.update(MODEL=str(tiny_model), CTX="256", VKFLASH_BACKEND="gpu", VKFLASH_MEM_BUDGET="1M",
+               PORT=str(free_port()), HOST="127.0.0.1")
+    r = subprocess.run([sys.executable, "-m", "vkflash.server"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and "memory plan:" in err[0] and "does NOT fit" in err[0] and "1.0 MiB" in err[0]
+    assert "listening" not in r.stdout and "Traceback" not in r.stderr
+
+
+def test_summary_and_guard_gauges(tiny_model, tmp_path):
+    """A fitting configuration prints its plan's summary and serves; /metrics reports the guard
+    tier, the bytes it freed, the bytes held and the budget."""
+    s = start_server(tmp_path, {"MODEL": str(tiny_model), "CTX": "256", "VKFLASH_BACKEND": "gpu",
+                                "VKFLASH_MEM_BUDGET": "2G"})
+    try:
+        summary = [ln for ln in s.output().splitlines() if ln.startswith("memory plan:")]
+        assert len(summary) == 1 and "fits" in summary[0] and "2.00 GiB (VKFLASH_MEM_BUDGET)" in summary[0]
+        m = call(s.base, "GET", "/metrics").body
+        for gauge in ("vkflash_guard_tier 0", "vkflash_guard_freed_bytes 0", f"vkflash_memory_budget_bytes {2 << 30}"):
+            assert gauge in m
+        held = int(next(ln.split()[1] for ln in m.splitlines() if ln.startswith("vkflash_memory_bytes ")))
+        assert 0 < held < 2 << 30
+    finally:
+        stop_server(s)

@@ -1,0 +1,363 @@
+"""The memory plan: what a model needs at each depth of its context, by part, against the budget.
+
+Nothing here estimates. The plan builds the real GpuForward on a PlanningGpu (gpu/context.py),
+whose buffers are sizes only: the same code allocates the weights (sizes from the GGUF header,
+stacks and re-layouts as uploaded, no tensor data read), the caches, the recurrent states and
+the step params, and `reserve()` builds and places every step graph a run uses, so the compute
+buffers are the liveness allocator's arena. Then it walks the context chunk by chunk through the
+deep-context guard (engine/guard.py), the same code the run executes: the caches grow, and where
+the budget would not hold them the guard's steps engage, at the depths the plan reports.
+
+Parts: weights (uploaded, also by GGML type; host-gathered tables are mmapped file pages, shown
+apart and not counted: the page cache can evict them), kv (attention K/V), indexer (QSA keys and
+summary rows), states (recurrent rows), slots (their checkpoint copies), compute (arena and
+graph-owned buffers), io (step params, logits, argmax ids, staging ring), draft and draft kv (the
+MTP draft's weights and K/V cache, from its GGUF header: the draft engine is not built yet, so
+its compute is not counted). Budgeted bytes are everything on UMA (weights host-visible, no
+staging); device-local memory on a discrete GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from pathlib import Path
+
+from vkflash import settings
+from vkflash.engine.caches import IndexerCache, cache_type, growable_cache
+from vkflash.engine.gpu_forward import GpuForward
+from vkflash.engine.guard import NO_LIMIT, Event, Fill, GuardConfig, indexer_caches
+from vkflash.engine.state import RecurrentState
+from vkflash.errors import ConfigError, DoesNotFit
+from vkflash.formats.gguf_file import GGUFFile
+from vkflash.gpu.budget import Budget, detect
+from vkflash.gpu.context import Gpu, PlanningGpu
+from vkflash.gpu.device import Capabilities, probe
+from vkflash.gpu.memory import Buffer, fmt_bytes
+from vkflash.gpu.ops.attention import Cache, CacheType
+from vkflash.gpu.options import GpuOptions
+
+DEPTHS = (0, 32768, 65536, 98304, 131072, 196608)
+"""The depths the plan reports (and the full context)."""
+
+
+class Part(str, Enum):
+    """What the bytes are for."""
+
+    WEIGHTS = "weights"
+    KV = "kv"
+    INDEXER = "indexer"
+    STATES = "states"
+    SLOTS = "slots"
+    COMPUTE = "compute"
+    IO = "io"
+    DRAFT = "draft"
+    DRAFT_KV = "draft kv"
+
+
+def _recurrent(st: RecurrentState | None) -> tuple[list[Buffer], list[Buffer]]:
+    """(states, checkpoint slots) of the recurrent rows."""
+    if st is None:
+        return [], []
+    rows = [(layer.conv.state, layer.conv.slots) for layer in st.gdn.values()]
+    rows += [(layer.ssm.state, layer.ssm.slots) for layer in st.gdn.values()]
+    if st.ple_conv is not None:
+        rows.append((st.ple_conv.state, st.ple_conv.slots))
+    return [s for s, _ in rows], [s for _, s in rows]
+
+
+def buffers_by_part(fwd: GpuForward) -> dict[Part, list[Buffer]]:
+    """Every buffer the forward holds, by part (each once)."""
+    m = fwd.model
+    st = m.state
+    rec = st if isinstance(st, RecurrentState) else getattr(st, "rec", None)
+    idx: dict[int, IndexerCache] = indexer_caches(st)
+    states, slots = _recurrent(rec)
+    parts = {
+        Part.WEIGHTS: [t.buf for t in m.weights.tensors.values()],
+        Part.KV: [c.buf for kv in m.kv.layers.values() for c in (kv.k, kv.v)],
+        Part.INDEXER: [b for ic in idx.values() for b in (ic.keys.buf, ic.summary)],
+        Part.STATES: states,
+        Part.SLOTS: slots,
+        Part.COMPUTE: list(fwd.gpu.arena.slots) + [b for g in fwd.graphs() for b in g.owned],
+        Part.IO: [m.params.buf, m.head.logits, m.head.ids] + fwd.gpu.staged(),
+        Part.DRAFT: fwd.draft.weights() if fwd.draft is not None else [],
+        Part.DRAFT_KV: [f.buf for f in fwd.draft.fills()] if fwd.draft is not None else [],
+    }
+    return {p: list({b.id: b for b in bufs}.values()) for p, bufs in parts.items()}
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Committed bytes by part; `total` is what counts against the budget, `host` the rest."""
+
+    parts: dict[Part, int]
+    total: int
+    host: int
+    unaccounted: int  # live buffers of the Gpu in no part (0 when the parts are complete)
+
+
+def usage(fwd: GpuForward) -> Usage:
+    """What the forward holds now, by part, checked against the GPU layer's ledger."""
+    ledger = fwd.gpu.ledger
+    by_part = buffers_by_part(fwd)
+    parts = {p: sum(b.committed for b in bufs) for p, bufs in by_part.items()}
+    seen = {b.id for bufs in by_part.values() for b in bufs}
+    rest = sum(b.committed for b in ledger.buffers() if b.id not in seen)
+    return Usage(parts, ledger.total, ledger.host, rest)
+
+
+def draft_bytes(path: str | os.PathLike[str]) -> list[tuple[str, int]]:
+    """(name, bytes) of each tensor of an MTP draft file as uploaded: 1-D tensors as f32, the rest
+    in their stored type (from the header: no data is read)."""
+    gf = GGUFFile(path)
+    return [(n, 4 * t.n_elements if len(t.ne) == 1 else t.nbytes) for n, t in gf.tensors.items()]
+
+
+class DraftMemory:
+    """The memory of an MTP draft, as the plan counts it, until the draft engine exists
+    (engine/guard.py Draft): its weights and a smaller quant to switch to, sized from their GGUF
+    headers (no data read or uploaded), and one dense attention layer's K/V cache that grows with
+    the context like the trunk's (not re-quantized by the guard). On a real Gpu it holds that
+    memory, which is how the tests walk the guard's draft step."""
+
+    def __init__(self, gpu: Gpu, big: Path, small: Path | None, fwd: GpuForward) -> None:
+        self.gpu, self.big, self.small = gpu, big, small
+        self.in_use = big
+        self._weights = self._load(big)
+        hp, kv = fwd.hp, fwd.model.kv.type
+        self.cache = [growable_cache(gpu, fwd.n_ctx, hp.H_kv, hp.Dh, kv, fwd.guard.held, f"mtp.cache_{x}")
+                      for x in "kv"]
+
+    def _load(self, path: Path) -> list[Buffer]:
+        """A buffer per tensor of the draft file, as uploaded."""
+        return [self.gpu.buffer(n, f"mtp.{name}") for name, n in draft_bytes(path)]
+
+    @property
+    def can_shrink(self) -> bool:
+        return self.small is not None and self.in_use is self.big
+
+    def weights(self) -> list[Buffer]:
+        return self._weights
+
+    def fills(self) -> list[Fill]:
+        return [Fill(c.buf, lambda t, c=c: Cache.nbytes(t, c.n_heads, c.dim, c.type)) for c in self.cache]
+
+    def _switch(self, path: Path) -> None:
+        for b in self._weights:
+            self.gpu.free(b)
+        self._weights = self._load(path)
+        self.in_use = path
+
+    def shrink(self) -> None:
+        assert self.small is not None
+        self._switch(self.small)
+
+    def restore(self) -> None:
+        if self.in_use is not self.big:
+            self._switch(self.big)
+
+
+@dataclass(frozen=True)
+class Row:
+    """The plan at one depth: the configuration in force, bytes by part, the budgeted total."""
+
+    depth: int
+    held: int  # positions the caches hold memory for
+    kv: str
+    ub: int
+    tier: int
+    usage: Usage
+    event: str = ""  # the guard step taken on the way to this depth, if any
+
+    def headroom(self, budget: int) -> int:
+        """Budget left at this depth (0 without a budget)."""
+        return budget - self.usage.total if budget else 0
+
+
+@dataclass
+class Plan:
+    """A model's memory plan under one configuration and budget."""
+
+    model: str
+    arch: str
+    n_ctx: int
+    ub: int
+    kv: str
+    budget: Budget
+    uma: bool
+    guard: bool
+    weight_types: dict[str, int]  # uploaded weight bytes by GGML type
+    mmap_types: dict[str, int]  # bytes of host-gathered tables (mmapped file pages, not counted), by type
+    rows: list[Row] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    fails_at: int | None = None  # the depth the guard could not make fit (None: the full context fits)
+    error: str = ""
+    makes_it_fit: str = ""  # the first knob change that fits, when this does not
+
+    @property
+    def mmapped(self) -> int:
+        """Bytes of host-gathered tables (not counted)."""
+        return sum(self.mmap_types.values())
+
+    @property
+    def boot(self) -> Row:
+        """The row at depth 0: what is held at start."""
+        return self.rows[0]
+
+    @property
+    def boot_fits(self) -> bool:
+        """What is held at start fits the budget."""
+        return not self.budget.nbytes or self.boot.usage.total <= self.budget.nbytes
+
+    @property
+    def fill_fits(self) -> bool:
+        """It boots and, with the guard's steps, holds the full context."""
+        return self.boot_fits and self.fails_at is None
+
+    def thresholds(self) -> str:
+        """`KV q8_0 at 131072, UB 1024 at 196608` style list of the guard's steps."""
+        return ", ".join(f"{e.what} at {e.depth}" for e in self.events)
+
+    def summary(self) -> str:
+        """One line: the configuration, boot-fit, fill-fit with the guard's steps, what fits if not."""
+        head = (f"memory plan: {self.arch} {self.n_ctx} positions, UB {self.ub}, KV {self.kv}, budget {self.budget}: "
+                f"boot {fmt_bytes(self.boot.usage.total)}")
+        if not self.boot_fits:
+            return head + " does NOT fit" + (f"; {self.makes_it_fit} would fit" if self.makes_it_fit else "")
+        full = self.rows[-1]
+        if self.fails_at is not None:
+            tail = f"; fills to {self.fails_at - 1} positions only" + (
+                f" ({self.thresholds()})" if self.events else "") + (
+                f"; {self.makes_it_fit} would fit" if self.makes_it_fit else "")
+            return head + " fits" + tail
+        steps = f" with the guard: {self.thresholds()}" if self.events else ""
+        mm = f"; {fmt_bytes(self.mmapped)} mmapped" if self.mmapped else ""
+        return head + f" fits; full depth {fmt_bytes(full.usage.total)} fits{steps}{mm}"
+
+    def to_json(self) -> dict:
+        """Everything above as plain JSON values (`vkflash plan --json`)."""
+        return {
+            "model": self.model, "arch": self.arch, "n_ctx": self.n_ctx, "ub": self.ub, "kv": self.kv,
+            "budget": self.budget.nbytes, "budget_source": self.budget.source, "uma": self.uma, "guard": self.guard,
+            "weight_types": self.weight_types, "mmap_types": self.mmap_types, "boot_fits": self.boot_fits,
+            "fill_fits": self.fill_fits,
+            "fails_at": self.fails_at, "error": self.error, "makes_it_fit": self.makes_it_fit,
+            "events": [{"depth": e.depth, "step": e.kind.value, "what": e.what, "why": e.why, "freed": e.freed}
+                       for e in self.events],
+            "rows": [{"depth": r.depth, "held": r.held, "kv": r.kv, "ub": r.ub, "tier": r.tier, "event": r.event,
+                      "parts": {p.value: n for p, n in r.usage.parts.items()}, "total": r.usage.total,
+                      "host": r.usage.host, "headroom": r.headroom(self.budget.nbytes)} for r in self.rows],
+        }
+
+
+@dataclass(frozen=True)
+class DraftFiles:
+    """The MTP draft to count (`--mtp`): its GGUF and an optional smaller quant for the guard."""
+
+    big: Path
+    small: Path | None = None
+
+    @classmethod
+    def from_settings(cls, s: settings.Settings | None = None) -> "DraftFiles":
+        s = s or settings.current()
+        if not s["MODEL_DRAFT"]:
+            raise ConfigError("--mtp needs the draft's GGUF: set MODEL_DRAFT (or --draft)")
+        return cls(Path(s["MODEL_DRAFT"]), Path(s["MODEL_DRAFT_SMALL"]) if s["MODEL_DRAFT_SMALL"] else None)
+
+
+def _row(fwd: GpuForward, depth: int, event: str = "") -> Row:
+    return Row(depth, fwd.guard.held, fwd.model.kv.type.value, fwd.ub, fwd.guard.tier, usage(fwd), event)
+
+
+def _walk(fwd: GpuForward, plan: Plan, depths: Sequence[int]) -> None:
+    """Grow the caches chunk by chunk to the full context through the guard, a row at each of
+    `depths` passed (and the full context) and at each step the guard takes."""
+    guard = fwd.guard
+    wanted = sorted({d for d in depths if 0 < d < fwd.n_ctx} | {fwd.n_ctx})
+    while guard.held < fwd.n_ctx:
+        need = guard.held + 1
+        taken = len(guard.events)
+        try:
+            guard.before_step(fwd, need)
+        except DoesNotFit as e:
+            plan.fails_at, plan.error = need, str(e)
+            break
+        finally:
+            plan.events = list(guard.events)
+        new = guard.events[taken:]
+        passed = [d for d in wanted if d <= guard.held]
+        for d in passed:
+            wanted.remove(d)
+        if new:
+            plan.rows.append(_row(fwd, new[0].depth, "; ".join(e.what for e in new)))
+        plan.rows += [_row(fwd, d) for d in passed]
+
+
+def make_plan(model: str | os.PathLike[str], ctx: int | None = None, ub: int | None = None, kv: str | None = None,
+              budget: Budget | None = None, draft: DraftFiles | None = None, uma: bool | None = None,
+              guard: GuardConfig | None = None, caps: Capabilities | None = None, suggest: bool = True,
+              depths: Sequence[int] = DEPTHS) -> Plan:
+    """The plan of `model` at `depths` (ctx/ub/kv/guard default to the knobs; the budget to the
+    device's or VKFLASH_MEM_BUDGET; uma overrides the device's kind: plan a Strix Halo from another
+    machine). With `suggest`, a plan that does not fit also says which knob change first makes it fit."""
+    s = settings.current()
+    caps = caps or probe(s["VKFLASH_DEVICE"])
+    if uma is not None:
+        caps = replace(caps, uma=uma)
+    cfg = guard or GuardConfig.from_settings(s)
+    budget = budget or detect(caps, cfg.override)
+    gpu = PlanningGpu(caps, GpuOptions.from_settings(s))
+    fwd = GpuForward(model, ctx=ctx, ub=ub, kv=kv, gpu=gpu, guard=replace(cfg, budget=NO_LIMIT))
+    fwd.guard.out = lambda line: None
+    if draft is not None:
+        fwd.draft = DraftMemory(gpu, draft.big, draft.small, fwd)
+    fwd.reserve()
+    w = fwd.model.weights
+    uploaded: dict[str, int] = {}
+    for t in w.tensors.values():
+        uploaded[t.qtype.name] = uploaded.get(t.qtype.name, 0) + t.nbytes
+    mapped: dict[str, int] = {}
+    for name in set(w.file.tensors) - set(w.tensors):
+        info = w.file.tensors[name]
+        mapped[info.ggml_type.name] = mapped.get(info.ggml_type.name, 0) + info.nbytes
+    plan = Plan(str(model), fwd.hp.arch, fwd.n_ctx, fwd.ub, fwd.model.kv.type.value, budget, caps.uma,
+                cfg.enabled, uploaded, mapped, [_row(fwd, 0)])
+    if plan.boot_fits:
+        fwd.guard.set_budget(fwd, budget)
+        _walk(fwd, plan, depths)
+    if suggest and not plan.fill_fits:
+        plan.makes_it_fit = _what_fits(plan, model, ctx, kv, budget, draft, uma, cfg, caps)
+    return plan
+
+
+def _what_fits(plan: Plan, model: str | os.PathLike[str], ctx: int | None, kv: str | None, budget: Budget,
+               draft: DraftFiles | None, uma: bool | None, cfg: GuardConfig, caps: Capabilities) -> str:
+    """The first of DEEPGUARD=1, KV=q8_0, UB halved once or twice, both, then a smaller CTX, whose
+    plan fits; empty when none does."""
+    tries: list[tuple[str, Callable[[], Plan]]] = []
+
+    def again(**kw: object) -> Callable[[], Plan]:
+        args: dict = dict(ctx=ctx, ub=plan.ub, kv=kv, budget=budget, draft=draft, uma=uma, guard=cfg, caps=caps,
+                          suggest=False, depths=())
+        args.update(kw)
+        return lambda: make_plan(model, **args)
+
+    if not cfg.enabled:
+        tries.append(("DEEPGUARD=1", again(guard=replace(cfg, enabled=True))))
+    q8 = cache_type(plan.kv) is not CacheType.Q8_0
+    if q8:
+        tries.append(("KV=q8_0", again(kv="q8_0")))
+    for k in (1, 2):
+        if plan.ub >> k:
+            tries.append((f"UB={plan.ub >> k}", again(ub=plan.ub >> k)))
+    if q8 and plan.ub >> 2:
+        tries.append((f"KV=q8_0 UB={plan.ub >> 2}", again(kv="q8_0", ub=plan.ub >> 2)))
+    for label, attempt in tries:
+        if attempt().fill_fits:
+            return label
+    if plan.boot_fits and plan.fails_at is not None:
+        return f"CTX={plan.fails_at - 1}"
+    return ""
