@@ -21,7 +21,8 @@ from vkflash.engine.guard import GuardConfig, Kind
 from vkflash.engine.plan import DraftFiles, DraftMemory, make_plan, usage
 from vkflash.errors import DoesNotFit
 from vkflash.formats.gguf_write import write_gguf
-from vkflash.formats.quant_simple import deq_q8_0, q_q8_0
+from kv_q8 import kv_q8_0
+from vkflash.formats.quants import dequantize
 from vkflash.gpu import trace
 from vkflash.gpu.budget import Budget
 from vkflash.gpu.ops.attention import CacheType
@@ -160,9 +161,10 @@ def test_requantized_kv_logits(gpu, rng, tmp_path):
     assert fwd.model.kv.type is CacheType.Q8_0
     for (i, x), rows in f16_rows.items():
         raw = getattr(fwd.model.kv[i], x).buf.read(np.uint8, 34 * rows.size // 32).reshape(-1, 34)
-        want = q_q8_0(rows.reshape(-1, 32))
+        want = kv_q8_0(rows.reshape(-1, 32)).reshape(-1, 34)
         step = np.abs(rows.reshape(-1, 32)).max(axis=1, keepdims=True) / 127
-        assert (raw == want).mean() > 0.99 and np.all(np.abs(deq_q8_0(raw) - deq_q8_0(want)) <= 1.01 * step)
+        got_v, want_v = (dequantize(b.reshape(-1), Q.Q8_0, rows.size).reshape(-1, 32) for b in (raw, want))
+        assert (raw == want).mean() > 0.99 and np.all(np.abs(got_v - want_v) <= 1.01 * step)
     ref = reference.prefill(toks, reference.new_state(load_model(path, np.float64), cache_dtype=np.float32))
     assert _rel(got, ref) <= 5e-2
     q8 = GpuForward(path, ctx=256, ub=16, kv="q8_0", gpu=fresh, guard=GuardConfig(budget=NONE))
