@@ -10,6 +10,8 @@ exp adds (3 + 2|x|) ulp and the f32 sums over ≤ 5000 keys ≈ √n·u: every o
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -17,11 +19,19 @@ from attention_ref import attend, causal, encode, make_cache, pack_bits, rounded
 from fusion_util import graph
 from vkflash.gpu.ops.attention import Cache, CellMask, CacheType, CellList, Heads, attention, kv_append, \
     partial_bytes, q_and_gate
+from vkflash import settings
 from vkflash.gpu.ops.views import Rows
 from vkflash.gpu.options import Fusion
 
 pytestmark = pytest.mark.gpu
 TOL = 2e-5
+
+
+@pytest.fixture(autouse=True)
+def flash_path(monkeypatch):
+    """These tests pin the flash kernel (VKFLASH_ATTN_DECODE=0); tests/gpu/test_attn_decode.py covers
+    the decode kernel that attention() otherwise uses for ≤ 8 queries."""
+    monkeypatch.setattr(settings, "_current", settings.load(env=dict(os.environ, VKFLASH_ATTN_DECODE="0")))
 
 
 def _params(gpu, words: np.ndarray):
