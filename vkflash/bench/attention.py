@@ -1,0 +1,97 @@
+"""Decode attention benchmark for `vkflash bench kernels`: K/V bytes per second of the decode kernel
+(ops/attn_decode.py) and of the flash path it replaces (VKFLASH_ATTN_DECODE=0), one query.
+
+Shapes: qwen4exp attention (H 24 / H_kv 2, Dh 256), dense over 32k, 64k and 128k keys, and the QSA
+decode gather of W = 2051 cells from a 128k cache. Each graph holds CALLS calls that rotate among
+cache sets (dense) or cell lists (gathered) touching well over the last-level cache, with distinct
+outputs and partials, so calls do not wait on each other. Rows are dict(name, shape, seconds,
+GB/s) with seconds per call (attention + combine) and GB/s = K/V bytes read ÷ seconds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vkflash.bench.kernels import timed
+from vkflash.engine.graphs.common import decode_splits
+from vkflash.gpu.context import Gpu
+from vkflash.gpu.memory import Buffer
+from vkflash.gpu.ops.attention import Cache, CacheType, CellList, Heads, flash_attention, partial_bytes
+from vkflash.gpu.ops.attn_decode import attn_decode, decode_partial_bytes
+from vkflash.gpu.ops.views import Rows
+
+H, H_KV, DH = 24, 2, 256
+CONTEXTS = (32768, 65536, 131072)
+QSA_CELLS = 2051  # W = B + r − 1 of qwen4exp's QSA layers
+TYPES = (CacheType.F16, CacheType.Q8_0)
+ROTATE_BYTES = 400 << 20  # K/V bytes one rotation reads at least (H200 L2 is 50 MB)
+CALLS = 24
+PATTERN = 4096  # positions of random rows repeated to fill a cache (contents do not change speed)
+
+
+def _cache_bytes(ctype: CacheType, n_ctx: int) -> np.ndarray:
+    """Bytes of a [n_ctx, H_KV, DH] cache of `ctype` holding repeated random rows."""
+    from vkflash.formats.quant_simple import q_q8_0
+
+    x = np.random.default_rng().standard_normal((min(n_ctx, PATTERN), H_KV, DH)).astype(np.float32)
+    raw = (q_q8_0(x.reshape(-1, 32)) if ctype is CacheType.Q8_0 else x.astype(np.float16)).view(np.uint8).reshape(-1)
+    return np.resize(raw, Cache.nbytes(n_ctx, H_KV, DH, ctype))
+
+
+def _caches(gpu: Gpu, ctype: CacheType, n_ctx: int, n_sets: int) -> list[tuple[Cache, Cache]]:
+    raw = _cache_bytes(ctype, n_ctx)
+    return [tuple(Cache(gpu.upload(raw, f"bench.{kv}{i}"), n_ctx, H_KV, DH, ctype) for kv in "KV")  # type: ignore
+            for i in range(n_sets)]
+
+
+def _time(gpu: Gpu, name: str, build, calls: int, quick: bool) -> float:
+    """Seconds per call of a graph of `calls` calls made by build(g, i)."""
+    g = gpu.graph(f"bench.{name}")
+    for i in range(calls):
+        build(g, i)
+    return timed(g, 2 if quick else 20) / calls
+
+
+def decode_bandwidth(gpu: Gpu, quick: bool = False) -> list[dict]:
+    """K/V GB/s of one decode query, decode kernel vs flash path, dense and QSA-gathered."""
+    rng = np.random.default_rng()
+    contexts = (1024,) if quick else CONTEXTS
+    n_cells, gather_ctx = (64, 1024) if quick else (QSA_CELLS, CONTEXTS[-1])
+    q = gpu.upload(rng.standard_normal(H * DH, dtype=np.float32), "bench.q")
+    qh = Heads(Rows(q, 1, H * DH), H, DH)
+    rows = []
+    for ctype in TYPES:
+        cases: list[tuple[str, int, int | None]] = [(f"ctx={n}", n, None) for n in contexts]
+        cases.append((f"cells={n_cells}/{gather_ctx}", gather_ctx, n_cells))
+        for label, n_ctx, cells_n in cases:
+            n_keys = cells_n or n_ctx
+            kv_bytes = 2 * n_keys * H_KV * ctype.row_bytes(DH)
+            n_sets = 1 if cells_n else (3 if quick else max(3, min(16, -(-ROTATE_BYTES // kv_bytes))))
+            caches = _caches(gpu, ctype, n_ctx, n_sets)
+            calls = 3 if quick else CALLS
+            lists = [CellList(gpu.upload(np.sort(rng.choice(n_ctx, n_keys, replace=False)).astype(np.uint32),
+                                         f"bench.cells{i}"), n_keys) if cells_n else None for i in range(calls)]
+            params = gpu.upload(np.array([n_ctx - 1, n_keys], np.int32), "bench.params")
+            outs = [Heads(Rows(gpu.buffer(4 * H * DH, f"bench.o{i}"), 1, H * DH), H, DH) for i in range(calls)]
+            dec_part = decode_partial_bytes(gpu.caps, 1, H, H_KV, DH, ctype, n_keys)
+            n_split = decode_splits(n_ctx)  # the engine's flash-decode split count
+            fl_part = partial_bytes(1, H, DH, n_split)
+            parts: dict[str, list[Buffer]] = {
+                p: [gpu.buffer(nb, f"bench.part{i}") for i in range(calls)] for p, nb in
+                (("decode", dec_part), ("flash", fl_part))}
+
+            def decode(g, i):
+                k, v = caches[i % n_sets]
+                attn_decode(g, params, 0, qh, k, v, outs[i], cells=lists[i], partial=parts["decode"][i],
+                            name=f"decode{i}")
+
+            def flash(g, i):
+                k, v = caches[i % n_sets]
+                flash_attention(g, params, 0, qh, k, v, outs[i], cells=lists[i], n_split=n_split,
+                                partial=parts["flash"][i], name=f"flash{i}")
+
+            for path, build in (("decode", decode), ("flash", flash)):
+                s = _time(gpu, f"attn_{path}", build, calls, quick)
+                rows.append({"name": f"attn {path} {ctype.value}", "shape": f"{label} H={H}/{H_KV} Dh={DH} T=1",
+                             "seconds": s, "GB/s": kv_bytes / s / 1e9})
+    return rows
