@@ -37,8 +37,9 @@ MAX_ROWS = 16
 """q rows (token × q head of one kv head) per workgroup: 4 accumulators each per invocation."""
 MAX_LOADS = 8
 """16-byte vectors each invocation keeps in flight per tile (bounds the key tile)."""
-MIN_TILES = 2
-"""Key tiles per split at least, so a split's next-tile loads overlap its compute."""
+MIN_TILES = 1
+"""Key tiles per split at least: one, so a short cell list (the 2051-cell QSA gather) still spreads
+over as many workgroups as it has tiles; long contexts reach target_workgroups first."""
 COMBINE_DIMS = 64
 """Dims per combine workgroup (the others of its 256 invocations take other splits)."""
 
