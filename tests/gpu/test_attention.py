@@ -17,9 +17,9 @@ import pytest
 
 from attention_ref import attend, causal, encode, make_cache, pack_bits, rounded
 from fusion_util import graph
+from vkflash import settings
 from vkflash.gpu.ops.attention import Cache, CellMask, CacheType, CellList, Heads, attention, kv_append, \
     partial_bytes, q_and_gate
-from vkflash import settings
 from vkflash.gpu.ops.views import Rows
 from vkflash.gpu.options import Fusion
 

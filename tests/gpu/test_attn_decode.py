@@ -264,13 +264,13 @@ def test_routing(gpu, rng, monkeypatch):
     V, _ = make_cache(gpu, rng, 2000, 1, 64, CacheType.F16, "V")
     params = gpu.upload(np.array([0, 9], np.int32), "params")
     for T, names in ((9, ["attn_flash_f16", "attn_combine"]), (8, ["attn_decode_f16", "attn_decode_combine"])):
-        q, _, qh, _ = _queries(gpu, rng, T, 4, 64, False)
+        _, _, qh, _ = _queries(gpu, rng, T, 4, 64, False)
         g = gpu.graph("r")
         attention(g, params, 0, qh, K, V, _out(gpu, T, 4, 64)[0], n_split=2,
                   partial=gpu.buffer(partial_bytes(9, 4, 64, 2), "part"))
         assert [op.kernel.name for op in g.ops] == names
     K96, _ = make_cache(gpu, rng, 64, 1, 96, CacheType.F32, "K96")
-    q, _, qh, _ = _queries(gpu, rng, 1, 4, 96, False)
+    _, _, qh, _ = _queries(gpu, rng, 1, 4, 96, False)
     g = gpu.graph("r96")
     attention(g, params, 0, qh, K96, K96, _out(gpu, 1, 4, 96)[0])
     assert [op.kernel.name for op in g.ops] == ["attn_flash_f32"]
@@ -283,10 +283,10 @@ def test_rejects_bad_calls(gpu, rng):
     K, _ = make_cache(gpu, rng, 64, 2, Dh, CacheType.F16, "K")
     params = gpu.upload(np.array([0, 1], np.int32), "params")
     g = gpu.graph("bad")
-    q9, _, qh9, _ = _queries(gpu, rng, 9, H, Dh, False)
+    _, _, qh9, _ = _queries(gpu, rng, 9, H, Dh, False)
     with pytest.raises(ValueError, match="at most 8 queries"):
         dec.attn_decode(g, params, 0, qh9, K, K, _out(gpu, 9, H, Dh)[0])
-    q, _, qh, _ = _queries(gpu, rng, 2, H, Dh, False)
+    _, _, qh, _ = _queries(gpu, rng, 2, H, Dh, False)
     with pytest.raises(ValueError, match="output is"):
         dec.attn_decode(g, params, 0, qh, K, K, _out(gpu, 2, H + 2, Dh)[0])
     with pytest.raises(ValueError, match="overlaps q"):
@@ -298,7 +298,7 @@ def test_rejects_bad_calls(gpu, rng):
         dec.attn_decode(g, params, 0, qh, K, Cache(part, 64, 2, Dh, CacheType.F16), _out(gpu, 2, H, Dh)[0],
                         partial=part)
     K96, _ = make_cache(gpu, rng, 8, 1, 96, CacheType.F32, "K96")
-    q96, _, qh96, _ = _queries(gpu, rng, 1, 2, 96, False)
+    _, _, qh96, _ = _queries(gpu, rng, 1, 2, 96, False)
     with pytest.raises(ValueError, match="head dim 96 f32"):
         dec.attn_decode(g, params, 0, qh96, K96, K96, _out(gpu, 1, 2, 96)[0])
     assert not g.ops

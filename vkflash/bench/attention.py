@@ -44,12 +44,28 @@ def _caches(gpu: Gpu, ctype: CacheType, n_ctx: int, n_sets: int) -> list[tuple[C
             for i in range(n_sets)]
 
 
-def _time(gpu: Gpu, name: str, build, calls: int, quick: bool) -> float:
-    """Seconds per call of a graph of `calls` calls made by build(g, i)."""
-    g = gpu.graph(f"bench.{name}")
-    for i in range(calls):
-        build(g, i)
-    return timed(g, 2 if quick else 20) / calls
+def _seconds(gpu: Gpu, flash: bool, params: Buffer, caches: list[tuple[Cache, Cache]],
+             lists: list[CellList | None], quick: bool) -> float:
+    """Seconds per call of a graph of one call per entry of `lists` (its cell list, or None for dense)
+    rotating among `caches`: the decode kernel with its planned splits, or the flash path with the
+    engine's flash-decode split count."""
+    rng = np.random.default_rng()
+    qh = Heads(Rows(gpu.upload(rng.standard_normal(H * DH, dtype=np.float32), "bench.q"), 1, H * DH), H, DH)
+    k0 = caches[0][0]
+    n_keys = lists[0].capacity if lists[0] is not None else k0.n_ctx
+    n_split = decode_splits(k0.n_ctx)
+    nbytes = (partial_bytes(1, H, DH, n_split) if flash
+              else decode_partial_bytes(gpu.caps, 1, H, H_KV, DH, k0.type, n_keys))
+    g = gpu.graph("bench.attn")
+    for i, cells in enumerate(lists):  # distinct outputs and partials: no barriers between the calls
+        k, v = caches[i % len(caches)]
+        out = Heads(Rows(gpu.buffer(4 * H * DH, f"bench.o{i}"), 1, H * DH), H, DH)
+        part = gpu.buffer(nbytes, f"bench.part{i}")
+        if flash:
+            flash_attention(g, params, 0, qh, k, v, out, cells=cells, n_split=n_split, partial=part, name=f"flash{i}")
+        else:
+            attn_decode(g, params, 0, qh, k, v, out, cells=cells, partial=part, name=f"decode{i}")
+    return timed(g, 2 if quick else 20) / len(lists)
 
 
 def decode_bandwidth(gpu: Gpu, quick: bool = False) -> list[dict]:
@@ -57,8 +73,7 @@ def decode_bandwidth(gpu: Gpu, quick: bool = False) -> list[dict]:
     rng = np.random.default_rng()
     contexts = (1024,) if quick else CONTEXTS
     n_cells, gather_ctx = (64, 1024) if quick else (QSA_CELLS, CONTEXTS[-1])
-    q = gpu.upload(rng.standard_normal(H * DH, dtype=np.float32), "bench.q")
-    qh = Heads(Rows(q, 1, H * DH), H, DH)
+    calls = 3 if quick else CALLS
     rows = []
     for ctype in TYPES:
         cases: list[tuple[str, int, int | None]] = [(f"ctx={n}", n, None) for n in contexts]
@@ -68,30 +83,11 @@ def decode_bandwidth(gpu: Gpu, quick: bool = False) -> list[dict]:
             kv_bytes = 2 * n_keys * H_KV * ctype.row_bytes(DH)
             n_sets = 1 if cells_n else (3 if quick else max(3, min(16, -(-ROTATE_BYTES // kv_bytes))))
             caches = _caches(gpu, ctype, n_ctx, n_sets)
-            calls = 3 if quick else CALLS
             lists = [CellList(gpu.upload(np.sort(rng.choice(n_ctx, n_keys, replace=False)).astype(np.uint32),
                                          f"bench.cells{i}"), n_keys) if cells_n else None for i in range(calls)]
             params = gpu.upload(np.array([n_ctx - 1, n_keys], np.int32), "bench.params")
-            outs = [Heads(Rows(gpu.buffer(4 * H * DH, f"bench.o{i}"), 1, H * DH), H, DH) for i in range(calls)]
-            dec_part = decode_partial_bytes(gpu.caps, 1, H, H_KV, DH, ctype, n_keys)
-            n_split = decode_splits(n_ctx)  # the engine's flash-decode split count
-            fl_part = partial_bytes(1, H, DH, n_split)
-            parts: dict[str, list[Buffer]] = {
-                p: [gpu.buffer(nb, f"bench.part{i}") for i in range(calls)] for p, nb in
-                (("decode", dec_part), ("flash", fl_part))}
-
-            def decode(g, i):
-                k, v = caches[i % n_sets]
-                attn_decode(g, params, 0, qh, k, v, outs[i], cells=lists[i], partial=parts["decode"][i],
-                            name=f"decode{i}")
-
-            def flash(g, i):
-                k, v = caches[i % n_sets]
-                flash_attention(g, params, 0, qh, k, v, outs[i], cells=lists[i], n_split=n_split,
-                                partial=parts["flash"][i], name=f"flash{i}")
-
-            for path, build in (("decode", decode), ("flash", flash)):
-                s = _time(gpu, f"attn_{path}", build, calls, quick)
+            for path in ("decode", "flash"):
+                s = _seconds(gpu, path == "flash", params, caches, lists, quick)
                 rows.append({"name": f"attn {path} {ctype.value}", "shape": f"{label} H={H}/{H_KV} Dh={DH} T=1",
                              "seconds": s, "GB/s": kv_bytes / s / 1e9})
     return rows

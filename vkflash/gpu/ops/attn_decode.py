@@ -37,9 +37,6 @@ MAX_ROWS = 16
 """q rows (token × q head of one kv head) per workgroup: 4 accumulators each per invocation."""
 MAX_LOADS = 8
 """16-byte vectors each invocation keeps in flight per tile (bounds the key tile)."""
-MIN_TILES = 1
-"""Key tiles per split at least: one, so a short cell list (the 2051-cell QSA gather) still spreads
-over as many workgroups as it has tiles; long contexts reach target_workgroups first."""
 COMBINE_DIMS = 64
 """Dims per combine workgroup (the others of its 256 invocations take other splits)."""
 
@@ -117,7 +114,8 @@ def supported(caps: Capabilities, T: int, H: int, H_kv: int, dim: int, ctype: Ca
 def plan(caps: Capabilities, T: int, H: int, H_kv: int, dim: int, ctype: CacheType, n_keys: int,
          max_split: int | None = None) -> DecodePlan:
     """The launch shape for T queries of H heads over at most n_keys keys (_shape), with splits to
-    reach target_workgroups, ≥ MIN_TILES key tiles each, at most max_split."""
+    reach target_workgroups, at most one per key tile (a short cell list, e.g. the 2051-cell QSA
+    gather, still spreads over all its tiles) and at most max_split."""
     shape = _shape(caps, T * (H // H_kv), dim, ctype)
     if shape is None:
         raise ValueError(f"attn_decode does not support head dim {dim} {ctype.value} here (needs a multiple of 32 "
@@ -125,7 +123,7 @@ def plan(caps: Capabilities, T: int, H: int, H_kv: int, dim: int, ctype: CacheTy
     rc, n_chunks, bc, d = shape
     tiles = max(1, -(-n_keys // bc))
     want = -(-target_workgroups(caps) // (H_kv * n_chunks))
-    n_split = max(1, min(want, -(-tiles // MIN_TILES), max_split or want, caps.max_workgroup_count[2]))
+    n_split = max(1, min(want, tiles, max_split or want, caps.max_workgroup_count[2]))
     return DecodePlan(rc, n_chunks, bc, d, n_split)
 
 
@@ -136,15 +134,16 @@ def decode_partial_bytes(caps: Capabilities, max_tokens: int, H: int, H_kv: int,
                for T in range(1, max_tokens + 1))
 
 
-def _check_aliases(name: str, q: Heads, out: Heads, gate: Heads | None, partial: Buffer | None,
-                   k: Cache, v: Cache) -> None:
-    """The output may not overlap q or the gate (other workgroups still read them), nor the partials
-    any operand."""
+def _check_aliases(name: str, params: Buffer, q: Heads, k: Cache, v: Cache, out: Heads, gate: Heads | None,
+                   mask: CellMask | None, cells: CellList | None, partial: Buffer | None) -> None:
+    """The output may not overlap q or the gate (other workgroups still read them), and the partial
+    buffer is none of the operands."""
     for x, what in ((q, "q"), (gate, "gate")):
         if x is not None and x.rows.overlaps(out.rows):
             raise ValueError(f"{name}: output overlaps {what}")
-    if partial is not None and any(partial is b for b in (q.rows.buf, out.rows.buf, k.buf, v.buf)
-                                   + ((gate.rows.buf,) if gate is not None else ())):
+    others = [params, q.rows.buf, k.buf, v.buf, out.rows.buf] + [x.rows.buf for x in (gate,) if x is not None] \
+        + [x.buf for x in (mask, cells) if x is not None]
+    if partial is not None and any(partial is b for b in others):
         raise ValueError(f"{name}: the partial buffer {partial.name!r} is also an operand")
 
 
@@ -159,8 +158,8 @@ def attn_decode(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, 
     T, H, Dh, H_kv = q.n_tokens, q.n_heads, q.dim, k.n_heads
     if T > MAX_TOKENS:
         raise ValueError(f"{name}: attn_decode serves at most {MAX_TOKENS} queries, got {T}")
+    _check_aliases(name, params, q, k, v, out, gate, mask, cells, partial)
     caps = g.gpu.caps
-    _check_aliases(name, q, out, gate, partial, k, v)
     n_keys = cells.capacity if cells is not None else k.n_ctx
     room = max(1, partial.nbytes // partial_bytes(T, H, Dh, 1)) if partial is not None else 1
     if n_split is not None and not 1 <= n_split <= room:
