@@ -18,8 +18,9 @@
 //          next tile's K rows' before the V rows are used, so loads stay in flight during compute.
 //   scores D consecutive invocations of one subgroup per key, each dotting 8-element chunks
 //          dg, dg + D, ... of the key with all RC scaled q rows (q in shared memory), P keys per
-//          invocation; the D partial sums are added by a reduce-scatter over subgroupShuffleXor
-//          (each lane ends with P*RC/D finished scores: no dims split over more than D lanes).
+//          invocation; the D lanes' partial sums are added by a reduce-scatter over
+//          subgroupShuffleXor (log2 D exchanges of halves; each lane ends with P*RC/D scores).
+//          Element values as kv_cache.glsl's KV_LOAD (q8_0: float(code) * float(d)).
 //   softmax one subgroup per row (rows strided over subgroups): tile max, p = e^(s - m), sums.
 //   values teams of DH/4 invocations (NT = WG*4/DH teams) take keys c = team, team + NT, ...;
 //          each invocation accumulates 4 dims of all RC rows in registers. Teams share m, so at the
@@ -31,9 +32,10 @@
 // Buffers: 0 params (int32), 1 q (f32: q_off + t*q_row + h*q_head + d), 2 gate (f32, same
 // addressing with gate_*), 3 K cache, 4 V cache ([kv_rows, H_kv, DH] of the KV type, bound whole),
 // 5 mask (uint bit rows), 6 cells (uint), 7 out. Unused buffers may be any buffer.
-// Spec: 1 DH (multiple of 32, DH/4 divides WG), 2 RC rows per workgroup (a multiple of 4), 3 BC keys per tile
-// (a multiple of WG/D), 4 D (power of two <= the smallest subgroup size, divides DH/8; P*RC a
-// multiple of D with P = BC*D/WG). Push constant `flags`: 1 GATED, 2 MASKED, 4 GATHER, 8 SPLIT.
+// Spec: 1 DH (multiple of 32, DH/4 divides WG), 2 RC rows per workgroup (a multiple of 4), 3 BC
+// keys per tile (a multiple of WG/D), 4 D (power of two <= the smallest subgroup size, divides
+// DH/8; P*RC a multiple of D with P = BC*D/WG). Push constant `flags`: 1 GATED, 2 MASKED,
+// 4 GATHER, 8 SPLIT (runtime, not specialization: one pipeline per shape serves every mode).
 // Defines: KV_F32 | KV_F16 | KV_Q8_0.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
@@ -84,7 +86,6 @@ layout(push_constant) uniform Push {
     uint param_off; uint mask_off; uint mask_stride; uint cell_off;
     uint n_split; uint scale_bits; uint flags;
 } p;
-// flags (push constant, not specialization: one pipeline serves every mode)
 const uint GATED = 1u, MASKED = 2u, GATHER = 4u, SPLIT = 8u;
 bool has(uint f) { return (p.flags & f) != 0u; }
 
