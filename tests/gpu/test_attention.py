@@ -10,14 +10,13 @@ exp adds (3 + 2|x|) ulp and the f32 sums over ≤ 5000 keys ≈ √n·u: every o
 
 from __future__ import annotations
 
-import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from attention_ref import attend, causal, encode, make_cache, pack_bits, rounded
 from fusion_util import graph
-from vkflash import settings
 from vkflash.gpu.ops.attention import Cache, CellMask, CacheType, CellList, Heads, attention, kv_append, \
     partial_bytes, q_and_gate
 from vkflash.gpu.ops.views import Rows
@@ -27,11 +26,11 @@ pytestmark = pytest.mark.gpu
 TOL = 2e-5
 
 
-@pytest.fixture(autouse=True)
-def flash_path(monkeypatch):
+@pytest.fixture
+def gpu(gpu):
     """These tests pin the flash kernel (VKFLASH_ATTN_DECODE=0); tests/gpu/test_attn_decode.py covers
     the decode kernel that attention() otherwise uses for ≤ 8 queries."""
-    monkeypatch.setattr(settings, "_current", settings.load(env=dict(os.environ, VKFLASH_ATTN_DECODE="0")))
+    return gpu.with_options(replace(gpu.options, attn_decode=False))
 
 
 def _params(gpu, words: np.ndarray):

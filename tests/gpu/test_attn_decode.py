@@ -17,13 +17,12 @@ sums' rounding: measured ≤ 1e-7·max|v| (lavapipe, ≤ 900 keys). The test all
 
 from __future__ import annotations
 
-import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from attention_ref import attend, causal, make_cache, pack_bits
-from vkflash import settings
 from vkflash.gpu.ops import attn_decode as dec
 from vkflash.gpu.ops.attention import Cache, CacheType, CellList, CellMask, Heads, attention, partial_bytes, \
     q_and_gate
@@ -66,8 +65,9 @@ def _partial(gpu, nbytes: int):
     return buf
 
 
-def _knob(monkeypatch, on: bool) -> None:
-    monkeypatch.setattr(settings, "_current", settings.load(env=dict(os.environ, VKFLASH_ATTN_DECODE=str(int(on)))))
+def _routed(gpu, on: bool):
+    """The device building graphs with VKFLASH_ATTN_DECODE=on."""
+    return gpu.with_options(replace(gpu.options, attn_decode=on))
 
 
 CONFIGS = [  # (H, H_kv, Dh, cache type): GQA 12 (qwen4exp), 8 (qwen3next), 7 (qwen2), 1 and 3
@@ -78,8 +78,9 @@ CONFIGS = [  # (H, H_kv, Dh, cache type): GQA 12 (qwen4exp), 8 (qwen3next), 7 (q
 
 @pytest.mark.parametrize("H,H_kv,Dh,ctype", CONFIGS)
 def test_dense(gpu, rng, H, H_kv, Dh, ctype):
-    """Causal GQA attention of T ≤ 8 queries at p0.. over n_kv keys with the planned splits; the last
-    cache row is read when n_kv = n_ctx (q8_0 rows of 68/136 bytes end unaligned at the buffer end)."""
+    """Causal GQA attention of T ≤ 8 queries at p0.. over n_kv keys with the planned splits, partials
+    in a given buffer or a graph intermediate; the last cache row is read when n_kv = n_ctx (q8_0
+    rows of 68/136 bytes end unaligned at the buffer end)."""
     T, gated = int(rng.integers(1, 9)), bool(rng.integers(2))
     n_ctx = int(rng.integers(T + 40, 700))
     n = n_ctx if rng.integers(2) else int(rng.integers(T, n_ctx))
@@ -89,7 +90,7 @@ def test_dense(gpu, rng, H, H_kv, Dh, ctype):
     q, gate, qh, gh = _queries(gpu, rng, T, H, Dh, gated)
     params = gpu.upload(np.array([7, p0, n], np.int32), "params")
     out, obuf = _out(gpu, T, H, Dh)
-    part = _partial(gpu, dec.decode_partial_bytes(gpu.caps, 8, H, H_kv, Dh, ctype, n_ctx))
+    part = _partial(gpu, dec.decode_partial_bytes(gpu.caps, 8, H, H_kv, Dh, ctype, n_ctx)) if rng.integers(2) else None
 
     g = gpu.graph("decode")
     dec.attn_decode(g, params, 1, qh, K, V, out, gate=gh, partial=part)
@@ -216,7 +217,7 @@ def test_long_context(gpu, rng):
 
 
 @pytest.mark.parametrize("H,H_kv,Dh,ctype", [CONFIGS[0], CONFIGS[1], CONFIGS[2], CONFIGS[3]])
-def test_agrees_with_flash(gpu, rng, monkeypatch, H, H_kv, Dh, ctype):
+def test_agrees_with_flash(gpu, rng, H, H_kv, Dh, ctype):
     """attention() routes T ≤ 8 to the decode kernel, and VKFLASH_ATTN_DECODE=0 to the flash kernel
     (the plain path): same inputs, outputs within AGREE·max|v| (module docstring), both within TOL
     of float64; dense and, for f16, gathered."""
@@ -241,9 +242,8 @@ def test_agrees_with_flash(gpu, rng, monkeypatch, H, H_kv, Dh, ctype):
         params = gpu.upload(np.array([n - T, n], np.int32), "params")
     got = {}
     for on in (True, False):
-        _knob(monkeypatch, on)
         out, obuf = _out(gpu, T, H, Dh)
-        g = gpu.graph("route")
+        g = _routed(gpu, on).graph("route")
         attention(g, params, 0, qh, K, V, out, gate=gh, cells=cells, n_split=n_split,
                   partial=_partial(gpu, partial_bytes(8, H, Dh, n_split)))
         assert g.ops[0].kernel.name == (f"attn_decode_{ctype.value}" if on else f"attn_flash_{ctype.value}")
@@ -256,10 +256,10 @@ def test_agrees_with_flash(gpu, rng, monkeypatch, H, H_kv, Dh, ctype):
     _check(got[True], got[False], vmax, f"decode vs flash T={T} n={n}", AGREE)
 
 
-def test_routing(gpu, rng, monkeypatch):
+def test_routing(gpu, rng):
     """Steps of 9+ queries and head dims the kernel does not support stay on flash; ≤ 8 go to decode
     with the planned splits (as many as the partial buffer holds) and its own combine."""
-    _knob(monkeypatch, True)
+    gpu = _routed(gpu, True)
     K, _ = make_cache(gpu, rng, 2000, 1, 64, CacheType.F16, "K")
     V, _ = make_cache(gpu, rng, 2000, 1, 64, CacheType.F16, "V")
     params = gpu.upload(np.array([0, 9], np.int32), "params")

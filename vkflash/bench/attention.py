@@ -11,12 +11,13 @@ GB/s) with seconds per call (attention + combine) and GB/s = K/V bytes read ÷ s
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGMLQuantizationType as Q
 
 from vkflash.bench.kernels import timed
-from vkflash.engine.graphs.common import decode_splits
+from vkflash.formats.quants import random_blocks
 from vkflash.gpu.context import Gpu
 from vkflash.gpu.memory import Buffer
-from vkflash.gpu.ops.attention import Cache, CacheType, CellList, Heads, flash_attention, partial_bytes
+from vkflash.gpu.ops.attention import Cache, CacheType, CellList, Heads, decode_splits, flash_attention, partial_bytes
 from vkflash.gpu.ops.attn_decode import attn_decode, decode_partial_bytes
 from vkflash.gpu.ops.views import Rows
 
@@ -31,17 +32,19 @@ PATTERN = 4096  # positions of random rows repeated to fill a cache (contents do
 
 def _cache_bytes(ctype: CacheType, n_ctx: int) -> np.ndarray:
     """Bytes of a [n_ctx, H_KV, DH] cache of `ctype` holding repeated random rows."""
-    from vkflash.formats.quant_simple import q_q8_0
-
-    x = np.random.default_rng().standard_normal((min(n_ctx, PATTERN), H_KV, DH)).astype(np.float32)
-    raw = (q_q8_0(x.reshape(-1, 32)) if ctype is CacheType.Q8_0 else x.astype(np.float16)).view(np.uint8).reshape(-1)
+    qtype = {CacheType.F16: Q.F16, CacheType.Q8_0: Q.Q8_0}[ctype]
+    raw = random_blocks(qtype, min(n_ctx, PATTERN) * H_KV * DH, np.random.default_rng())
     return np.resize(raw, Cache.nbytes(n_ctx, H_KV, DH, ctype))
 
 
 def _caches(gpu: Gpu, ctype: CacheType, n_ctx: int, n_sets: int) -> list[tuple[Cache, Cache]]:
+    """n_sets (K, V) cache pairs, all holding the same random rows."""
     raw = _cache_bytes(ctype, n_ctx)
-    return [tuple(Cache(gpu.upload(raw, f"bench.{kv}{i}"), n_ctx, H_KV, DH, ctype) for kv in "KV")  # type: ignore
-            for i in range(n_sets)]
+
+    def cache(name: str) -> Cache:
+        return Cache(gpu.upload(raw, name), n_ctx, H_KV, DH, ctype)
+
+    return [(cache(f"bench.K{i}"), cache(f"bench.V{i}")) for i in range(n_sets)]
 
 
 def _seconds(gpu: Gpu, flash: bool, params: Buffer, caches: list[tuple[Cache, Cache]],

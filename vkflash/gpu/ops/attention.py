@@ -340,7 +340,7 @@ def attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v:
     flash_attention() with n_split and `partial`."""
     from vkflash.gpu.ops import attn_decode as dec
 
-    if (q.n_tokens <= dec.MAX_TOKENS and dec.enabled()
+    if (q.n_tokens <= dec.MAX_TOKENS and g.options.attn_decode
             and dec.supported(g.gpu.caps, q.n_tokens, q.n_heads, k.n_heads, q.dim, k.type)):
         dec.attn_decode(g, params, param_off, q, k, v, out, gate=gate, mask=mask, cells=cells, partial=partial,
                         scale=scale, name=name)

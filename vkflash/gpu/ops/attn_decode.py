@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from vkflash import settings
 from vkflash.gpu.device import Capabilities
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops.attention import Cache, CacheType, CellList, CellMask, Heads, check_attention, partial_bytes
@@ -39,11 +38,6 @@ MAX_LOADS = 8
 """16-byte vectors each invocation keeps in flight per tile (bounds the key tile)."""
 COMBINE_DIMS = 64
 """Dims per combine workgroup (the others of its 256 invocations take other splits)."""
-
-
-def enabled() -> bool:
-    """Whether attention() sends steps of ≤ MAX_TOKENS queries here (VKFLASH_ATTN_DECODE)."""
-    return bool(settings.current()["VKFLASH_ATTN_DECODE"])
 
 
 def target_workgroups(caps: Capabilities) -> int:
@@ -152,8 +146,9 @@ def attn_decode(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, 
                 partial: Buffer | None = None, n_split: int | None = None, scale: float | None = None,
                 name: str = "attn") -> None:
     """attention() (A5)–(A7) for T ≤ 8 queries with the decode kernel: the same operands and params
-    words (p0, n_kv at param_off). Splits: n_split, else plan()'s, at most what `partial` holds;
-    one split (no partial buffer needed) writes the output directly, more add a combine dispatch."""
+    words (p0, n_kv at param_off). Splits: n_split, else plan()'s (at most what a given `partial`
+    holds); one split writes the output directly, more add a combine dispatch whose partials go to
+    `partial` (default: an intermediate of the graph)."""
     check_attention(name, params, param_off, q, k, v, out, gate, mask, cells)
     T, H, Dh, H_kv = q.n_tokens, q.n_heads, q.dim, k.n_heads
     if T > MAX_TOKENS:
@@ -161,13 +156,15 @@ def attn_decode(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, 
     _check_aliases(name, params, q, k, v, out, gate, mask, cells, partial)
     caps = g.gpu.caps
     n_keys = cells.capacity if cells is not None else k.n_ctx
-    room = max(1, partial.nbytes // partial_bytes(T, H, Dh, 1)) if partial is not None else 1
-    if n_split is not None and not 1 <= n_split <= room:
+    room = max(1, partial.nbytes // partial_bytes(T, H, Dh, 1)) if partial is not None else None
+    if n_split is not None and (n_split < 1 or room is not None and n_split > room):
         raise ValueError(f"{name}: n_split={n_split} needs a partial buffer of {partial_bytes(T, H, Dh, n_split)} B")
     pl = plan(caps, T, H, H_kv, Dh, k.type, n_keys, max_split=room)
     if n_split is not None:
         pl = replace(pl, n_split=n_split)
     split = pl.n_split > 1
+    if split and partial is None:
+        partial = g.temp(partial_bytes(T, H, Dh, pl.n_split), f"{name}.partial")
     flags = (1 if gate is not None and not split else 0) | (2 if mask else 0) | (4 if cells else 0) | (8 if split else 0)
     gv = gate if gate is not None else q
     bufs = [params, q.rows.buf, gv.rows.buf, k.buf, v.buf, mask.buf if mask else k.buf,
