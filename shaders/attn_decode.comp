@@ -26,12 +26,13 @@
 //          each invocation accumulates 4 dims of all RC rows in registers. Teams share m, so at the
 //          end their sums are added in team order.
 // Output: SPLIT (n_split > 1): the unnormalised partial (o_0..o_{DH-1}, m, l) of row (t, h) of split
-// z at out[((z*T + t)*H + h)*(DH + 2)], attn_combine.comp's layout, merged by
+// z at partial[((z*T + t)*H + h)*(DH + 2)], attn_combine.comp's layout, merged by
 // attn_decode_combine.comp; else o/l (times sigma(gate) if GATED) to
 // out[o_off + t*o_row + h*o_head + d]. A row with no visible key yields 0 (empty split: m = -1e30).
 // Buffers: 0 params (int32), 1 q (f32: q_off + t*q_row + h*q_head + d), 2 gate (f32, same
 // addressing with gate_*), 3 K cache, 4 V cache ([kv_rows, H_kv, DH] of the KV type, bound whole),
-// 5 mask (uint bit rows), 6 cells (uint), 7 out. Unused buffers may be any buffer.
+// 5 mask (uint bit rows), 6 cells (uint), 7 out (f32), 8 partial (f32). Unused buffers may be any
+// buffer.
 // Spec: 1 DH (multiple of 32, DH/4 divides WG), 2 RC rows per workgroup (a multiple of 4), 3 BC
 // keys per tile (a multiple of WG/D), 4 D (power of two <= the smallest subgroup size, divides
 // DH/8; P*RC a multiple of D with P = BC*D/WG). Push constant `flags`: 1 GATED, 2 MASKED,
@@ -77,6 +78,7 @@ layout(std430, binding = 4) readonly buffer V1 { uint v1[]; };
 layout(std430, binding = 5) readonly buffer Mask { uint mask[]; };
 layout(std430, binding = 6) readonly buffer Cells { uint cells[]; };
 layout(std430, binding = 7) writeonly buffer Out { float outp[]; };
+layout(std430, binding = 8) writeonly buffer Partial { float partial[]; };
 
 layout(push_constant) uniform Push {
     uint T; uint G; uint H_kv; uint kv_rows;
@@ -84,7 +86,7 @@ layout(push_constant) uniform Push {
     uint gate_off; uint gate_row; uint gate_head;
     uint o_off; uint o_row; uint o_head;
     uint param_off; uint mask_off; uint mask_stride; uint cell_off;
-    uint n_split; uint scale_bits; uint flags;
+    uint n_split; float scale; uint flags;
 } p;
 const uint GATED = 1u, MASKED = 2u, GATHER = 4u, SPLIT = 8u;
 bool has(uint f) { return (p.flags & f) != 0u; }
@@ -202,7 +204,6 @@ void main() {
     const uint r0 = gl_WorkGroupID.x * RC;
     const uint p0 = uint(params[p.param_off]);
     const uint n_kv = uint(params[p.param_off + 1u]);
-    const float scale = uintBitsToFloat(p.scale_bits);
     const uint t_last = (min(r0 + RC, rows) - 1u) / G;
     const uint n_iter = has(GATHER) ? n_kv : min(min(n_kv, p0 + t_last + 1u), p.kv_rows);
     const uint n_tiles = (n_iter + BC - 1u) / BC;
@@ -210,7 +211,7 @@ void main() {
     for (uint e = tid; e < RC * DH; e += WG) {
         const uint r = e / DH, d = e % DH, R = r0 + r;
         float x = 0.0;
-        if (R < rows) x = q[p.q_off + (R / G) * p.q_row + (g * G + R % G) * p.q_head + d] * scale;
+        if (R < rows) x = q[p.q_off + (R / G) * p.q_row + (g * G + R % G) * p.q_head + d] * p.scale;
         sQ[e >> 2][e & 3u] = x;
     }
     if (tid < RC) {
@@ -332,10 +333,10 @@ void main() {
         const float o = sQ[e >> 2][e & 3u];
         if (has(SPLIT)) {
             const uint base = ((z * p.T + t) * H + h) * (DH + 2u);
-            outp[base + d] = o;
+            partial[base + d] = o;
             if (d == 0u) {
-                outp[base + DH] = sM[r];
-                outp[base + DH + 1u] = sL[r];
+                partial[base + DH] = sM[r];
+                partial[base + DH + 1u] = sL[r];
             }
         } else {
             const float l = sL[r];

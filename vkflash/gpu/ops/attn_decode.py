@@ -18,17 +18,66 @@ import numpy as np
 
 from vkflash.gpu.device import Capabilities
 from vkflash.gpu.memory import Buffer
-from vkflash.gpu.ops.attention import Cache, CacheType, CellList, CellMask, Heads, check_attention, partial_bytes
-from vkflash.gpu.ops.views import f32_bits
+from vkflash.gpu.interface import PushConstants, SpecConstants, f32, u32
+from vkflash.gpu.ops.attention import AttnCombinePush, Cache, CacheType, CellList, CellMask, Heads, check_attention, \
+    partial_bytes
 from vkflash.gpu.registry import Kernel, kernel
 
 if TYPE_CHECKING:
     from vkflash.gpu.graph import Graph
 
+
+@dataclass(frozen=True)
+class DecodePush(PushConstants):
+    """attn_decode.comp's push constants (see its header): attn_flash.comp's, then the mode flags
+    (1 gated, 2 masked, 4 gather, 8 split)."""
+
+    T: u32
+    G: u32
+    H_kv: u32
+    kv_rows: u32
+    q_off: u32
+    q_row: u32
+    q_head: u32
+    gate_off: u32
+    gate_row: u32
+    gate_head: u32
+    o_off: u32
+    o_row: u32
+    o_head: u32
+    param_off: u32
+    mask_off: u32
+    mask_stride: u32
+    cell_off: u32
+    n_split: u32
+    scale: f32
+    flags: u32
+
+
+@dataclass(frozen=True)
+class DecodeSpec(SpecConstants):
+    """attn_decode.comp's head dim, q rows per workgroup, keys per tile and lanes per key."""
+
+    dh: u32
+    rc: u32
+    bc: u32
+    d: u32
+
+
+@dataclass(frozen=True)
+class DecodeCombineSpec(SpecConstants):
+    """attn_decode_combine.comp's head dim, whether the output is gated, dims per workgroup."""
+
+    dh: u32
+    gated: u32
+    dc: u32
+
+
 KERNELS = (
-    [Kernel(f"attn_decode_{c.value}", "attn_decode.comp", 8, defines=((c.define, 1),), local_size=128)
-     for c in CacheType]
-    + [Kernel("attn_decode_combine", "attn_decode_combine.comp", 3, local_size=256)]
+    [Kernel(f"attn_decode_{c.value}", "attn_decode.comp", 9, defines=((c.define, 1),), local_size=128,
+            push=DecodePush, spec=DecodeSpec) for c in CacheType]
+    + [Kernel("attn_decode_combine", "attn_decode_combine.comp", 3, local_size=256, push=AttnCombinePush,
+              spec=DecodeCombineSpec)]
 )
 MAX_TOKENS = 8
 """Queries of a step this kernel serves (decode, MTP verify)."""
@@ -167,21 +216,23 @@ def attn_decode(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, 
         partial = g.temp(partial_bytes(T, H, Dh, pl.n_split), f"{name}.partial")
     flags = (1 if gate is not None and not split else 0) | (2 if mask else 0) | (4 if cells else 0) | (8 if split else 0)
     gv = gate if gate is not None else q
+    dst = partial if partial is not None and split else None
     bufs = [params, q.rows.buf, gv.rows.buf, k.buf, v.buf, mask.buf if mask else k.buf,
-            cells.buf if cells else k.buf, partial if partial is not None and split else out.rows.buf]
-    push = [T, H // H_kv, H_kv, k.n_ctx, q.off, q.rows.stride, q.head_stride, gv.off, gv.rows.stride, gv.head_stride,
-            out.off, out.rows.stride, out.head_stride, param_off, mask.off if mask else 0, mask.stride if mask else 0,
-            cells.off if cells else 0, pl.n_split, f32_bits(1.0 / np.sqrt(Dh) if scale is None else scale), flags]
+            cells.buf if cells else k.buf, out.rows.buf if dst is None else k.buf, k.buf if dst is None else dst]
+    push = DecodePush(T, H // H_kv, H_kv, k.n_ctx, q.off, q.rows.stride, q.head_stride, gv.off, gv.rows.stride,
+                      gv.head_stride, out.off, out.rows.stride, out.head_stride, param_off, mask.off if mask else 0,
+                      mask.stride if mask else 0, cells.off if cells else 0, pl.n_split,
+                      1.0 / np.sqrt(Dh) if scale is None else scale, flags)
     kv_bytes = 2 * n_keys * H_kv * k.type.row_bytes(Dh) * pl.n_chunks
     g.dispatch(f"attn_decode_{k.type.value}", bufs, [pl.n_chunks, H_kv, pl.n_split], push=push,
-               spec=[Dh, pl.rc, pl.bc, pl.d], name=name,
+               spec=DecodeSpec(Dh, pl.rc, pl.bc, pl.d), writes=[7 if dst is None else 8], name=name,
                desc=f"T={T} H={H}/{H_kv} Dh={Dh} {k.type.value} rows={pl.rc}x{pl.n_chunks} tile={pl.bc} "
                f"split={pl.n_split}" + (" gated" * (gate is not None)) + (" masked" * (mask is not None))
                + (" gather" * (cells is not None)),
                nbytes=kv_bytes, flops=4 * T * H * Dh * n_keys)
-    if partial is not None and split:
-        g.dispatch("attn_decode_combine", [partial, gv.rows.buf, out.rows.buf], [H, T, Dh // min(Dh, COMBINE_DIMS)],
-                   push=[T, H, pl.n_split, gv.off, gv.rows.stride, gv.head_stride,
-                         out.off, out.rows.stride, out.head_stride],
-                   spec=[Dh, int(gate is not None), min(Dh, COMBINE_DIMS)], name=f"{name}.combine",
+    if dst is not None:
+        g.dispatch("attn_decode_combine", [dst, gv.rows.buf, out.rows.buf], [H, T, Dh // min(Dh, COMBINE_DIMS)],
+                   push=AttnCombinePush(T, H, pl.n_split, gv.off, gv.rows.stride, gv.head_stride,
+                                        out.off, out.rows.stride, out.head_stride),
+                   spec=DecodeCombineSpec(Dh, gate is not None, min(Dh, COMBINE_DIMS)), name=f"{name}.combine",
                    desc=f"T={T} H={H} split={pl.n_split}", nbytes=partial_bytes(T, H, Dh, pl.n_split))
