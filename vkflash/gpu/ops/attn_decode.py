@@ -216,7 +216,7 @@ def attn_decode(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, 
         partial = g.temp(partial_bytes(T, H, Dh, pl.n_split), f"{name}.partial")
     flags = (1 if gate is not None and not split else 0) | (2 if mask else 0) | (4 if cells else 0) | (8 if split else 0)
     gv = gate if gate is not None else q
-    dst = partial if partial is not None and split else None
+    dst = partial if split else None  # the partials' buffer; None: the output is written directly
     bufs = [params, q.rows.buf, gv.rows.buf, k.buf, v.buf, mask.buf if mask else k.buf,
             cells.buf if cells else k.buf, out.rows.buf if dst is None else k.buf, k.buf if dst is None else dst]
     push = DecodePush(T, H // H_kv, H_kv, k.n_ctx, q.off, q.rows.stride, q.head_stride, gv.off, gv.rows.stride,
