@@ -156,6 +156,10 @@ KNOBS: tuple[Knob, ...] = (
        "0: the scalar chunked GDN delta rule in prefill instead of its matrix form", "revert"),
     _k("VKFLASH_DEP_BARRIERS", _bool, True, "0: a barrier before every dispatch instead of only on real dependencies",
        "revert"),
+    _k("VKFLASH_ATTN_DECODE", _bool, True,
+       "0: decode / MTP-verify attention (≤ 8 queries) on the flash prefill kernel (16-row q tiles, ≤ 64 KV "
+       "chunks) instead of the decode kernel (every K/V row read once per GQA group, splits to fill the GPU)",
+       "revert"),
     # backend
     _k("VKFLASH_BACKEND", _choice("auto", "gpu", "reference"), "auto",
        "auto: the GPU forward where the arch has step graphs, else the NumPy reference", "backend"),

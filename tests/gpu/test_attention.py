@@ -10,6 +10,8 @@ exp adds (3 + 2|x|) ulp and the f32 sums over ≤ 5000 keys ≈ √n·u: every o
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -22,6 +24,13 @@ from vkflash.gpu.options import Fusion
 
 pytestmark = pytest.mark.gpu
 TOL = 2e-5
+
+
+@pytest.fixture
+def gpu(gpu):
+    """These tests pin the flash kernel (VKFLASH_ATTN_DECODE=0); tests/gpu/test_attn_decode.py covers
+    the decode kernel that attention() otherwise uses for ≤ 8 queries."""
+    return gpu.with_options(replace(gpu.options, attn_decode=False))
 
 
 def _params(gpu, words: np.ndarray):

@@ -239,7 +239,16 @@ def gdn_delta_rows(gpu: Gpu, quick: bool) -> list[Row]:
     return out
 
 
-KERNEL_BENCHES: list[Callable[[Gpu, bool], list[Row]]] = [elementwise_rows, matmul_rows, moe_rows, gdn_delta_rows]
+def attention_rows(gpu: Gpu, quick: bool) -> list[Row]:
+    """Decode attention K/V GB/s (qwen4exp heads, 32k–128k dense and the QSA gather): the decode
+    kernel and the flash path it replaces."""
+    from vkflash.bench import attention
+
+    return _rows(attention.decode_bandwidth(gpu, quick=quick or gpu.caps.device_type == "cpu"), "GB/s")
+
+
+KERNEL_BENCHES: list[Callable[[Gpu, bool], list[Row]]] = [elementwise_rows, matmul_rows, moe_rows, gdn_delta_rows,
+                                                              attention_rows]
 
 
 def run(quick: bool, as_json: bool, console: Console) -> None:

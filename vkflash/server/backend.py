@@ -20,7 +20,7 @@ from vkflash.settings import Settings
 # knobs that steer the GPU forward only (BLKTOPK and GP reach the reference's QSA options); the
 # reference backend says so instead of ignoring them silently
 REFERENCE_IGNORES = ("KV", "DRAFT", "VKFLASH_MM_TILE_EPILOG", "VKFLASH_MMID_COMPACT", "VKFLASH_HC_FUSE",
-                     "VKFLASH_GDN_MATRIX")
+                     "VKFLASH_GDN_MATRIX", "VKFLASH_ATTN_DECODE")
 
 
 @dataclass

@@ -1,10 +1,11 @@
 """Attention ops (MODEL.md §5.5 A4–A7, §5.6 Q9/S3): KV-cache append and flash attention.
 
-One flash kernel (shaders/attn_flash.comp) serves prefill and decode: rows are the (token, q head)
-pairs of one kv head, so K/V tiles are shared by the whole GQA group; with n_split > 1 the KV range
-is cut into n_split chunks whose partial (o, m, l) are merged by shaders/attn_combine.comp
-(flash-decode). Positions and lengths come from a step-params buffer, so one recorded graph
-replays at any context length. Caches are [n_ctx, heads, Dh] in f32, f16 or q8_0.
+The flash kernel (shaders/attn_flash.comp) serves prefill, and decode when VKFLASH_ATTN_DECODE=0
+(else steps of ≤ 8 queries go to ops/attn_decode.py): rows are the (token, q head) pairs of one kv
+head, so K/V tiles are shared by the whole GQA group; with n_split > 1 the KV range is cut into
+n_split chunks whose partial (o, m, l) are merged by shaders/attn_combine.comp (flash-decode).
+Positions and lengths come from a step-params buffer, so one recorded graph replays at any context
+length. Caches are [n_ctx, heads, Dh] in f32, f16 or q8_0.
 """
 
 from __future__ import annotations
@@ -304,21 +305,10 @@ def decode_splits(n_ctx: int) -> int:
     return max(1, min(64, -(-n_ctx // 128)))
 
 
-def attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v: Cache, out: Heads, *,
-              gate: Heads | None = None, mask: CellMask | None = None, cells: CellList | None = None,
-              n_split: int | None = None, partial: Buffer | None = None, scale: float | None = None,
-              name: str = "attn") -> None:
-    """(A5)–(A7) out[t, h] = softmax_j((q_{t,h}·k_{j,g})·scale + M_t[j]) · v_{j,g} (⊙ σ(gate_{t,h}) if
-    gate), g = ⌊h/(H/H_kv)⌋, for queries at positions p0 + t with p0 = params[param_off] and
-    n_kv = params[param_off + 1] keys (or list slots). M is causal, ∩ `mask` when given; `cells`
-    gathers keys by position list. n_split (default: flash-decode splits for steps of at most
-    SPLIT_MAX_TOKENS tokens, else 1) > 1 adds a combine dispatch; its partials go to `partial`
-    (default: an intermediate of the graph)."""
+def check_attention(name: str, params: Buffer, param_off: int, q: Heads, k: Cache, v: Cache, out: Heads,
+                    gate: Heads | None, mask: CellMask | None, cells: CellList | None) -> None:
+    """Shapes of an attention call agree and every operand covers what the kernels read."""
     T, H, Dh, H_kv = q.n_tokens, q.n_heads, q.dim, k.n_heads
-    if n_split is None:
-        n_split = decode_splits(k.n_ctx) if T <= SPLIT_MAX_TOKENS else 1
-    if n_split > 1 and partial is None:
-        partial = g.temp(partial_bytes(T, H, Dh, n_split), f"{name}.partial")
     if (v.n_heads, v.dim, v.type, v.n_ctx) != (H_kv, k.dim, k.type, k.n_ctx) or k.dim != Dh:
         raise ValueError(f"{name}: K {k.n_heads}x{k.dim} {k.type.value} [{k.n_ctx}], V {v.n_heads}x{v.dim} "
                          f"{v.type.value} [{v.n_ctx}] and q heads of {Dh} must agree")
@@ -330,14 +320,50 @@ def attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v:
         raise ValueError(f"{name}: gate is {gate.n_tokens}x{gate.n_heads}x{gate.dim}, needs {T}x{H}x{Dh}")
     if 4 * (param_off + 2) > params.nbytes:
         raise ValueError(f"{name}: params [{param_off}, {param_off + 2}) overflow the params buffer")
-    if n_split < 1:
-        raise ValueError(f"{name}: n_split must be ≥ 1, got {n_split}")
     if mask is not None:
         slots = cells.capacity if cells is not None else k.n_ctx
         if mask.stride * 32 < slots or 4 * (mask.off + T * mask.stride) > mask.buf.nbytes:
             raise ValueError(f"{name}: mask rows of {mask.stride} words do not cover {slots} slots x {T} queries")
     if cells is not None and 4 * (cells.off + cells.capacity) > cells.buf.nbytes:
         raise ValueError(f"{name}: cell list of {cells.capacity} overflows its buffer")
+
+
+def attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v: Cache, out: Heads, *,
+              gate: Heads | None = None, mask: CellMask | None = None, cells: CellList | None = None,
+              n_split: int | None = None, partial: Buffer | None = None, scale: float | None = None,
+              name: str = "attn") -> None:
+    """(A5)–(A7) out[t, h] = softmax_j((q_{t,h}·k_{j,g})·scale + M_t[j]) · v_{j,g} (⊙ σ(gate_{t,h}) if
+    gate), g = ⌊h/(H/H_kv)⌋, for queries at positions p0 + t with p0 = params[param_off] and
+    n_kv = params[param_off + 1] keys (or list slots). M is causal, ∩ `mask` when given; `cells`
+    gathers keys by position list. Steps of ≤ 8 queries run on the decode kernel (ops/attn_decode.py,
+    its own split count, at most what a given `partial` holds) unless VKFLASH_ATTN_DECODE=0; else
+    flash_attention() with n_split and `partial`."""
+    from vkflash.gpu.ops import attn_decode as dec
+
+    if (q.n_tokens <= dec.MAX_TOKENS and g.options.attn_decode
+            and dec.supported(g.gpu.caps, q.n_tokens, q.n_heads, k.n_heads, q.dim, k.type)):
+        dec.attn_decode(g, params, param_off, q, k, v, out, gate=gate, mask=mask, cells=cells, partial=partial,
+                        scale=scale, name=name)
+    else:
+        flash_attention(g, params, param_off, q, k, v, out, gate=gate, mask=mask, cells=cells, n_split=n_split,
+                        partial=partial, scale=scale, name=name)
+
+
+def flash_attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v: Cache, out: Heads, *,
+                    gate: Heads | None = None, mask: CellMask | None = None, cells: CellList | None = None,
+                    n_split: int | None = None, partial: Buffer | None = None, scale: float | None = None,
+                    name: str = "attn") -> None:
+    """attention() on the flash kernel whatever the number of queries (the plain decode path).
+    n_split (default: flash-decode splits for steps of at most SPLIT_MAX_TOKENS tokens, else 1) > 1
+    adds a combine dispatch; its partials go to `partial` (default: an intermediate of the graph)."""
+    T, H, Dh, H_kv = q.n_tokens, q.n_heads, q.dim, k.n_heads
+    if n_split is None:
+        n_split = decode_splits(k.n_ctx) if T <= SPLIT_MAX_TOKENS else 1
+    if n_split > 1 and partial is None:
+        partial = g.temp(partial_bytes(T, H, Dh, n_split), f"{name}.partial")
+    check_attention(name, params, param_off, q, k, v, out, gate, mask, cells)
+    if n_split < 1:
+        raise ValueError(f"{name}: n_split must be ≥ 1, got {n_split}")
     split = n_split > 1
     if split and (partial is None or partial.nbytes < partial_bytes(T, H, Dh, n_split)):
         raise ValueError(f"{name}: n_split={n_split} needs a partial buffer of {partial_bytes(T, H, Dh, n_split)} B")
