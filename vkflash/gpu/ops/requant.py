@@ -3,8 +3,10 @@ f16 (or f32) K/V or indexer-key cache as q8_0, rounded exactly as kv_append roun
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from vkflash.gpu.interface import PushConstants, SpecConstants, u32
 from vkflash.gpu.ops.attention import Cache, CacheType
 from vkflash.gpu.ops.views import grid
 from vkflash.gpu.registry import Kernel, kernel
@@ -12,8 +14,17 @@ from vkflash.gpu.registry import Kernel, kernel
 if TYPE_CHECKING:
     from vkflash.gpu.graph import Graph
 
-KERNELS = [Kernel(f"kv_requant_{t.value}", "kv_requant.comp", 2, defines=((f"SRC_{t.name}", 1),), local_size=64)
-           for t in (CacheType.F16, CacheType.F32)]
+
+
+@dataclass(frozen=True)
+class RequantPush(PushConstants):
+    """kv_requant.comp's push constants: the 32-element blocks to rewrite."""
+
+    n: u32
+
+
+KERNELS = [Kernel(f"kv_requant_{t.value}", "kv_requant.comp", 2, defines=((f"SRC_{t.name}", 1),), local_size=64,
+                  push=RequantPush, spec=SpecConstants) for t in (CacheType.F16, CacheType.F32)]
 MAX_GROUPS = 4096  # grid-stride loop covers the rest
 
 
@@ -34,6 +45,6 @@ def requant_q8_0(g: "Graph", src: Cache, dst: Cache, n_pos: int, name: str = "kv
         return
     kname = f"kv_requant_{src.type.value}"
     wg = kernel(kname).workgroup(g.gpu.caps)
-    g.dispatch(kname, [src.buf, dst.buf], [grid(n_blocks, wg, MAX_GROUPS)], push=[n_blocks], name=name,
+    g.dispatch(kname, [src.buf, dst.buf], [grid(n_blocks, wg, MAX_GROUPS)], push=RequantPush(n_blocks), name=name,
                desc=f"{n_pos}x{src.n_heads}x{src.dim} {src.type.value}->q8_0",
                nbytes=n_blocks * (32 * (2 if src.type is CacheType.F16 else 4) + 34))
