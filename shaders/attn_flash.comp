@@ -5,8 +5,9 @@
 // s = (q*scale).k over DH of one key (c = tid % BC) for SPT rows, reading each k_d once; one
 // invocation per row does the online softmax (running max m and sum l, rescale alpha =
 // e^(m_old - m_new)); the V tile replaces K and each invocation accumulates o = sum_j e^(s_j - m) v_j
-// for DPT dims (tid % DW + DW*i) of RPT rows (tid / DW + RSTEP*i), reading each v once per key.
-// DH must divide the workgroup size or be a multiple of it (a power of two from 32). Output o / l (times sigma(gate) if GATED) at
+// for its (row, dim) elements: when DH divides the workgroup size or is a multiple of it (DIMS_ODD = 0),
+// DPT dims (tid % DW + DW*i) of RPT rows (tid / DW + RSTEP*i), reading each v once per key; else
+// elements tid + WG*k of the flattened BR x DH block. Output o / l (times sigma(gate) if GATED) at
 // out[o_off + t*o_row + h*o_head + d], or with SPLIT the unnormalised partial (o_0..o_{DH-1}, m, l)
 // of row (t, h) of split z at partial[((z*T + t)*H + h)*(DH + 2)] for attn_combine (t, h: the query's
 // index in the ubatch and its q head). A row with no visible key yields 0.
@@ -33,8 +34,10 @@ KV_BUFFER(4, vc, readonly)
 
 const uint KS = DH + 1u;  // padded row stride of the K/V tile: score reads hit distinct banks
 const uint SPT = (BR * BC + WG - 1u) / WG;  // scores per invocation (key tid % BC, rows tid / BC + i*WG/BC)
+const uint DIMS_ODD = (WG % DH) * (DH % WG);  // 0: DH divides WG or is a multiple of it
 const uint DW = DH < WG ? DH : WG, DPT = DH / DW, RSTEP = WG / DW;  // P*V ownership, see the header
 const uint RPT = (BR + RSTEP - 1u) / RSTEP;
+const uint NACC = (BR * DH + WG - 1u) / WG;  // accumulators per invocation (= RPT * DPT when DIMS_ODD = 0)
 
 shared float sQ[BR * DH];   // scaled q rows
 shared float sKV[BC * KS];  // the K tile, then the V tile
@@ -42,6 +45,10 @@ shared float sS[BR * BC];   // scores, then probabilities
 shared float sM[BR];        // running max
 shared float sL[BR];        // running sum
 shared float sA[BR];        // this tile's rescale factor
+
+// Row and dim of accumulator k of invocation tid (a row >= BR: none).
+uint acc_row(uint tid, uint k) { return DIMS_ODD == 0u ? tid / DW + RSTEP * (k / DPT) : (tid + WG * k) / DH; }
+uint acc_dim(uint tid, uint k) { return DIMS_ODD == 0u ? tid % DW + DW * (k % DPT) : (tid + WG * k) % DH; }
 
 // The K (or V) tile of slots [i0, i0 + BC) into sKV; zeros past the range or the cache.
 void load_tile(bool is_v, uint i0, uint tid) {
@@ -77,8 +84,8 @@ void main() {
         sM[tid] = NEG;
         sL[tid] = 0.0;
     }
-    float acc[RPT * DPT];  // acc[i*DPT + k]: row tid / DW + RSTEP*i, dim tid % DW + DW*k
-    for (uint k = 0; k < RPT * DPT; ++k) acc[k] = 0.0;
+    float acc[NACC];  // acc[k]: row acc_row(tid, k), dim acc_dim(tid, k)
+    for (uint k = 0; k < NACC; ++k) acc[k] = 0.0;
     barrier();
 
     for (uint kt = next_tile(0u); kt < aw.n_kt; kt = next_tile(kt + 1u)) {
@@ -103,7 +110,7 @@ void main() {
             if (any) {
                 [[dont_unroll]] for (uint d = 0; d < DH; ++d) {
                     const float k = sKV[c * KS + d];
-                    for (uint i = 0; i < SPT; ++i) dot[i] += sQ[(tid / BC + i * (WG / BC)) * DH + d] * k;
+                    for (uint i = 0; i < SPT; ++i) dot[i] += sQ[min(tid / BC + i * (WG / BC), BR - 1u) * DH + d] * k;
                 }
             }
             for (uint i = 0; i < SPT; ++i) {
@@ -134,45 +141,51 @@ void main() {
         }
         load_tile(true, i0, tid);
         barrier();
-        for (uint i = 0; i < RPT; ++i) {
-            const uint r = tid / DW + RSTEP * i;
-            if (r < BR) {
-                for (uint k = 0; k < DPT; ++k) acc[i * DPT + k] *= sA[r];
-            }
+        for (uint k = 0; k < NACC; ++k) {
+            const uint r = acc_row(tid, k);
+            if (r < BR) acc[k] *= sA[r];
         }
-        [[dont_unroll]] for (uint c = 0; c < BC; ++c) {
-            float v[DPT];
-            for (uint k = 0; k < DPT; ++k) v[k] = sKV[c * KS + tid % DW + DW * k];
-            for (uint i = 0; i < RPT; ++i) {
-                const uint r = tid / DW + RSTEP * i;
+        if (DIMS_ODD == 0u) {
+            [[dont_unroll]] for (uint c = 0; c < BC; ++c) {
+                float v[DPT];
+                for (uint k = 0; k < DPT; ++k) v[k] = sKV[c * KS + tid % DW + DW * k];
+                for (uint i = 0; i < RPT; ++i) {
+                    const uint r = tid / DW + RSTEP * i;
+                    if (r < BR) {
+                        const float pc = sS[r * BC + c];
+                        for (uint k = 0; k < DPT; ++k) acc[i * DPT + k] += pc * v[k];
+                    }
+                }
+            }
+        } else {
+            for (uint k = 0; k < NACC; ++k) {
+                const uint r = acc_row(tid, k), d = acc_dim(tid, k);
                 if (r < BR) {
-                    const float pc = sS[r * BC + c];
-                    for (uint k = 0; k < DPT; ++k) acc[i * DPT + k] += pc * v[k];
+                    float a = acc[k];
+                    [[dont_unroll]] for (uint c = 0; c < BC; ++c) a += sS[r * BC + c] * sKV[c * KS + d];
+                    acc[k] = a;
                 }
             }
         }
         barrier();
     }
 
-    for (uint i = 0; i < RPT; ++i) {
-        const uint r = tid / DW + RSTEP * i, R = r0 + r;
+    for (uint k = 0; k < NACC; ++k) {
+        const uint r = acc_row(tid, k), d = acc_dim(tid, k), R = r0 + r;
         if (r >= BR || R >= aw.rows) continue;
         const uint t = aw.t0 + R / G, h = aw.g * G + R % G;
-        for (uint k = 0; k < DPT; ++k) {
-            const uint d = tid % DW + DW * k;
-            if (SPLIT) {
-                const uint base = ((aw.split * p.T + t) * H + h) * (DH + 2u);
-                partial[base + d] = acc[i * DPT + k];
-                if (d == 0u) {
-                    partial[base + DH] = sM[r];
-                    partial[base + DH + 1u] = sL[r];
-                }
-            } else {
-                const float l = sL[r];
-                float o = l > 0.0 ? acc[i * DPT + k] / l : 0.0;
-                if (GATED) o *= sigmoid(gate[p.gate_off + t * p.gate_row + h * p.gate_head + d]);
-                outp[p.o_off + t * p.o_row + h * p.o_head + d] = o;
+        if (SPLIT) {
+            const uint base = ((aw.split * p.T + t) * H + h) * (DH + 2u);
+            partial[base + d] = acc[k];
+            if (d == 0u) {
+                partial[base + DH] = sM[r];
+                partial[base + DH + 1u] = sL[r];
             }
+        } else {
+            const float l = sL[r];
+            float o = l > 0.0 ? acc[k] / l : 0.0;
+            if (GATED) o *= sigmoid(gate[p.gate_off + t * p.gate_row + h * p.gate_head + d]);
+            outp[p.o_off + t * p.o_row + h * p.o_head + d] = o;
         }
     }
 }

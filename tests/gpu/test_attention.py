@@ -127,6 +127,7 @@ def test_kv_append_pair(gpu, rng, ctype):
 CONFIGS = [  # (H, H_kv, Dh, cache type)
     (6, 2, 64, CacheType.F16), (4, 4, 128, CacheType.F32), (24, 2, 64, CacheType.Q8_0),
     (6, 2, 256, CacheType.Q8_0), (4, 4, 256, CacheType.F16), (6, 2, 128, CacheType.Q8_0),
+    (6, 2, 96, CacheType.Q8_0),  # a head dim that neither divides nor is a multiple of the workgroup
 ]
 
 

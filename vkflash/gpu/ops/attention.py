@@ -488,9 +488,6 @@ def flash_attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cac
     spec: SpecConstants
     if kind is Flash.SCALAR:
         kname = f"attn_flash_{k.type.value}"
-        wg = kernel(kname).workgroup(caps)
-        if wg % Dh and Dh % wg:
-            raise ValueError(f"{name}: the scalar flash kernel needs a head dim dividing or divisible by {wg}, got {Dh}")
         br, bc = flash_tiles(Dh, TQ * G, caps.shared_memory)
         spec = FlashSpec(Dh, br, bc, flags)
     else:
