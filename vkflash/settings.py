@@ -144,6 +144,9 @@ KNOBS: tuple[Knob, ...] = (
     _k("BLKTOPK", _bool, True, "0: QSA `cell` selection instead of `block` (every cell scores as its block; "
        "ties go to the lower cell index, where llama.cpp's CPU breaks them in heap order)", "revert"),
     _k("GP", _bool, True, "0: masked dense QSA prefill instead of gathered sparse", "revert"),
+    _k("VKFLASH_FA_COOPMAT", _bool, True,
+       "0: scalar f32 flash-attention prefill instead of cooperative-matrix Q·Kᵀ and P·V (f16 inputs, f32 "
+       "softmax and sums; f16 / q8_0 KV caches, devices with 16×16×16 f16 matrices)", "revert"),
     _k("POOLED", _bool, True, "0: re-pool indexer keys every step instead of the summary cache", "revert"),
     _k("TPLFIX", _bool, True, "0: raw chat template (no mid-conversation system fix)", "revert"),
     _k("VKFLASH_MM_TILE_EPILOG", _bool, True, "0: separate epilogue ops instead of fused GEMM stores", "revert"),

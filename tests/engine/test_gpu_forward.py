@@ -31,16 +31,18 @@ EXACT = 1e-3  # MODEL.md §7.10: max|Δ| ≤ 1e-3·std(logits) with f32 caches a
 REAL = 5e-3
 
 
-# Cooperative-matrix GEMMs take f16 activations (rounding each to 2^-11 relative), which MODEL.md's
-# f32 tolerance does not allow for: the exactness tests run the plain f32 path, and
-# test_coopmat_prefill_close checks the coopmat path against its own, justified bound.
+# Cooperative-matrix GEMMs take f16 activations (rounding each to 2^-11 relative), and the coopmat
+# flash prefill f16 q·scale and P, which MODEL.md's f32 tolerance does not allow for: the exactness
+# tests run the plain f32 paths, and the *coopmat* tests check them against their own, justified bound.
 COOPMAT = 2e-2
 
 
 @pytest.fixture
 def gpu(gpu, request):
-    """The session's device with f32 GEMMs (coopmat for the tests named *coopmat*)."""
-    return gpu.with_options(replace(gpu.options, coopmat="coopmat" in request.node.name))
+    """The session's device with f32 GEMMs and the scalar flash kernel (coopmat GEMMs and flash
+    attention for the tests named *coopmat*)."""
+    on = "coopmat" in request.node.name
+    return gpu.with_options(replace(gpu.options, coopmat=on, fa_coopmat=on))
 
 
 def _rel(got: np.ndarray, ref: np.ndarray) -> float:
@@ -75,6 +77,29 @@ def test_coopmat_prefill_close(gpu, rng, tmp_path):
     ref = _reference(path, toks)
     assert _rel(got, ref) <= COOPMAT, f"max|Δ| = {_rel(got, ref):.2e}·std"
     assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.95
+
+
+def test_coopmat_attention_prefill_close(gpu, rng, tmp_path):
+    """Where the device has coopmat, prefill attention over an f16 cache runs on the coopmat flash
+    kernel (GEMMs kept f32 here): each attention output moves by ≲ 2^-10·max|v| (f16 q·scale and P,
+    test_attention); through two layers the logits stay within COOPMAT·std of the reference with the
+    same f16 cache (lavapipe, emulated matrices: 5–7e-4), the argmax agrees at ≥ 95% of positions,
+    and decode steps (scalar kernel) after a coopmat prefill agree with one whole prefill."""
+    from vkflash.gpu.ops.attention import coopmat_flash_possible
+
+    gpu = gpu.with_options(replace(gpu.options, coopmat=False))
+    if not coopmat_flash_possible(gpu.caps, GEO.Dh):
+        pytest.skip("no coopmat flash kernel on this device")
+    path = _model(tmp_path, rng, Q.Q8_0)
+    toks = rng.integers(0, GEO.V, 100)
+    fwd = GpuForward(path, ctx=300, ub=64, kv="f16", gpu=gpu)
+    got = fwd.prefill_logits(toks)
+    ref = _reference(path, toks, np.float16)
+    assert _rel(got, ref) <= COOPMAT, f"max|Δ| = {_rel(got, ref):.2e}·std"
+    assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.95
+    fwd.reset()
+    steps = [fwd.prefill(toks[:90])] + [fwd.decode(int(t)) for t in toks[90:]]
+    assert _rel(np.stack(steps), got[89:]) <= COOPMAT
 
 
 @pytest.mark.parametrize("qtype,embd,tied", [(Q.F32, None, False), (Q.Q8_0, None, True), (Q.Q4_0, Q.Q8_0, False),

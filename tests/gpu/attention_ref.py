@@ -1,4 +1,5 @@
-"""NumPy float64 references and cache helpers shared by the attention and QSA GPU tests."""
+"""NumPy float64 references, cache helpers and the per-kernel output check shared by the attention
+and QSA GPU tests (the bounds are derived in test_attention's docstring)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from kv_q8 import kv_q8_0
 from vkflash.formats.quants import dequantize
 from vkflash.gpu.context import Gpu
 from vkflash.gpu.ops.attention import Cache, CacheType
+
+TOL = 2e-5  # scalar kernel vs attend, in units of max|v|
+TOL_CM = 1.2e-3  # coopmat kernel vs attend_f16, in units of max|v|
 
 
 def encode(x: np.ndarray, ctype: CacheType) -> np.ndarray:
@@ -76,6 +80,32 @@ def attend(q: np.ndarray, K: np.ndarray, V: np.ndarray, visible: np.ndarray, sca
     if gate is not None:
         o = o / (1.0 + np.exp(-gate.astype(np.float64)))
     return o
+
+
+def attend_f16(q: np.ndarray, K: np.ndarray, V: np.ndarray, visible: np.ndarray, scale: float,
+               gate: np.ndarray | None = None) -> np.ndarray:
+    """attend() on the inputs as the coopmat kernel rounds them: f16(f32(q·scale)), f16(K), f16(V)
+    (K, V as decoded from the cache), round to nearest even."""
+    q16 = (q.astype(np.float32) * np.float32(scale)).astype(np.float16).astype(np.float64)
+    return attend(q16, K.astype(np.float16), V.astype(np.float16), visible, 1.0, gate)
+
+
+def check_out(got: np.ndarray, q: np.ndarray, K: np.ndarray, V: np.ndarray, visible: np.ndarray, scale: float,
+              gate: np.ndarray | None, coopmat: bool, what: str, scalar: np.ndarray | None = None) -> None:
+    """A flash kernel's output (T, H, Dh) within its bound of its reference: the scalar kernel TOL of
+    attend, the coopmat kernel TOL_CM of attend_f16 and, given the scalar kernel's output, within
+    TOL + TOL_CM + (the two references' own distance: what f16 inputs cost on these data) of it."""
+    vmax = float(np.abs(V).max())
+    exact = attend(q, K, V, visible, scale, gate)
+    want, tol = (attend_f16(q, K, V, visible, scale, gate), TOL_CM) if coopmat else (exact, TOL)
+    assert np.isfinite(got).all(), f"{what}: non-finite output"
+    err = np.abs(got - want).max() / vmax
+    assert err <= tol, f"{what}: max|Δ| {err:.3g}·max|v| > {tol:.3g}" + (
+        " (if ~1e-2, suspect the device's f32→f16 conversion is not round-to-nearest-even)" if coopmat else "")
+    if coopmat and scalar is not None:
+        d = np.abs(got - scalar).max() / vmax
+        bound = TOL + TOL_CM + np.abs(want - exact).max() / vmax
+        assert d <= bound, f"{what}: vs the scalar kernel {d:.3g}·max|v| > {bound:.3g}"
 
 
 def causal(p0: int, T: int, n: int) -> np.ndarray:

@@ -1,11 +1,20 @@
 """Attention kernels vs NumPy float64: KV append (f32/f16/q8_0), flash prefill (causal, GQA, gate,
-masked, gathered) and split-KV flash-decode replayed at several lengths from one recording.
+masked, gathered) and split-KV flash-decode replayed at several lengths from one recording; the
+cooperative-matrix prefill kernel (tests/flash_cm.py: the device's, or its emulated build anywhere,
+so lavapipe checks its logic) vs the same references and vs the scalar kernel, masked tile skipping.
 
-Tolerance of attention outputs: 2e-5·max|v|. The output is a convex combination of v rows; f32
+Tolerance of the scalar kernel: 2e-5·max|v|. The output is a convex combination of v rows; f32
 rounding perturbs each score by ≲ u·Σ_d|q_d k_d|·scale ≈ 0.64·√Dh·u ≤ 1e-6 (u = 2^-24, q, k ~ N(0,1)),
 exp adds (3 + 2|x|) ulp and the f32 sums over ≤ 5000 keys ≈ √n·u: every output moves by well under
 1e-5·max|v|. A wrong scale (1/Dh vs 1/√Dh: scores have std 1) or a wrong kv head changes outputs by
 ~0.1·max|v|; one key dropped or added among ≤ 100 moves them by ~p_j·|v| ≳ 1e-3·max|v|.
+
+Tolerance of the coopmat kernel: 1.2e-3·max|v| against attend_f16, the float64 reference on the
+inputs the kernel rounds to f16 (q·scale, K, V; round to nearest even, as Vulkan converts). What is
+left is P rounded to f16 in both P·V and the sum l: each weight P_j/ΣP moves by ≤ 2·2^-11 of itself
+(normal f16 range), ≤ 2^-10·max|v| in all; P below 2^-14 (subnormal f16) errs by ≤ 2^-25 absolute
+each against l ≥ 1, ≤ 1.5e-4·max|v| over 5000 keys; f32 sums ≲ 1e-5. Against the scalar kernel the
+bound adds the actual distance between the two references (attention_ref.check_out).
 """
 
 from __future__ import annotations
@@ -15,15 +24,15 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from attention_ref import attend, causal, check_q8, encode, make_cache, pack_bits, rounded
+import flash_cm
+from attention_ref import TOL, attend, causal, check_out, check_q8, encode, make_cache, pack_bits, rounded
 from fusion_util import graph
-from vkflash.gpu.ops.attention import Cache, CellMask, CacheType, CellList, Heads, attention, kv_append, \
-    partial_bytes, q_and_gate
+from vkflash.gpu.ops.attention import CM_SHAPES, Cache, CellMask, CacheType, CellList, Flash, Heads, attention, \
+    cm_fits, flash_attention, kv_append, partial_bytes, q_and_gate
 from vkflash.gpu.ops.views import Rows
 from vkflash.gpu.options import Fusion
 
 pytestmark = pytest.mark.gpu
-TOL = 2e-5
 
 
 @pytest.fixture
@@ -118,6 +127,7 @@ def test_kv_append_pair(gpu, rng, ctype):
 CONFIGS = [  # (H, H_kv, Dh, cache type)
     (6, 2, 64, CacheType.F16), (4, 4, 128, CacheType.F32), (24, 2, 64, CacheType.Q8_0),
     (6, 2, 256, CacheType.Q8_0), (4, 4, 256, CacheType.F16), (6, 2, 128, CacheType.Q8_0),
+    (6, 2, 96, CacheType.Q8_0),  # a head dim that neither divides nor is a multiple of the workgroup
 ]
 
 
@@ -282,3 +292,105 @@ def test_append_then_attend(gpu, rng):
         want = attend(q, Kh, Vh, causal(p0, T, p0 + T), 1 / np.sqrt(Dh))
         _check(obuf.read(np.float32).reshape(T, H, Dh), want, np.abs(Vh).max(), f"ubatch at {p0}")
         p0 += T
+
+
+# ---- cooperative-matrix prefill --------------------------------------------------------------
+
+CM_CONFIGS = [  # GQA 12 at Dh 256 (qwen4exp), 8 (qwen3next), 7 (qwen2-0.5B), 3 and 1
+    (24, 2, 256, CacheType.Q8_0), (16, 2, 256, CacheType.F16), (14, 2, 64, CacheType.Q8_0),
+    (6, 2, 64, CacheType.F32), (4, 4, 128, CacheType.F16),
+]
+
+
+@pytest.mark.parametrize("path", flash_cm.PATHS)
+@pytest.mark.parametrize("H,H_kv,Dh,ctype", CM_CONFIGS)
+def test_cm_prefill(gpu, rng, monkeypatch, path, H, H_kv, Dh, ctype):
+    """Causal GQA prefill of ragged T at ragged depth on the coopmat kernel, gated or not, whole or
+    in 3 KV splits + combine: vs attend_f16 and the scalar kernel (module docstring bounds)."""
+    label = flash_cm.select(path, gpu, monkeypatch, Dh)
+    gated, n_split = bool(rng.integers(2)), int(rng.choice([1, 3]))
+    p0, T = int(rng.integers(0, 90)), int(rng.integers(9, 70))
+    n = p0 + T
+    K, Kf = make_cache(gpu, rng, n + int(rng.integers(1, 20)), H_kv, Dh, ctype, "K")
+    V, Vf = make_cache(gpu, rng, K.n_ctx, H_kv, Dh, ctype, "V")
+    q, gate, qh, gh = _queries(gpu, rng, T, H, Dh, gated)
+    params = _params(gpu, [p0, n])
+    part = gpu.buffer(partial_bytes(T, H, Dh, n_split), "partial")
+    outs = {}
+    g = gpu.graph("cm")
+    for k in Flash:
+        out, outs[k] = _out(gpu, T, H, Dh)
+        attention(g, params, 0, qh, K, V, out, gate=gh, n_split=n_split, partial=part, kind=k, name=k.value)
+    g.run()
+    got = {k: b.read(np.float32).reshape(T, H, Dh) for k, b in outs.items()}
+    what = f"{label}: H={H}/{H_kv} Dh={Dh} {ctype.value} p0={p0} T={T} split={n_split} gated={gated}"
+    check_out(got[Flash.SCALAR], q, Kf[:n], Vf[:n], causal(p0, T, n), 1 / np.sqrt(Dh), gate, False, what)
+    check_out(got[Flash.COOPMAT], q, Kf[:n], Vf[:n], causal(p0, T, n), 1 / np.sqrt(Dh), gate, True, what,
+              got[Flash.SCALAR])
+
+
+@pytest.mark.parametrize("path", flash_cm.PATHS)
+@pytest.mark.parametrize("shape", CM_SHAPES, ids=lambda t: f"{t.br}x{t.bc}-{t.parts}")
+def test_cm_shapes(gpu, rng, monkeypatch, path, shape):
+    """Every coopmat shape (rows, key tile, parts of Dh per row block) that fits the device at Dh 64
+    gives causal GQA-12 prefill within the module bounds (the default shape is the one the other
+    tests use; `vkflash bench kernels` times them all)."""
+    H, H_kv, Dh = 24, 2, 64
+    label = flash_cm.select(path, gpu, monkeypatch, Dh)
+    if not cm_fits(gpu.caps, Dh, shape):
+        pytest.skip(f"shape {shape} does not fit {gpu.caps.name}")
+    ctype = CacheType.F16 if rng.integers(2) else CacheType.Q8_0
+    p0, T = int(rng.integers(0, 60)), int(rng.integers(9, 40))
+    n = p0 + T
+    K, Kf = make_cache(gpu, rng, n + 3, H_kv, Dh, ctype, "K")
+    V, Vf = make_cache(gpu, rng, n + 3, H_kv, Dh, ctype, "V")
+    q, gate, qh, gh = _queries(gpu, rng, T, H, Dh, True)
+    out, buf = _out(gpu, T, H, Dh)
+    g = gpu.graph("shape")
+    flash_attention(g, _params(gpu, [p0, n]), 0, qh, K, V, out, gate=gh, kind=Flash.COOPMAT, shape=shape)
+    g.run()
+    check_out(buf.read(np.float32).reshape(T, H, Dh), q, Kf[:n], Vf[:n], causal(p0, T, n), 1 / np.sqrt(Dh), gate,
+              True, f"{label} shape {shape} {ctype.value} p0={p0} T={T}")
+
+
+@pytest.mark.parametrize("path", ("scalar",) + flash_cm.PATHS)
+def test_masked_tile_skipping(gpu, rng, monkeypatch, path):
+    """Masked prefill over ~70k keys where the queries select a few blocks of 4 (some shared, some
+    their own, scattered over three skip windows of 32k slots) and their own tail: nearly every key
+    tile is skipped, and the result equals the reference over the visible keys; an all-ones mask
+    equals plain causal attention bit for bit (nothing skipped, same tiles)."""
+    H, H_kv, Dh, ctype = 6, 2, 64, CacheType.F16
+    kind, label = (Flash.SCALAR, "scalar") if path == "scalar" else (Flash.COOPMAT,
+                                                                    flash_cm.select(path, gpu, monkeypatch, Dh))
+    T = int(rng.integers(9, 20))
+    n = int(rng.integers(66000, 72000))
+    p0 = n - T
+    K, Kf = make_cache(gpu, rng, n + 3, H_kv, Dh, ctype, "K")
+    V, Vf = make_cache(gpu, rng, n + 3, H_kv, Dh, ctype, "V")
+    q, _, qh, _ = _queries(gpu, rng, T, H, Dh, False)
+    words = -(-K.n_ctx // 32)
+    shared = rng.choice(n // 4, 12, replace=False)
+    bits = np.zeros((T, n), bool)
+    for t in range(T):
+        for b in np.concatenate([shared[rng.random(12) < 0.7], rng.choice(n // 4, 3), [32768 // 4 - 1, 65536 // 4]]):
+            bits[t, 4 * b: 4 * b + 4] = True
+        bits[t, (p0 + t) // 4 * 4: p0 + t + 1] = True  # the tail up to the query itself
+    bits &= causal(p0, T, n)
+    params = _params(gpu, [p0, n])
+    mbuf = gpu.upload(pack_bits(bits, words), "mask")
+    ones = gpu.upload(np.full((T, words), 0xFFFFFFFF, np.uint32), "ones")
+    (out_m, bm), (out_o, bo), (out_d, bd) = (_out(gpu, T, H, Dh) for _ in range(3))
+    g = gpu.graph("skip")
+    attention(g, params, 0, qh, K, V, out_m, mask=CellMask(mbuf, words), kind=kind, name="masked")
+    g.run()
+    cols = np.flatnonzero(bits.any(axis=0))
+    check_out(bm.read(np.float32).reshape(T, H, Dh), q, Kf[cols], Vf[cols], bits[:, cols], 1 / np.sqrt(Dh), None,
+              kind is Flash.COOPMAT, f"{label} masked n={n}")
+    if kind is Flash.SCALAR:
+        return  # test_prefill_masked covers ones vs dense for the scalar kernel
+    short = _params(gpu, [100, 100 + T])  # queries at positions 100.., a short dense comparison
+    g = gpu.graph("ones")
+    attention(g, short, 0, qh, K, V, out_o, mask=CellMask(ones, words), kind=kind, name="ones")
+    attention(g, short, 0, qh, K, V, out_d, kind=kind, name="dense")
+    g.run()
+    assert np.array_equal(bo.read(np.float32), bd.read(np.float32)), "all-ones mask differs from dense"

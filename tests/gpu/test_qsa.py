@@ -1,15 +1,16 @@
 """QSA kernels vs the NumPy reference (vkflash.model.layers): pooled summary rows (Q2–Q3), block
 scores (Q5), block- and cell-mode selection (Q6–Q8; ties to the lower index, kb beyond 1024) as cell
 lists and as bit rows, a selection feeding gathered decode attention end to end, and the per-tile
-union of gathered prefill (S1–S3) with its attention."""
+union of gathered prefill (S1–S3) with its one-dispatch attention on each flash kernel."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from attention_ref import attend, make_cache, pack_bits
-from vkflash.gpu.ops.attention import CacheType, CellList, CellMask, Heads, attention
+import flash_cm
+from attention_ref import attend, check_out, make_cache, pack_bits
+from vkflash.gpu.ops.attention import CacheType, CellList, CellMask, Flash, Heads, attention
 from vkflash.gpu.ops.qsa import qsa_pool, qsa_scores, qsa_select, qsa_union
 from vkflash.gpu.ops.views import Rows
 from vkflash.model.layers.norms import rms_norm
@@ -189,7 +190,8 @@ def _selections(rng: np.random.Generator, p0: int, T: int, r: int, B: int, mode:
 
 def _union_run(gpu, rng, p0: int, T: int, tile: int, sel: np.ndarray, n_ctx: int):
     """Upload sel as qsa_select's bit rows (words past each query's range hold garbage, as they do
-    between steps), run qsa_union; return (params, gp, cells, slot rows, buffers, tiles)."""
+    between steps), record qsa_union; return (graph, params, gp, cells, slot rows, tiles, words, the
+    bit rows as a mask over positions)."""
     words = -(-n_ctx // 32)
     rows = rng.integers(0, 1 << 32, (T, words + 1), dtype=np.uint64).astype(np.uint32)
     for t in range(T):
@@ -202,9 +204,10 @@ def _union_run(gpu, rng, p0: int, T: int, tile: int, sel: np.ndarray, n_ctx: int
     cells.fill(0xDEADBEEF, np.uint32)
     slots.fill(0xDEADBEEF, np.uint32)
     g = gpu.graph("union")
-    got_tiles = qsa_union(g, params, 0, Rows(gpu.upload(rows, "sel"), T, words, 0, words + 1), gp, cells, n_ctx,
-                          Rows(slots, T, words), tile=tile)
-    return g, params, gp, cells, slots, got_tiles, words
+    sel_buf = gpu.upload(rows, "sel")
+    got_tiles = qsa_union(g, params, 0, Rows(sel_buf, T, words, 0, words + 1), gp, cells, n_ctx, Rows(slots, T, words),
+                          tile=tile)
+    return g, params, gp, cells, slots, got_tiles, words, CellMask(sel_buf, words + 1)
 
 
 @pytest.mark.parametrize("mode", ["block", "cell"])
@@ -225,7 +228,7 @@ def test_union_per_tile(gpu, rng, mode):
         if 0 < gathers(p0, T, tile, sel) < -(-T // tile):
             break
     n_ctx = p0 + T + int(rng.integers(0, 40))
-    g, _, gp, cells, slots, n_tiles, words = _union_run(gpu, rng, p0, T, tile, sel, n_ctx)
+    g, _, gp, cells, slots, n_tiles, words, _ = _union_run(gpu, rng, p0, T, tile, sel, n_ctx)
     g.run()
     assert n_tiles == -(-T // tile)
     lists, sl = cells.read(np.uint32).reshape(n_tiles, n_ctx), slots.read(np.uint32).reshape(T, words)
@@ -244,30 +247,54 @@ def test_union_per_tile(gpu, rng, mode):
     assert 0 < gathered < n_tiles, f"{gathered} of {n_tiles} tiles gathered: the test missed a path"
 
 
-def test_gathered_prefill_attention(gpu, rng):
-    """Per-tile gathered attention over qsa_union's lists with the slot masks equals the reference
-    attention masked by Sel_t (S3), for tiles that gather and tiles that fall back to dense; the
-    tolerance is test_attention's f32 bound."""
-    H, H_kv, Dh, r, B = 4, 2, 64, 4, 16
-    T, tile = int(rng.integers(100, 200)), int(rng.choice([8, 16]))
+@pytest.mark.parametrize("path", ("scalar",) + flash_cm.PATHS)
+def test_gathered_prefill_attention(gpu, rng, monkeypatch, path):
+    """(S3) One attention dispatch over all of qsa_union's tiles (lists, slot rows, per-tile params)
+    equals: the reference masked by Sel_t (per-kernel bounds: attention_ref.check_out); the same
+    kernel dispatched tile by tile, bit for bit (a row's arithmetic does not depend on the other rows
+    of its workgroup, nor on skipped key tiles); and masked dense attention over the position bit rows (GP=0) within the same
+    bound of that reference. Tiles that gather and tiles that fall back to dense; GQA 12; gated; on the
+    scalar kernel and the coopmat kernel (tests/flash_cm.py paths)."""
+    H, H_kv, Dh, r, B = 24, 2, 64, 4, 16
+    kind, label = (Flash.SCALAR, "scalar") if path == "scalar" else (Flash.COOPMAT,
+                                                                    flash_cm.select(path, gpu, monkeypatch, Dh))
+    ctype = CacheType.F16 if rng.integers(2) else CacheType.Q8_0
+    tile = int(rng.choice([8, 16]))
+    T = tile * int(rng.integers(100 // tile + 1, 200 // tile))  # whole tiles: the per-tile dispatches are
+    # specialized as the one dispatch is (a short last tile could give the scalar kernel another BR, and
+    # another specialization may contract other multiply-adds into FMAs: ~1 ulp apart)
     p0 = int(rng.integers(0, B + r - 1))
     n = p0 + T
     n_ctx = n + 5
-    K, Kf = make_cache(gpu, rng, n_ctx, H_kv, Dh, CacheType.F16, "K")
-    V, Vf = make_cache(gpu, rng, n_ctx, H_kv, Dh, CacheType.F16, "V")
+    K, Kf = make_cache(gpu, rng, n_ctx, H_kv, Dh, ctype, "K")
+    V, Vf = make_cache(gpu, rng, n_ctx, H_kv, Dh, ctype, "V")
     sel = _selections(rng, p0, T, r, B, "block")
     q = rng.standard_normal((T, H, Dh)).astype(np.float32)
-    g, _, gp, cells, slots, n_tiles, words = _union_run(gpu, rng, p0, T, tile, sel, n_ctx)
-    qb, out = gpu.upload(q, "q"), gpu.buffer(4 * T * H * Dh, "o")
-    out.fill(np.nan)
+    gate = (rng.standard_normal((T, H, Dh)) * 2).astype(np.float32)
+    g, params, gp, cells, slots, n_tiles, words, positions = _union_run(gpu, rng, p0, T, tile, sel, n_ctx)
+    qb, gb = gpu.upload(q, "q"), gpu.upload(gate, "gate")
+    outs = {name: gpu.buffer(4 * T * H * Dh, name) for name in ("one", "tiles", "dense")}
+    for b in outs.values():
+        b.fill(np.nan)
+
+    def heads(buf, t0: int, nt: int) -> Heads:
+        return Heads(Rows(buf, nt, H * Dh, t0 * H * Dh), H, Dh)
+
+    attention(g, gp, 0, heads(qb, 0, T), K, V, heads(outs["one"], 0, T), gate=heads(gb, 0, T),
+              mask=CellMask(slots, words), cells=CellList(cells, n_ctx), tile=tile, kind=kind, name="one")
     for k in range(n_tiles):
         t0, nt = k * tile, min(T, k * tile + tile) - k * tile
-        attention(g, gp, 2 * k, Heads(Rows(qb, nt, H * Dh, t0 * H * Dh), H, Dh), K, V,
-                  Heads(Rows(out, nt, H * Dh, t0 * H * Dh), H, Dh), mask=CellMask(slots, words, t0 * words),
-                  cells=CellList(cells, n_ctx, k * n_ctx), name=f"attn.{k}")
+        attention(g, gp, 2 * k, heads(qb, t0, nt), K, V, heads(outs["tiles"], t0, nt), gate=heads(gb, t0, nt),
+                  mask=CellMask(slots, words, t0 * words), cells=CellList(cells, n_ctx, k * n_ctx), kind=kind,
+                  n_split=1, name=f"tile{k}")  # no flash-decode split for a tile of ≤ 8 queries
+    attention(g, params, 0, heads(qb, 0, T), K, V, heads(outs["dense"], 0, T), gate=heads(gb, 0, T), mask=positions,
+              kind=kind, name="dense")
     g.run()
-    assert any(gp.read(np.int32, 2 * n_tiles)[1::2] < p0 + np.minimum(np.arange(1, n_tiles + 1) * tile, T)), \
-        "no tile gathered"
-    want = attend(q, Kf[:n], Vf[:n], sel, 1 / np.sqrt(Dh))
-    got = out.read(np.float32).reshape(T, H, Dh)
-    assert np.abs(got - want).max() <= 2e-5 * np.abs(Vf[:n]).max()
+    counts = gp.read(np.int32, 2 * n_tiles)[1::2]
+    assert any(counts < p0 + np.minimum(np.arange(1, n_tiles + 1) * tile, T)), "no tile gathered"
+    got = {name: b.read(np.float32).reshape(T, H, Dh) for name, b in outs.items()}
+    assert np.array_equal(got["one"], got["tiles"]), \
+        f"{label}: one dispatch differs from the per-tile dispatches by {np.nanmax(np.abs(got['one'] - got['tiles'])):.3g}"
+    cm = kind is Flash.COOPMAT
+    check_out(got["one"], q, Kf[:n], Vf[:n], sel, 1 / np.sqrt(Dh), gate, cm, f"{label} gathered")
+    check_out(got["dense"], q, Kf[:n], Vf[:n], sel, 1 / np.sqrt(Dh), gate, cm, f"{label} masked dense")

@@ -247,8 +247,16 @@ def attention_rows(gpu: Gpu, quick: bool) -> list[Row]:
     return _rows(attention.decode_bandwidth(gpu, quick=quick or gpu.caps.device_type == "cpu"), "GB/s")
 
 
+def attention_prefill_rows(gpu: Gpu, quick: bool) -> list[Row]:
+    """Flash-attention prefill TFLOP/s (scalar vs coopmat) and QSA prefill attention old vs new."""
+    from vkflash.bench import attention_prefill as ap
+
+    small = quick or gpu.caps.device_type == "cpu"
+    return _rows(ap.prefill_tflops(gpu, quick=small) + ap.qsa_prefill(gpu, quick=small), "TFLOP/s")
+
+
 KERNEL_BENCHES: list[Callable[[Gpu, bool], list[Row]]] = [elementwise_rows, matmul_rows, moe_rows, gdn_delta_rows,
-                                                              attention_rows]
+                                                              attention_rows, attention_prefill_rows]
 
 
 def run(quick: bool, as_json: bool, console: Console) -> None:

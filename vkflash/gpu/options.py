@@ -1,7 +1,7 @@
 """How the GPU layer runs step graphs, read once from the knob table when a `Gpu` is created.
 
 Everything that chooses *how* a step runs — which fusions the pass in gpu/fuse.py applies,
-cooperative-matrix GEMMs, the MoE grid, barriers, submission budget and in-flight bound, tracing —
+cooperative-matrix GEMMs and flash attention, the MoE grid, barriers, submission budget and in-flight bound, tracing —
 lives here, so building and replaying a graph reads no global settings. Tests build other options with
 `GpuOptions.from_knobs(...)` and `Gpu.with_options` to compare paths on one device.
 """
@@ -45,6 +45,7 @@ class GpuOptions:
     fusions: frozenset[Fusion] = ALL_FUSIONS
     hc_tails: bool = True  # hyper-connection tails as one hc.comp dispatch each (else eltwise ops)
     coopmat: bool = False  # cooperative-matrix GEMMs for non-F32 weights where the device has them
+    fa_coopmat: bool = True  # cooperative-matrix flash-attention prefill over f16 / q8_0 caches, where possible
     mmid_compact: bool = True  # MoE prefill launches only live (expert, tile) pairs
     gdn_matrix: bool = True  # chunked GDN prefill in matrix form (else the scalar chunked kernel)
     attn_decode: bool = True  # attention of ≤ 8 queries on the decode kernel (else the flash kernel)
@@ -74,7 +75,8 @@ class GpuOptions:
             fusions -= HC_FUSIONS
         off = bool(s["VKFLASH_DISABLE_FUSION"])
         return cls(fusions=frozenset() if off else frozenset(fusions), hc_tails=bool(s["VKFLASH_HC_FUSE"]) and not off,
-                   coopmat=not s["VKFLASH_DISABLE_COOPMAT"], mmid_compact=bool(s["VKFLASH_MMID_COMPACT"]),
+                   coopmat=not s["VKFLASH_DISABLE_COOPMAT"], fa_coopmat=bool(s["VKFLASH_FA_COOPMAT"]),
+                   mmid_compact=bool(s["VKFLASH_MMID_COMPACT"]),
                    gdn_matrix=bool(s["VKFLASH_GDN_MATRIX"]), attn_decode=bool(s["VKFLASH_ATTN_DECODE"]),
                    stack_weights=bool(s["VKFLASH_STACK_WEIGHTS"]), dep_barriers=bool(s["VKFLASH_DEP_BARRIERS"]),
                    submit_budget_ms=float(s["VKFLASH_SUBMIT_BUDGET_MS"]), max_inflight=int(s["VKFLASH_MAX_INFLIGHT"]),

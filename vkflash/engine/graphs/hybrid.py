@@ -126,7 +126,7 @@ def gdn_sublayer(g: "Graph", m: StepModel, i: int, u: Rows, st: GDNLayerState, n
 # ------------------------------------------------------------------ attention
 
 
-GATHER_TILE = 64  # queries per gathered-prefill tile (S1): one union, one attention dispatch each
+GATHER_TILE = 64  # queries per gathered-prefill tile (S1): one union list each, all tiles in one attention dispatch
 
 
 @dataclass(frozen=True)
@@ -221,18 +221,12 @@ def attention_sublayer(g: "Graph", m: StepModel, i: int, u: Rows, qsa: tuple[Ind
     # (A5)–(A7) with the gate applied in the attention kernel: "attn_gated", not the reference's
     # pre-gate "kqv_out"
     o = g.tensor(n, H * Dh, b + "attn_gated")
-    if isinstance(sel, GatheredTiles):  # (S3) one gathered, slot-masked attention per query tile
-        words = sel.slots.stride
-        for t in range(sel.n_tiles):
-            t0 = t * sel.tile
-            nt = min(n, t0 + sel.tile) - t0
-            q, gate = q_and_gate(qg.rows(t0, nt), H, Dh)
-            attention(g, sel.gp, 2 * t, q, cache.k, cache.v, Heads(o.rows(t0, nt), H, Dh), gate=gate,
-                      mask=CellMask(sel.slots.buf, words, t0 * words),
-                      cells=CellList(sel.cells, sel.cap, t * sel.cap),
-                      name=b + "attn_gated" + (f".{t}" if sel.n_tiles > 1 else ""))
+    q, gate = q_and_gate(qg, H, Dh)
+    if isinstance(sel, GatheredTiles):  # (S3) every query tile's gathered, slot-masked attention in one dispatch
+        attention(g, sel.gp, 0, q, cache.k, cache.v, Heads(o, H, Dh), gate=gate,
+                  mask=CellMask(sel.slots.buf, sel.slots.stride, sel.slots.off),
+                  cells=CellList(sel.cells, sel.cap), tile=sel.tile, name=b + "attn_gated")
     else:
-        q, gate = q_and_gate(qg, H, Dh)
         listed = isinstance(sel, GatheredCells)
         attention(g, sel.params if listed else p.buf, 0, q, cache.k, cache.v, Heads(o, H, Dh), gate=gate,
                   mask=sel if isinstance(sel, CellMask) else None, cells=sel.cells if listed else None,

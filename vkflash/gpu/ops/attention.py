@@ -1,11 +1,16 @@
-"""Attention ops (MODEL.md §5.5 A4–A7, §5.6 Q9/S3): KV-cache append and flash attention.
+"""Attention ops (MODEL.md §5.5 A4–A7, §5.6 Q9/S1–S3): KV-cache append and flash attention.
 
-The flash kernel (shaders/attn_flash.comp) serves prefill, and decode when VKFLASH_ATTN_DECODE=0
-(else steps of ≤ 8 queries go to ops/attn_decode.py): rows are the (token, q head) pairs of one kv
-head, so K/V tiles are shared by the whole GQA group; with n_split > 1 the KV range is cut into
-n_split chunks whose partial (o, m, l) are merged by shaders/attn_combine.comp (flash-decode).
-Positions and lengths come from a step-params buffer, so one recorded graph replays at any context
-length. Caches are [n_ctx, heads, Dh] in f32, f16 or q8_0.
+Steps of ≤ 8 queries go to ops/attn_decode.py (unless VKFLASH_ATTN_DECODE=0); the rest to two flash
+kernels that share one interface (shaders/common/attn.glsl): the scalar f32 attn_flash.comp, and
+attn_flash_cm.comp, whose Q·Kᵀ and P·V run as f16 cooperative-matrix products accumulated in f32
+(prefill of at least COOPMAT_MIN_TOKENS tokens over f16 / q8_0 caches where the device has them,
+unless VKFLASH_FA_COOPMAT=0). Rows are the (token, q head) pairs of one kv head, so K/V tiles are
+shared by the whole GQA group; key tiles that a mask hides from every row of a workgroup are
+skipped. Queries may come in tiles with their own params and cell lists (gathered QSA prefill: every
+tile of the ubatch in one dispatch). With n_split > 1 the KV range is cut into n_split chunks whose
+partial (o, m, l) are merged by shaders/attn_combine.comp (flash-decode). Positions and lengths come
+from a step-params buffer, so one recorded graph replays at any context length. Caches are
+[n_ctx, heads, Dh] in f32, f16 or q8_0.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from vkflash.gpu.ops.views import F32, Rows, grid
 from vkflash.gpu.registry import Kernel, kernel
 
 if TYPE_CHECKING:
+    from vkflash.gpu.device import Capabilities
     from vkflash.gpu.graph import Graph
 
 
@@ -69,7 +75,9 @@ class AppendSpec(SpecConstants):
 
 @dataclass(frozen=True)
 class FlashPush(PushConstants):
-    """attn_flash.comp's push constants (see its header)."""
+    """The flash kernels' push constants (shaders/common/attn.glsl): sizes, the q, gate and output
+    views, params, mask and cell offsets, splits, the score scale, and the query tiles (TQ queries
+    each, params and cell lists p_stride and c_stride apart)."""
 
     T: u32
     G: u32
@@ -90,6 +98,9 @@ class FlashPush(PushConstants):
     cell_off: u32
     n_split: u32
     scale: f32
+    TQ: u32
+    p_stride: u32
+    c_stride: u32
 
 
 @dataclass(frozen=True)
@@ -100,6 +111,17 @@ class FlashSpec(SpecConstants):
     br: u32
     bc: u32
     flags: u32
+
+
+@dataclass(frozen=True)
+class FlashCmSpec(SpecConstants):
+    """attn_flash_cm.comp's head dim, rows and key tile, flags (as FlashSpec) and matrix workers."""
+
+    dh: u32
+    br: u32
+    bc: u32
+    flags: u32
+    nw: u32
 
 
 @dataclass(frozen=True)
@@ -125,15 +147,21 @@ class AttnCombineSpec(SpecConstants):
     gated: u32
 
 
+CM_WG = 256  # invocations of the coopmat flash kernel: 8 subgroups of 32 (or 4 of 64)
 KERNELS = (
     [Kernel(f"kv_append_{c.value}", "kv_append.comp", 5, defines=((c.define, 1),), local_size=64,
             push=AppendPush, spec=AppendSpec) for c in CacheType]
     + [Kernel(f"attn_flash_{c.value}", "attn_flash.comp", 9, defines=((c.define, 1),), local_size=128,
               push=FlashPush, spec=FlashSpec) for c in CacheType]
+    + [Kernel(f"attn_flash_cm_{c.value}", "attn_flash_cm.comp", 9, defines=((c.define, 1),), local_size=CM_WG,
+              needs=frozenset({"coopmat_f16"}), push=FlashPush, spec=FlashCmSpec) for c in CacheType]
     + [Kernel("attn_combine", "attn_combine.comp", 3, local_size=64, push=AttnCombinePush,
               spec=AttnCombineSpec)]
 )
 MAX_GROUPS = 4096  # grid-stride loop of kv_append covers the rest
+COOPMAT_MIN_TOKENS = 9  # fewer query tokens (decode, MTP verify) never take the coopmat flash kernel
+CM_KERNEL = "attn_flash_cm"  # kernel family of the coopmat flash kernel (tests swap in an emulated build)
+SKIP_WINDOW = 32 * 4  # bytes of the tile-skip bitset in both flash kernels' shared memory (common/attn.glsl)
 
 
 @dataclass(frozen=True)
@@ -284,15 +312,89 @@ class CellList:
     off: int = 0
 
 
+class Flash(str, Enum):
+    """Which flash kernel runs: scalar f32, or cooperative matrix (CM_KERNEL)."""
+
+    SCALAR = "scalar"
+    COOPMAT = "coopmat"
+
+
 def flash_tiles(dim: int, rows: int, shared_bytes: int) -> tuple[int, int]:
-    """(BR, BC): rows per workgroup (≤ 4096/Dh, no more than needed) and the largest key tile whose
-    shared arrays (q rows, padded K/V tile, scores, 3 row stats) fit the device's shared memory."""
+    """(BR, BC) of the scalar kernel: rows per workgroup (≤ 4096/Dh, no more than needed) and the
+    largest key tile (≤ 32: one mask word) whose shared arrays (q rows, padded K/V tile, scores,
+    3 row stats, skip bitset) fit the device's shared memory."""
     br_max = max(4, 4096 // dim)
     br = min(br_max, 1 << max(0, (rows - 1).bit_length()))
-    for bc in (64, 32, 16, 8, 4):
-        if 4 * (br * dim + bc * (dim + 1) + br * bc + 3 * br) <= shared_bytes:
+    for bc in (32, 16, 8, 4):
+        if 4 * (br * dim + bc * (dim + 1) + br * bc + 3 * br) + SKIP_WINDOW <= shared_bytes:
             return br, bc
     raise ValueError(f"head dim {dim} does not fit {shared_bytes} B of shared memory")
+
+
+@dataclass(frozen=True)
+class CmTiles:
+    """Coopmat kernel shape: BR rows (BR/16 row blocks) × key tiles of BC, `parts` workers per row
+    block splitting the head dim (workers = BR/16 · parts subgroups)."""
+
+    br: int
+    bc: int
+    parts: int
+
+    @property
+    def workers(self) -> int:
+        return self.br // 16 * self.parts
+
+    def shared_bytes(self, dim: int) -> int:
+        """sKV (f16, row stride Dh+8) + sS (f32, parts copies, stride BC+4) + sP (f16, stride BC+8)
+        + sJ + 3 row stats + the skip bitset, as declared in attn_flash_cm.comp."""
+        return (2 * self.bc * (dim + 8) + 4 * self.parts * self.br * (self.bc + 4) + 2 * self.br * (self.bc + 8)
+                + 4 * self.bc + 12 * self.br + SKIP_WINDOW)
+
+
+CM_SHAPES = (CmTiles(64, 32, 2), CmTiles(64, 32, 1), CmTiles(32, 32, 4), CmTiles(64, 16, 2), CmTiles(64, 16, 1))
+"""In order of preference: 8 workers (subgroups of ≤ 32) with halves of Dh each hold 8 Q and 8 O
+blocks (Dh 256); 4 workers (subgroups of 64, e.g. RADV wave64) hold whole rows; 32 rows in quarters
+of Dh (half the registers per worker, K/V tiles shared by half the rows); BC=16 where shared memory
+is short. `vkflash bench kernels` times every shape that fits."""
+
+
+def cm_fits(caps: "Capabilities", dim: int, t: CmTiles) -> bool:
+    """Whether the device can run shape t at head dim `dim`: enough subgroups for its workers at the
+    largest subgroup size, a row's softmax invocations (CM_WG/BR) within the smallest, Dh/16 blocks
+    that split evenly, and its shared arrays within the device's shared memory."""
+    sg_max = max(caps.subgroup_size, caps.subgroup_max)
+    sg_min = min(caps.subgroup_size, caps.subgroup_min)
+    return (dim % 16 == 0 and caps.max_invocations >= CM_WG and t.workers <= CM_WG // sg_max
+            and CM_WG // t.br <= sg_min and (dim // 16) % t.parts == 0 and t.shared_bytes(dim) <= caps.shared_memory)
+
+
+def cm_tiles(caps: "Capabilities", dim: int) -> CmTiles | None:
+    """The first CM_SHAPES entry the device can run at head dim `dim` (cm_fits), if any."""
+    return next((t for t in CM_SHAPES if cm_fits(caps, dim, t)), None)
+
+
+def has_coopmat_16(caps: "Capabilities") -> bool:
+    """Whether the device offers 16×16×16 f16·f16 + f32 cooperative matrices (the coopmat kernel's)."""
+    return any((s.m, s.n, s.k, s.a, s.b, s.c, s.result) == (16, 16, 16, "f16", "f16", "f32", "f32")
+               for s in caps.coopmat)
+
+
+def coopmat_flash_possible(caps: "Capabilities", dim: int) -> bool:
+    """Whether the device can run the coopmat flash kernel at head dim `dim`: 16×16×16 f16 matrices,
+    the kernel usable, and a CM_SHAPES entry that fits."""
+    return (has_coopmat_16(caps) and kernel(f"{CM_KERNEL}_f16").usable(caps) and cm_tiles(caps, dim) is not None
+            and kernel(f"{CM_KERNEL}_f16").workgroup(caps) == CM_WG)
+
+
+def flash_kind(g: "Graph", T: int, dim: int, cache: CacheType) -> Flash:
+    """The default kernel for T query tokens over a cache of type `cache`: coopmat for prefill
+    (T ≥ COOPMAT_MIN_TOKENS) of f16 / q8_0 caches where coopmat_flash_possible and the graph's options
+    allow it (VKFLASH_FA_COOPMAT); else scalar. f32 caches stay scalar (as F32 weights keep the f32
+    GEMM): rounding them to f16 would undo what f32 storage is for."""
+    if (T >= COOPMAT_MIN_TOKENS and cache is not CacheType.F32 and g.options.fa_coopmat
+            and coopmat_flash_possible(g.gpu.caps, dim)):
+        return Flash.COOPMAT
+    return Flash.SCALAR
 
 
 SPLIT_MAX_TOKENS = 8
@@ -306,8 +408,9 @@ def decode_splits(n_ctx: int) -> int:
 
 
 def check_attention(name: str, params: Buffer, param_off: int, q: Heads, k: Cache, v: Cache, out: Heads,
-                    gate: Heads | None, mask: CellMask | None, cells: CellList | None) -> None:
-    """Shapes of an attention call agree and every operand covers what the kernels read."""
+                    gate: Heads | None, mask: CellMask | None, cells: CellList | None, n_tiles: int = 1) -> None:
+    """Shapes of an attention call agree and every operand covers what the kernels read (n_tiles query
+    tiles: as many (p0, n_kv) params and cell lists)."""
     T, H, Dh, H_kv = q.n_tokens, q.n_heads, q.dim, k.n_heads
     if (v.n_heads, v.dim, v.type, v.n_ctx) != (H_kv, k.dim, k.type, k.n_ctx) or k.dim != Dh:
         raise ValueError(f"{name}: K {k.n_heads}x{k.dim} {k.type.value} [{k.n_ctx}], V {v.n_heads}x{v.dim} "
@@ -318,74 +421,99 @@ def check_attention(name: str, params: Buffer, param_off: int, q: Heads, k: Cach
         raise ValueError(f"{name}: output is {out.n_tokens}x{out.n_heads}x{out.dim}, needs {T}x{H}x{Dh}")
     if gate is not None and (gate.n_tokens, gate.n_heads, gate.dim) != (T, H, Dh):
         raise ValueError(f"{name}: gate is {gate.n_tokens}x{gate.n_heads}x{gate.dim}, needs {T}x{H}x{Dh}")
-    if 4 * (param_off + 2) > params.nbytes:
-        raise ValueError(f"{name}: params [{param_off}, {param_off + 2}) overflow the params buffer")
+    if 4 * (param_off + 2 * n_tiles) > params.nbytes:
+        raise ValueError(f"{name}: params [{param_off}, {param_off + 2 * n_tiles}) overflow the params buffer")
     if mask is not None:
         slots = cells.capacity if cells is not None else k.n_ctx
         if mask.stride * 32 < slots or 4 * (mask.off + T * mask.stride) > mask.buf.nbytes:
             raise ValueError(f"{name}: mask rows of {mask.stride} words do not cover {slots} slots x {T} queries")
-    if cells is not None and 4 * (cells.off + cells.capacity) > cells.buf.nbytes:
-        raise ValueError(f"{name}: cell list of {cells.capacity} overflows its buffer")
+    if cells is not None and 4 * (cells.off + n_tiles * cells.capacity) > cells.buf.nbytes:
+        raise ValueError(f"{name}: {n_tiles} cell list(s) of {cells.capacity} overflow their buffer")
 
 
 def attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v: Cache, out: Heads, *,
               gate: Heads | None = None, mask: CellMask | None = None, cells: CellList | None = None,
-              n_split: int | None = None, partial: Buffer | None = None, scale: float | None = None,
-              name: str = "attn") -> None:
+              tile: int = 0, n_split: int | None = None, partial: Buffer | None = None, scale: float | None = None,
+              kind: Flash | None = None, name: str = "attn") -> None:
     """(A5)–(A7) out[t, h] = softmax_j((q_{t,h}·k_{j,g})·scale + M_t[j]) · v_{j,g} (⊙ σ(gate_{t,h}) if
     gate), g = ⌊h/(H/H_kv)⌋, for queries at positions p0 + t with p0 = params[param_off] and
     n_kv = params[param_off + 1] keys (or list slots). M is causal, ∩ `mask` when given; `cells`
-    gathers keys by position list. Steps of ≤ 8 queries run on the decode kernel (ops/attn_decode.py,
-    its own split count, at most what a given `partial` holds) unless VKFLASH_ATTN_DECODE=0; else
-    flash_attention() with n_split and `partial`."""
+    gathers keys by position list. `tile` > 0 (with `cells`): queries in tiles of `tile`, tile k with
+    its own (first position, count) at params[param_off + 2k …] and list at cells.off + k·capacity, all
+    in one dispatch (S2–S3 over qsa_union's tiles). Steps of ≤ 8 queries in one tile run on the decode
+    kernel (ops/attn_decode.py, its own split count, at most what a given `partial` holds) unless
+    VKFLASH_ATTN_DECODE=0 or a flash `kind` is asked for; else flash_attention()."""
     from vkflash.gpu.ops import attn_decode as dec
 
-    if (q.n_tokens <= dec.MAX_TOKENS and g.options.attn_decode
+    if tile and -(-q.n_tokens // tile) == 1:
+        tile = 0  # one tile: an ordinary call with its params and list
+    if (not tile and kind is None and q.n_tokens <= dec.MAX_TOKENS and g.options.attn_decode
             and dec.supported(g.gpu.caps, q.n_tokens, q.n_heads, k.n_heads, q.dim, k.type)):
         dec.attn_decode(g, params, param_off, q, k, v, out, gate=gate, mask=mask, cells=cells, partial=partial,
                         scale=scale, name=name)
     else:
-        flash_attention(g, params, param_off, q, k, v, out, gate=gate, mask=mask, cells=cells, n_split=n_split,
-                        partial=partial, scale=scale, name=name)
+        flash_attention(g, params, param_off, q, k, v, out, gate=gate, mask=mask, cells=cells, tile=tile,
+                        n_split=n_split, partial=partial, scale=scale, kind=kind, name=name)
 
 
 def flash_attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v: Cache, out: Heads, *,
                     gate: Heads | None = None, mask: CellMask | None = None, cells: CellList | None = None,
-                    n_split: int | None = None, partial: Buffer | None = None, scale: float | None = None,
+                    tile: int = 0, n_split: int | None = None, partial: Buffer | None = None,
+                    scale: float | None = None, kind: Flash | None = None, shape: CmTiles | None = None,
                     name: str = "attn") -> None:
-    """attention() on the flash kernel whatever the number of queries (the plain decode path).
-    n_split (default: flash-decode splits for steps of at most SPLIT_MAX_TOKENS tokens, else 1) > 1
-    adds a combine dispatch; its partials go to `partial` (default: an intermediate of the graph)."""
+    """attention() on a flash kernel whatever the number of queries (the plain decode path): `kind`
+    (default flash_kind(...)), in `shape` (coopmat; default cm_tiles(...), which benches and tests
+    override). n_split (default: flash-decode splits for steps of at most SPLIT_MAX_TOKENS tokens,
+    else 1) > 1 adds a combine dispatch; its partials go to `partial` (default: an intermediate of the
+    graph)."""
     T, H, Dh, H_kv = q.n_tokens, q.n_heads, q.dim, k.n_heads
     if n_split is None:
         n_split = decode_splits(k.n_ctx) if T <= SPLIT_MAX_TOKENS else 1
     if n_split > 1 and partial is None:
         partial = g.temp(partial_bytes(T, H, Dh, n_split), f"{name}.partial")
-    check_attention(name, params, param_off, q, k, v, out, gate, mask, cells)
+    if tile < 0 or (tile and cells is None):
+        raise ValueError(f"{name}: query tiles (tile={tile}) need a cell list per tile")
+    n_tiles = -(-T // tile) if tile else 1
+    check_attention(name, params, param_off, q, k, v, out, gate, mask, cells, n_tiles)
     if n_split < 1:
         raise ValueError(f"{name}: n_split must be ≥ 1, got {n_split}")
     split = n_split > 1
     if split and (partial is None or partial.nbytes < partial_bytes(T, H, Dh, n_split)):
         raise ValueError(f"{name}: n_split={n_split} needs a partial buffer of {partial_bytes(T, H, Dh, n_split)} B")
 
-    G = H // H_kv
-    br, bc = flash_tiles(Dh, T * G, g.gpu.caps.shared_memory)
+    caps = g.gpu.caps
+    kind = flash_kind(g, T, Dh, k.type) if kind is None else kind
+    G, TQ = H // H_kv, tile or T
     flags = (1 if gate is not None and not split else 0) | (2 if mask else 0) | (4 if cells else 0) | (8 if split else 0)
+    spec: SpecConstants
+    if kind is Flash.SCALAR:
+        kname = f"attn_flash_{k.type.value}"
+        br, bc = flash_tiles(Dh, TQ * G, caps.shared_memory)
+        spec = FlashSpec(Dh, br, bc, flags)
+    else:
+        kname = f"{CM_KERNEL}_{k.type.value}"
+        cm = shape or cm_tiles(caps, Dh)
+        if cm is None or not cm_fits(caps, Dh, cm) or not coopmat_flash_possible(caps, Dh):
+            raise ValueError(f"{name}: {caps.name} cannot run the coopmat flash kernel at head dim {Dh}"
+                             + (f" in shape {cm}" if cm else ""))
+        br, bc = cm.br, cm.bc
+        spec = FlashCmSpec(Dh, br, bc, flags, cm.workers)
     gv = gate if gate is not None else q
-    kname = f"attn_flash_{k.type.value}"
     bufs = [params, q.rows.buf, gv.rows.buf, k.buf, v.buf, mask.buf if mask else k.buf,
             cells.buf if cells else k.buf, k.buf if split else out.rows.buf, partial if split else k.buf]
     push = FlashPush(T, G, H_kv, k.n_ctx, q.off, q.rows.stride, q.head_stride, gv.off, gv.rows.stride,
                      gv.head_stride, out.off, out.rows.stride, out.head_stride, param_off, mask.off if mask else 0,
                      mask.stride if mask else 0, cells.off if cells else 0, n_split,
-                     1.0 / np.sqrt(Dh) if scale is None else scale)
+                     1.0 / np.sqrt(Dh) if scale is None else scale, TQ, 2 if tile else 0,
+                     cells.capacity if tile and cells else 0)
     # a graph is recorded once for every position, so its cost is sized for the most keys it may see
     n_keys = cells.capacity if cells is not None else k.n_ctx
-    kv_bytes = 2 * n_keys * H_kv * k.type.row_bytes(Dh)
-    g.dispatch(kname, bufs, [-(-T * G // br), H_kv, n_split], push=push, spec=FlashSpec(Dh, br, bc, flags),
+    kv_bytes = 2 * n_tiles * n_keys * H_kv * k.type.row_bytes(Dh)
+    g.dispatch(kname, bufs, [n_tiles * -(-TQ * G // br), H_kv, n_split], push=push, spec=spec,
                writes=[8 if split else 7], name=name,
-               desc=f"T={T} H={H}/{H_kv} Dh={Dh} {k.type.value} split={n_split}"
-               + (" gated" * (gate is not None)) + (" masked" * (mask is not None)) + (" gather" * (cells is not None)),
+               desc=f"T={T} H={H}/{H_kv} Dh={Dh} {k.type.value} split={n_split} {kind.value}"
+               + (f" tiles={n_tiles}x{TQ}" * bool(tile)) + (" gated" * (gate is not None))
+               + (" masked" * (mask is not None)) + (" gather" * (cells is not None)),
                nbytes=kv_bytes, flops=4 * T * H * Dh * n_keys)
     if split:
         g.dispatch("attn_combine", [partial, gv.rows.buf, out.rows.buf], [H, T],
