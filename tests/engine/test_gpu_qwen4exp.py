@@ -80,3 +80,19 @@ def test_long_prompt_sparse_selection(gpu, rng, tmp_path):
     toks = _prompt(rng, 648)
     fwd = GpuForward(path, ctx=700, ub=64, kv="f32", gpu=gpu, logits_rows=64)
     check_prompt_then_steps(fwd, path, toks, 8)
+
+
+@pytest.mark.parametrize("variant", [None, "dense"], ids=["qsa", "dense"])
+def test_verify_rows_equal_decode(gpu, rng, tmp_path, variant):
+    """A verify-sized step (2..8 tokens, logits of every row) computes each row exactly as a decode
+    step at its position does, bit for bit: attention row by row with the row's own cache length
+    (flash-decode splits of a 600-token cache) and, past W = 35, its own QSA cell list."""
+    path = _model(tmp_path, rng, variant)
+    toks = _prompt(rng, 48)
+    n = int(rng.integers(2, 9))
+    fwd = GpuForward(path, ctx=600, ub=16, kv="f16", gpu=gpu)
+    fwd.prefill(toks[:40])
+    rows = fwd.prefill_logits(toks[40:40 + n])
+    fwd.reset()
+    fwd.prefill(toks[:40])
+    np.testing.assert_array_equal(rows, np.stack([fwd.decode(int(t)) for t in toks[40:40 + n]]))

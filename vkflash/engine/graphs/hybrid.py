@@ -146,10 +146,16 @@ class QSAConfig:
 
 @dataclass(frozen=True)
 class GatheredCells:
-    """Gathered decode (Q8): the sorted selected cells and their gather params (position, count)."""
+    """Gathered decode and verify (Q8): row t's sorted selected cells and its gather params
+    (position, count) at params[2t]."""
 
-    cells: CellList
+    cells: Rows
     params: Buffer
+    capacity: int  # the layer's W = B + r − 1
+
+    def row(self, t: int) -> CellList:
+        """Row t's cell list."""
+        return CellList(self.cells.buf, self.capacity, self.cells.off + t * self.cells.stride)
 
 
 @dataclass(frozen=True)
@@ -168,9 +174,9 @@ class GatheredTiles:
 def qsa_select_cells(g: "Graph", m: StepModel, i: int, u: Rows, idx: IndexerCache,
                      cfg: QSAConfig) -> CellMask | GatheredCells | GatheredTiles:
     """(Q1)–(Q8): write ρ, pool the blocks this step completes (or all, POOLED=0), score the visible
-    blocks and select: a gathered cell list (positions in its gather params) for decode; for n > 1
-    per-query bit rows, turned into per-tile union lists (GP=1) or used as the mask of dense
-    attention (GP=0)."""
+    blocks and select: a gathered cell list per row (positions in its gather params) for decode and
+    verify-sized steps; for more rows per-query bit rows, turned into per-tile union lists (GP=1) or
+    used as the mask of dense attention (GP=0)."""
     hp, w, p, n = m.hp, m.weights, m.params, u.n_rows
     b = f"blk.{i}."
     D, n_I, r, n_ctx = hp.D_I, hp.n_I, idx.r, idx.keys.n_ctx
@@ -184,16 +190,16 @@ def qsa_select_cells(g: "Graph", m: StepModel, i: int, u: Rows, idx: IndexerCach
     matmul(g, w[b + "indexer.q_proj.weight"].matrix(), u, qI, name=b + "idx_q")  # (Q4)
     heads = Rows(qI.buf, n * n_I, D, qI.off)
     rms_norm(g, heads, heads, hp.eps, w[b + "indexer.q_norm.weight"].buf, name=b + "idx_q_norm")
-    rope_neox(g, heads, heads, n_I, hp.n_rot, hp.theta, p.buf, p.pos, name=b + "idx_q_rope")
+    rope_neox(g, heads, heads, n_I, hp.n_rot, hp.theta, p.buf, p.rope, name=b + "idx_q_rope")
     g.expose(b + "idx_q", qI.buf, qI.off, n, n_I * D, qI.stride, after=b + "idx_q_rope")  # final after norm + RoPE
     scores = g.tensor(n, idx.n_blocks, b + "idx_scores")
     qsa_scores(g, p.buf, 0, qI, summary, scores, n_I=n_I, r=r, name=b + "idx_scores")  # (Q5)
     W = hp.B + max(hp.r) - 1
-    if n == 1:
-        cells, gp = g.tensor(1, W, b + "qsa_select"), g.temp(8, b + "qsa_select.gp")
+    if n <= p.row_steps:  # decode, verify: one cell list per row
+        cells, gp = g.tensor(n, W, b + "qsa_select"), g.temp(8 * n, b + "qsa_select.gp")
         qsa_select(g, p.buf, 0, scores, cells, r=r, B=hp.B, cell=cfg.cell, gather_params=gp,
                    name=b + "qsa_select")  # (Q6)–(Q8)
-        return GatheredCells(CellList(cells.buf, hp.W(i)), gp)
+        return GatheredCells(cells, gp, hp.W(i))
     words = -(-n_ctx // 32)
     sel = g.tensor(n, words, b + "qsa_mask")
     qsa_select(g, p.buf, 0, scores, sel, r=r, B=hp.B, cell=cfg.cell, name=b + "qsa_mask")
@@ -228,7 +234,7 @@ def attention_sublayer(g: "Graph", m: StepModel, i: int, u: Rows, qsa: tuple[Ind
     q_rows, k_rows = Rows(qg.buf, n * H, Dh, qg.off, 2 * Dh), Rows(k.buf, n * H_kv, Dh, k.off)  # q between the gates
     for rows, heads, nm in ((q_rows, H, "Q"), (k_rows, H_kv, "K")):  # (A2), (A3)
         rms_norm(g, rows, rows, hp.eps, w[b + f"attn_{nm.lower()}_norm.weight"].buf, name=b + f"{nm}norm")
-        rope_neox(g, rows, rows, heads, hp.n_rot, hp.theta, p.buf, p.pos, name=b + f"{nm}cur")
+        rope_neox(g, rows, rows, heads, hp.n_rot, hp.theta, p.buf, p.rope, name=b + f"{nm}cur")
     cache = m.kv[i]
     kv_append(g, p.buf, p.pos, Heads(k, H_kv, Dh), cache.k, name=b + "cache_k")  # (A4)
     kv_append(g, p.buf, p.pos, Heads(v, H_kv, Dh), cache.v, name=b + "cache_v")
@@ -246,12 +252,22 @@ def attention_sublayer(g: "Graph", m: StepModel, i: int, u: Rows, qsa: tuple[Ind
                       mask=CellMask(sel.slots.buf, words, t0 * words),
                       cells=CellList(sel.cells, sel.cap, t * sel.cap),
                       name=b + "attn_gated" + (f".{t}" if sel.n_tiles > 1 else ""))
-    else:
+    elif n == 1 or n > p.row_steps:
         q, gate = q_and_gate(qg, H, Dh)
         listed = isinstance(sel, GatheredCells)
         attention(g, sel.params if listed else p.buf, 0, q, cache.k, cache.v, Heads(o, H, Dh), gate=gate,
-                  mask=sel if isinstance(sel, CellMask) else None, cells=sel.cells if listed else None,
+                  mask=sel if isinstance(sel, CellMask) else None,
+                  cells=sel.row(0) if listed else None,
                   name=b + "attn_gated")
+    else:  # a verify-sized step attends row by row with each row's own params, exactly as decode
+        for t in range(n):
+            q, gate = q_and_gate(qg.rows(t, 1), H, Dh)
+            if isinstance(sel, GatheredCells):
+                params, off, cells = sel.params, 2 * t, sel.row(t)
+            else:
+                params, off, cells = p.buf, p.row(t), None
+            attention(g, params, off, q, cache.k, cache.v, Heads(o.rows(t, 1), H, Dh), gate=gate, cells=cells,
+                      name=b + f"attn_gated.{t}")
     a = g.tensor(n, hp.d, b + "attn_out")
     matmul(g, w[b + "attn_output.weight"].matrix(), o, a, name=b + "attn_out")  # (A8)
     return a
