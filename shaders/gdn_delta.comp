@@ -6,12 +6,15 @@
 // GROUPED 0) or ⌊j/(n_v/n_k)⌋ (grouped, GROUPED 1) (G7) — then, with α = e^g:
 //   MODE 0 (step; decode and short verify batches), token by token (G8) using
 //     r1 = Sᵀk̂, r2 = Sᵀq̂ of the undecayed S:  δ = β(v − α r1);  o = α r2 + δ (k̂·q̂);  S ← αS + k̂δᵀ.
-//     Checkpoint slot s < n_slots receives S after token T-1-s (slot 0 = the final state).
 //   MODE 1 (chunked prefill), chunks of n ≤ CH tokens (GC1–GC6), with V' solved directly as
 //     V' = A⁻¹ diag(β)(V − diag(e^γ) K̂ S₀)  (= U − Wk S₀ of GC3–GC4, without forming Wk).
-// Buffers (f32): 0 c [T rows, stride c_stride: q (n_k·S) | k (n_k·S) | v (n_v·S)], 1 beta and
-// 2 g [T rows × n_v], 3 state [n_v, S, S] from st_off (read, then written in place), 4 o [T rows ×
-// n_v·S], 5 slots [n_slots, n_v, S, S] from sl_off. Offsets and strides in elements.
+// The state lives in n_planes planes of [n_v, S, S] (engine/state.py); the live one is plane
+// q = idx[idx_off] mod n_planes (plane 0 when n_planes = 1, idx unread). Without RING the final
+// state goes back into plane q; with RING (MODE 0 only, a verify step, T < n_planes) plane q is
+// left as it was and plane (q+1+t) mod n_planes gets the state after token t.
+// Buffers: 0 c (f32) [T rows, stride c_stride: q (n_k·S) | k (n_k·S) | v (n_v·S)], 1 beta and
+// 2 g (f32) [T rows × n_v], 3 planes (f32) [n_planes, n_v, S, S] from st_off (read, then
+// written), 4 o (f32) [T rows × n_v·S], 5 idx (uint). Offsets and strides in elements.
 // RAW_GATES: buffers 1 and 2 hold the raw projections b, a instead, and β = σ(b), g =
 // softplus(a + dt_bias[j])·ssm_a[j] (G2, G3, as shaders/gdn_gates.comp) are computed where read,
 // with 6 dt_bias [n_v] from dt_off and 7 ssm_a [n_v] from sa_off (any buffers otherwise).
@@ -33,25 +36,27 @@ layout(std430, binding = 1) readonly buffer Bb { float beta[]; };
 layout(std430, binding = 2) readonly buffer Gb { float gg[]; };
 layout(std430, binding = 3) buffer St { float st[]; };
 layout(std430, binding = 4) buffer Ob { float o[]; };
-layout(std430, binding = 5) writeonly buffer Sl { float sl[]; };
+layout(std430, binding = 5) readonly buffer Idx { uint idx[]; };
 layout(std430, binding = 6) readonly buffer Dt { float dt_bias[]; };
 layout(std430, binding = 7) readonly buffer Sa { float ssm_a[]; };
 layout(push_constant) uniform P {
     uint n_k; uint n_v; uint T;
     uint c_off; uint c_stride; uint beta_off; uint beta_stride; uint g_off; uint g_stride;
-    uint st_off; uint o_off; uint o_stride; uint sl_off; uint n_slots; uint eps_bits;
+    uint st_off; uint o_off; uint o_stride; uint n_planes; uint idx_off; uint ring; uint eps_bits;
     uint dt_off; uint sa_off;
 } p;
 
 shared float sh[SH];
 
 uint j, b0, kh;  // v-head, first value column, key head π(j)
+uint live;  // the live plane
 float eps;
 
 uint q_col(uint a) { return p.c_off + kh * S + a; }
 uint k_col(uint a) { return p.c_off + (p.n_k + kh) * S + a; }
 uint v_col(uint b) { return p.c_off + 2 * p.n_k * S + j * S + b0 + b; }
-uint st_idx(uint a, uint b) { return p.st_off + (j * S + a) * S + b0 + b; }
+// Element (key row a, value column b0 + b) of head j in plane q.
+uint st_idx(uint q, uint a, uint b) { return p.st_off + ((q * p.n_v + j) * S + a) * S + b0 + b; }
 
 // β and g of token t for head j: as stored, or from the raw projections (RAW_GATES).
 float beta_at(uint t) {
@@ -72,7 +77,7 @@ void step_mode() {
     uint tid = gl_LocalInvocationID.x, b = tid % BW, pp = tid / BW;
     const uint KS = 0, QS = S, P1 = 2 * S, P2 = 2 * S + WG, RD = 2 * S + 2 * WG;
     float s[ROWS];
-    for (uint r = 0; r < ROWS; ++r) s[r] = st[st_idx(pp + NP * r, b)];
+    for (uint r = 0; r < ROWS; ++r) s[r] = st[st_idx(live, pp + NP * r, b)];
     for (uint t = 0; t < p.T; ++t) {
         uint row = t * p.c_stride;
         float kk = 0.0, qq = 0.0, kq = 0.0;
@@ -125,15 +130,15 @@ void step_mode() {
         float delta = beta_at(t) * (c[v_col(b) + row] - alpha * r1);
         if (pp == 0) o[p.o_off + t * p.o_stride + j * S + b0 + b] = alpha * r2 + delta * kq_hat;
         for (uint r = 0; r < ROWS; ++r) s[r] = alpha * s[r] + sh[KS + pp + NP * r] * rk * delta;
-        uint slot = p.T - 1 - t;
-        if (slot < p.n_slots) {
-            for (uint r = 0; r < ROWS; ++r) {
-                sl[p.sl_off + ((slot * p.n_v + j) * S + pp + NP * r) * S + b0 + b] = s[r];
-            }
+        if (p.ring != 0) {
+            uint q = (live + 1 + t) % p.n_planes;
+            for (uint r = 0; r < ROWS; ++r) st[st_idx(q, pp + NP * r, b)] = s[r];
         }
         barrier();  // ks, qs, part1, part2 are rewritten by the next token
     }
-    for (uint r = 0; r < ROWS; ++r) st[st_idx(pp + NP * r, b)] = s[r];
+    if (p.ring == 0) {
+        for (uint r = 0; r < ROWS; ++r) st[st_idx(live, pp + NP * r, b)] = s[r];
+    }
 }
 
 // MODE 1. Shared: K̂ [CH, S] | Q̂ [CH, S] | Att [CH, CH] | S₀ slice [S, BW] | V' [CH, BW] | γ [CH]
@@ -143,7 +148,7 @@ void chunk_mode() {
     const uint KR = 0, QR = CH * S, AT = 2 * CH * S, SR = AT + CH * CH, VR = SR + S * BW;
     const uint GR = VR + CH * BW, BR = GR + CH;
     uint tid = gl_LocalInvocationID.x;
-    for (uint e = tid; e < S * BW; e += WG) sh[SR + e] = st[st_idx(e / BW, e % BW)];
+    for (uint e = tid; e < S * BW; e += WG) sh[SR + e] = st[st_idx(live, e / BW, e % BW)];
     for (uint t0 = 0; t0 < p.T; t0 += CH) {
         uint n = min(CH, p.T - t0);
         // load raw K, Q, the V slice, β and g of the chunk
@@ -223,7 +228,7 @@ void chunk_mode() {
         }
         barrier();  // the next chunk reloads K̂, Q̂, V' and reads S₀
     }
-    for (uint e = tid; e < S * BW; e += WG) st[st_idx(e / BW, e % BW)] = sh[SR + e];
+    for (uint e = tid; e < S * BW; e += WG) st[st_idx(live, e / BW, e % BW)] = sh[SR + e];
 }
 
 void main() {
@@ -232,6 +237,7 @@ void main() {
     b0 = (gl_WorkGroupID.x % slices) * BW;
     kh = GROUPED == 1 ? j / (p.n_v / p.n_k) : j % p.n_k;
     eps = uintBitsToFloat(p.eps_bits);
+    live = p.n_planes > 1 ? idx[p.idx_off] % p.n_planes : 0;
     if (MODE == 0) step_mode();
     else chunk_mode();
 }

@@ -121,7 +121,8 @@ KNOBS: tuple[Knob, ...] = (
     _k("QUEUE", _int_range(0, 1024), 8, "requests that may wait for the generation slot (more get 503)", "launcher"),
     # revert knobs: each 0 restores the plain path so an optimisation can be A/B-tested
     _planned("SPEC_STOCH", _bool, True, "0: exact-match verification instead of rejection sampling", "revert"),
-    _planned("RSROLL", _bool, True, "0: restore recurrent checkpoints instead of rolling back in place", "revert"),
+    _k("RSROLL", _bool, True, "0: roll recurrent states back by copying the kept state plane on the device instead "
+       "of moving the live-plane index (no copy)", "revert"),
     _k("BLKTOPK", _bool, True, "0: QSA `cell` selection (llama.cpp) instead of `block`", "revert"),
     _k("GP", _bool, True, "0: masked dense QSA prefill instead of gathered sparse", "revert"),
     _k("POOLED", _bool, True, "0: re-pool indexer keys every step instead of the summary cache", "revert"),

@@ -4,16 +4,13 @@ prefill vs GP=0 masked dense prefill, and POOLED=0 re-pooling vs the lazy summar
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pytest
 
 from test_gpu_qwen4exp import _model, _prompt
-from hybrid_ref import device_logits, reference_logits, rel
-from vkflash import settings
+from hybrid_ref import device_logits, knobs, reference_logits, rel
 from vkflash.engine.gpu_forward import GpuForward
 from vkflash.engine.graphs import hybrid
 from vkflash.model import reference
@@ -21,17 +18,6 @@ from vkflash.model.ties import Seen
 from vkflash.model.weights import load_model
 
 pytestmark = pytest.mark.gpu
-
-
-@contextmanager
-def knobs(**flags: str) -> Iterator[None]:
-    """Install settings with these knob flags for the block (the forward reads them when built)."""
-    old = settings.current()
-    settings.install(settings.load(flags=flags))
-    try:
-        yield
-    finally:
-        settings.install(old)
 
 
 def _run(fwd: GpuForward, toks: np.ndarray, n_prefill: int, seen: Seen) -> np.ndarray:

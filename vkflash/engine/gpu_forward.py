@@ -22,7 +22,7 @@ from vkflash.engine.api import InvalidRequest
 from vkflash.engine.caches import allocate_kv, cache_type
 from vkflash.engine.dump import read_taps, tapped
 from vkflash.engine.graphs.common import Head, HeadBuffers, StepModel
-from vkflash.engine.step_params import StepParams
+from vkflash.engine.step_params import ROW_STEP_MAX, StepParams
 from vkflash.engine.weights_gpu import device_embeddable, host_row_gather, upload_weights
 from vkflash.formats.gguf_file import GGUFFile
 from vkflash.gpu.context import Gpu
@@ -114,7 +114,7 @@ class GpuForward:
 
     def truncate(self, n: int) -> None:
         """Keep the first n tokens: attention-only models just shorten the length; recurrent states
-        are restored from a checkpoint slot when the last step wrote one, else the prefix is re-run."""
+        go back to the state plane a verify step left (engine/state.py), else the prefix is re-run."""
         n = max(0, min(n, self._n))
         st = self.model.state
         if st is not None and n < self._n and not st.truncate(self._n - n):
@@ -153,6 +153,17 @@ class GpuForward:
             out[start:start + n] = self.model.head.logits.read(np.float32, n * self.n_vocab).reshape(n, -1)
         return out
 
+    def verify(self, ids: Sequence[int], logits: bool = False) -> np.ndarray:
+        """Feed ids as one step with logits of every row (a speculation verify step, which a later
+        truncate can roll back): every row's argmax (int64, n), or with `logits` the logits (n, V)."""
+        arr = self._ids(ids)
+        if len(arr) > min(self.ub, self.model.head.rows):
+            raise InvalidRequest(f"a verify step holds at most {min(self.ub, self.model.head.rows)} tokens")
+        self._run(arr, Head.ALL)
+        if logits:
+            return self.model.head.logits.read(np.float32, len(arr) * self.n_vocab).reshape(len(arr), -1)
+        return self.model.head.ids.read(np.uint32, len(arr)).astype(np.int64)
+
     def dump_step(self, ids: Sequence[int], names: Iterable[str]) -> dict[str, np.ndarray]:
         """Feed ids as one step with logits for every row; the buffers written by the dispatches
         named in `names`, read right after them (flat float32, engine/dump.py). For verify."""
@@ -172,7 +183,8 @@ class GpuForward:
         if g is None:
             if not 1 <= n <= self.ub:
                 raise ValueError(f"a step of {n} tokens; this forward's steps hold 1..{self.ub}")
-            g = Graph(self.gpu, f"{self.hp.arch}.{head.value}.{n}", split=n > 1)
+            kind = "verify" if head is Head.ALL and 2 <= n <= ROW_STEP_MAX else head.value  # named in the job log
+            g = Graph(self.gpu, f"{self.hp.arch}.{kind}.{n}", split=n > 1)
             self.arch.build(g, self.model, n, head)
             self._graphs[key] = g
         return g

@@ -98,10 +98,10 @@ def hybrid_transforms(gf: GGUFFile, hp: HParams) -> dict[str, Transform]:
 # ------------------------------------------------------------------ GDN
 
 
-def gdn_sublayer(g: "Graph", m: StepModel, i: int, u: Rows, st: GDNLayerState, n_slots: int,
+def gdn_sublayer(g: "Graph", m: StepModel, i: int, u: Rows, st: GDNLayerState, ring: bool,
                  head_map: gdn.HeadMap, act: gdn.Gate) -> Rows:
-    """(G1)–(G10) on the rows u: W_o gated_norm(delta(conv(W_qkv u)), W_z u); states in place,
-    `n_slots` checkpoint slots written (0: none)."""
+    """(G1)–(G10) on the rows u: W_o gated_norm(delta(conv(W_qkv u)), W_z u); the live state planes
+    updated in place, or (`ring`, a verify step) one plane per token written (engine/state.py)."""
     hp, w, n = m.hp, m.weights, u.n_rows
     b = f"blk.{i}."
     C, Z, n_v = hp.C, hp.n_v * hp.S, hp.n_v
@@ -112,11 +112,11 @@ def gdn_sublayer(g: "Graph", m: StepModel, i: int, u: Rows, st: GDNLayerState, n
     gdn.gates(g, raw_b, raw_a, w[b + "ssm_dt.bias"].vector(), w[b + "ssm_a"].vector(), beta, gate,
               name=b + "gdn_gates")  # (G2, G3)
     c = g.tensor(n, C, b + "gdn_conv")
-    gdn.conv(g, mq, Rows(w[b + "ssm_conv1d.weight"].buf, C, hp.K_c), st.conv.view(), c,
-             st.conv.slot_view(n_slots) if n_slots else None, name=b + "gdn_conv")  # (G4)
+    gdn.conv(g, mq, Rows(w[b + "ssm_conv1d.weight"].buf, C, hp.K_c), st.conv.planes(), c, ring,
+             name=b + "gdn_conv")  # (G4)
     o = g.tensor(n, Z, b + "gdn_o")
-    gdn.delta(g, c, beta, gate, st.ssm.view(), o, gdn.GDNShape(hp.n_k, n_v, hp.S, head_map), hp.eps,
-              slots=st.ssm.slot_view(n_slots) if n_slots else None, name=b + "gdn_o")  # (G5)–(G8)
+    gdn.delta(g, c, beta, gate, st.ssm.planes(), o, gdn.GDNShape(hp.n_k, n_v, hp.S, head_map), hp.eps,
+              ring=ring, name=b + "gdn_o")  # (G5)–(G8)
     gdn.gated_norm(g, o, z, w[b + "ssm_norm.weight"].vector(), o, hp.S, hp.eps, act, name=b + "gdn_gated")  # (G9)
     a = g.tensor(n, hp.d, b + "attn_out")
     matmul(g, w[b + "ssm_out.weight"].matrix(), o, a, name=b + "attn_out")  # (G10)

@@ -141,8 +141,9 @@ def mix(g: "Graph", m: StepModel, R: Rows, prefix: str, name: str, inject: bool)
     return u, ell_iota.cols(lr, hc) if inject else None
 
 
-def ple_block(g: "Graph", m: StepModel, i: int, R: Rows, st: RecurrentState, n_slots: int) -> None:
-    """(P5)–(P10): R += V + silu(dilated conv of Ṽ) with the gate λ from K̃·Q̃; conv state in place."""
+def ple_block(g: "Graph", m: StepModel, i: int, R: Rows, st: RecurrentState, ring: bool) -> None:
+    """(P5)–(P10): R += V + silu(dilated conv of Ṽ) with the gate λ from K̃·Q̃; conv state in place
+    (or one plane per token: `ring`)."""
     hp, w, p, n = m.hp, m.weights, m.params, R.n_rows
     hc, d = hp.hc, hp.d
     b = f"blk.{i}."
@@ -159,8 +160,8 @@ def ple_block(g: "Graph", m: StepModel, i: int, R: Rows, st: RecurrentState, n_s
     grouped_rms_norm(g, V, Vt, hc, hp.eps, w[b + "ple_norm_conv.weight"].buf, name=b + "ple_norm_conv")  # (P9)
     conv = st.ple_conv
     assert conv is not None
-    gdn.conv(g, Vt, Rows(w[b + "ple_conv1d.weight"].buf, hc * d, ple_taps(hp)), conv.view(), y,
-             conv.slot_view(n_slots) if n_slots else None, name=b + "ple_conv")
+    gdn.conv(g, Vt, Rows(w[b + "ple_conv1d.weight"].buf, hc * d, ple_taps(hp)), conv.planes(), y, ring,
+             name=b + "ple_conv")
     E.add(g, V, y, y, name=b + "ple_vy")  # (P10) V + y, then onto R
     E.add(g, R, y, R, name=b + "ple_out")
 
@@ -218,15 +219,15 @@ class Qwen4ExpGraph:
         """The whole forward of an n-token step (tokens, positions and PLE rows from the params buffer)."""
         hp, st = m.hp, m.state
         R = g.tensor(n, hp.hc * hp.d, "R")
-        n_slots = st.rec.slots_for(n)
+        ring = st.rec.ring(n)
         hc_broadcast(g, embed_tokens(g, m, n), R, hp.hc, name="hc_copy")  # (E1), (H0)
         for i in range(hp.L):
             b = f"blk.{i}."
             if i == hp.ple_layer:  # (L1)
-                ple_block(g, m, i, R, st.rec, n_slots)
+                ple_block(g, m, i, R, st.rec, ring)
             u, iota = mix(g, m, R, b + "hc_attn", b + "hc_attn_mix", True)  # (L2)
             if hp.is_gdn[i]:  # (L3)
-                a = gdn_sublayer(g, m, i, u, st.rec.gdn[i], n_slots, gdn.HeadMap.TILED, gdn.Gate.SIGMOID)
+                a = gdn_sublayer(g, m, i, u, st.rec.gdn[i], ring, gdn.HeadMap.TILED, gdn.Gate.SIGMOID)
             else:
                 a = attention_sublayer(g, m, i, u, (st.idx[i], st.qsa) if i in st.idx else None)
             assert iota is not None
