@@ -141,6 +141,7 @@ def make_model_cmd(
     config: str = typer.Option("tiny", "--config", help="tiny | shape-8L"),
     quant: Optional[str] = typer.Option(None, "--quant", help="tiny: F32 | F16 | Q8_0 | mix"),
     mtp_separate: bool = typer.Option(False, "--mtp-separate", help="write the MTP block to <out>-mtp.gguf"),
+    mtp_block: bool = typer.Option(False, "--mtp", help="write the MTP block into the model file (vkflash only)"),
     variant: Optional[str] = typer.Option(None, "--variant", help="comma-separated layout variants"),
     seed: int = typer.Option(0, "--seed"),
     out: Path = typer.Option(..., "--out", help="output GGUF path"),
@@ -149,7 +150,8 @@ def make_model_cmd(
     try:
         from vkflash.model.make_model import make_model
 
-        for p in make_model(arch, config, quant, seed, out, mtp_separate=mtp_separate, variant=variant):
+        for p in make_model(arch, config, quant, seed, out, mtp_separate=mtp_separate, variant=variant,
+                            mtp_block=mtp_block):
             typer.echo(f"wrote {p} ({p.stat().st_size / 2**20:.1f} MiB)")
     except VkflashError as e:
         _fail(e)
