@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -27,7 +29,9 @@ from vkflash.engine.weights_gpu import device_embeddable, host_row_gather, uploa
 from vkflash.formats.gguf_file import GGUFFile
 from vkflash.gpu.context import Gpu
 from vkflash.gpu.graph import Graph
+from vkflash.errors import ConfigError
 from vkflash.model.hparams import hparams_from_gguf
+from vkflash.model.tensors import block_of
 
 LOGITS_BUDGET = 64 << 20
 """Bytes of the all-rows logits buffer (verify / teacher forcing); bounds its rows at large V."""
@@ -63,15 +67,30 @@ def steps(total: int, cap: int) -> Iterator[tuple[int, int]]:
         start += n
 
 
+class StepHooks(Protocol):
+    """Host work around every step of a forward: the MTP draft head's bookkeeping (engine/draft.py)."""
+
+    def reset(self) -> None:
+        """The sequence starts over."""
+
+    def before(self, p0: int, ids: np.ndarray) -> None:
+        """A step of ids at positions p0… is about to run."""
+
+    def after(self, p0: int, ids: np.ndarray) -> None:
+        """That step ran."""
+
+
 class GpuForward:
     """One sequence on the GPU: Forward + ArgmaxForward (vkflash.engine.api)."""
 
     def __init__(self, model_path: str | os.PathLike[str], ctx: int | None = None, ub: int | None = None,
                  kv: str | None = None, gpu: Gpu | None = None, logits_rows: int | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> None:
+                 progress: Callable[[int, int], None] | None = None, mtp: bool = False) -> None:
         """ctx/ub/kv default to the CTX/UB/KV knobs (CTX 0: the model's context length);
         logits_rows bounds the rows of one all-logits step (default: LOGITS_BUDGET / V);
-        progress(done, total) is called with weight bytes uploaded (a load progress bar)."""
+        progress(done, total) is called with weight bytes uploaded (a load progress bar); `mtp`
+        (qwen4exp): keep the file's MTP block and every step's h_nextn rows for the draft head
+        (engine/draft.py), else an MTP block in the file is not uploaded."""
         s = settings.current()
         self.gpu = gpu or Gpu()
         gf = GGUFFile(model_path)
@@ -85,6 +104,10 @@ class GpuForward:
         host_embed = not device_embeddable(table)
         # a table the embed kernel cannot decode is gathered on the host; keep it on the GPU only as LM head
         skip = ["token_embd.weight"] if host_embed and "output.weight" in gf.tensors else []
+        if mtp and hp.arch != "qwen4exp":
+            raise ConfigError(f"MTP drafting needs a qwen4exp model, {Path(model_path).name} is {hp.arch}")
+        if not mtp:
+            skip += [n for n in gf.tensors if (b := block_of(n)) is not None and b >= hp.L]
         self._gather = host_row_gather(gf, "token_embd.weight") if host_embed else None
         stacks = self.arch.weight_stacks(gf, hp) if self.gpu.options.stack_weights else ()
         weights = upload_weights(self.gpu, gf, hp, skip, progress, self.arch.weight_transforms(gf, hp), stacks)
@@ -93,9 +116,11 @@ class GpuForward:
         kv_caches = allocate_kv(self.gpu, hp, self.n_ctx, kv_type, self.arch.attention_layers(hp))
         state = self.arch.allocate_state(self.gpu, gf, hp, self.n_ctx, kv_type, self.ub)
         params = StepParams.allocate(self.gpu, self.ub, hp.d if host_embed else 0, self.arch.extra_dim(hp))
+        hidden = self.gpu.buffer(4 * self.ub * hp.hc * hp.d, "h_nextn") if mtp else None
         self.model = StepModel(self.gpu, hp, weights, kv_caches, params, HeadBuffers.allocate(self.gpu, hp.V, rows),
-                               state)
+                               state, hidden)
         self._graphs: dict[tuple[int, Head], Graph] = {}
+        self.hooks: StepHooks | None = None
         self._n = 0
         self._seq: list[int] = []  # the tokens fed (a recurrent model replays a prefix it cannot restore)
 
@@ -111,6 +136,8 @@ class GpuForward:
         self._seq = []
         if self.model.state is not None:
             self.model.state.reset()
+        if self.hooks is not None:
+            self.hooks.reset()
 
     def truncate(self, n: int) -> None:
         """Keep the first n tokens: attention-only models just shorten the length; recurrent states
@@ -216,6 +243,8 @@ class GpuForward:
     def _run(self, ids: np.ndarray, head: Head, g: Graph | None = None) -> None:
         """One replay: params for len(ids) tokens at n_past, then the graph (or `g`, a tapped copy)."""
         n = len(ids)
+        if self.hooks is not None:
+            self.hooks.before(self._n, ids)
         emb = self._gather(ids) if self._gather is not None else None
         self.model.params.set(self._n, ids, emb)
         st = self.model.state
@@ -224,5 +253,7 @@ class GpuForward:
         (g or self.graph(n, head)).run()
         if st is not None:
             st.stepped(ids)
+        if self.hooks is not None:
+            self.hooks.after(self._n, ids)
         self._n += n
         self._seq.extend(int(t) for t in ids)

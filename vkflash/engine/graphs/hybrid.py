@@ -74,11 +74,17 @@ def hybrid_stacks(gf: GGUFFile, hp: HParams) -> list[Stack]:
         b = f"blk.{i}."
         if hp.is_gdn[i]:
             out += run_stacks([b + t for t, _ in gdn_projections(gf.tensors, b)])
-        for pair in (("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"),
-                     ("ffn_gate_shexp.weight", "ffn_up_shexp.weight"),
-                     ("ffn_gate_exps.weight", "ffn_up_exps.weight")):
-            out.append(Stack(b + "+".join(pair), tuple(b + t for t in pair)))
+        out += moe_stacks(b)
     return out
+
+
+def moe_stacks(b: str) -> list[Stack]:
+    """Block b's MoE projections of one input: the router with the shared-expert gate row, the
+    shared expert's gate/up, the routed experts' gate/up."""
+    return [Stack(b + "+".join(pair), tuple(b + t for t in pair))
+            for pair in (("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"),
+                         ("ffn_gate_shexp.weight", "ffn_up_shexp.weight"),
+                         ("ffn_gate_exps.weight", "ffn_up_exps.weight"))]
 
 
 def hybrid_transforms(gf: GGUFFile, hp: HParams) -> dict[str, Transform]:

@@ -50,7 +50,7 @@ class Qwen3NextGraph:
 
     def allocate_state(self, gpu: "Gpu", gf: GGUFFile, hp: HParams, n_ctx: int, kv: CacheType,
                        ub: int) -> RecurrentState:
-        """GDN conv and SSM states (+ checkpoint slots) of every GDN layer."""
+        """GDN conv and SSM states (in planes, for rollback) of every GDN layer."""
         return RecurrentState.allocate(gpu, hp, n_draft())
 
     def build(self, g: "Graph", m: StepModel, n: int, head: Head) -> None:

@@ -26,12 +26,12 @@ from gguf import GGMLQuantizationType as Q
 from vkflash.engine.caches import IndexerCache, allocate_indexer
 from vkflash.engine.graphs.common import Head, StepModel, embed_tokens, head_rows, logits_and_argmax, project
 from vkflash.engine.graphs.hybrid import (QSAConfig, attention_sublayer, gdn_sublayer, hybrid_stacks,
-                                          hybrid_transforms, moe_sublayer)
+                                          hybrid_transforms, moe_stacks, moe_sublayer)
 from vkflash.engine.state import RecurrentState, n_draft
 from vkflash.engine.step_params import StepParams
 from vkflash.engine.weights_gpu import Stack, Stored, Transform, as_f32, host_row_gather
 from vkflash.formats.gguf_file import GGUFFile, TensorInfo
-from vkflash.formats.quant_blocks import row_bytes
+from vkflash.formats.quant_blocks import BLOCK, row_bytes
 from vkflash.gpu.ops import eltwise as E
 from vkflash.gpu.ops import gdn
 from vkflash.gpu.ops.attention import CacheType
@@ -92,6 +92,18 @@ def _ple_conv_taps(hp: HParams) -> Transform:
     return tf
 
 
+def eh_halves(info: TensorInfo) -> Stored:
+    """nextn.eh_proj {2d, d} (W_eh ∈ R^{d×2d}) as {d, 2d}: rows [0, d) = W_fe, rows [d, 2d) = W_fh, so
+    each half is a matrix of its own (raw blocks moved when d is whole blocks, else decoded to f32)."""
+    k2, d = info.ne
+    qtype, raw = Q(info.ggml_type), info.data
+    if (k2 // 2) % BLOCK[qtype][0]:
+        qtype, raw = Q.F32, as_f32(info).data.view(np.uint8)
+    rows = np.asarray(raw).reshape(d, -1)
+    half = row_bytes(qtype, k2 // 2)
+    return Stored(np.ascontiguousarray(np.vstack([rows[:, :half], rows[:, half:]])), qtype, (k2 // 2, 2 * d))
+
+
 @dataclass
 class Qwen4State:
     """Per-sequence state beyond K/V: recurrent rows (engine/state.py), QSA indexer caches and the
@@ -117,7 +129,7 @@ class Qwen4State:
         self.rec.stepped(ids)
 
     def truncate(self, back: int) -> bool:
-        """Recurrent rows from a slot; K/V, indexer keys and summary rows need nothing (positions)."""
+        """Recurrent rows from a state plane; K/V, indexer keys and summary rows need nothing (positions)."""
         return self.rec.truncate(back)
 
 
@@ -184,6 +196,8 @@ class Qwen4ExpGraph:
                 out[name] = _pad_up(hp)
             elif name.endswith("ple_conv1d.weight"):
                 out[name] = _ple_conv_taps(hp)
+            elif name.endswith("nextn.eh_proj.weight"):
+                out[name] = eh_halves
             elif name.endswith("norm.weight") and (len(info.ne) > 1 or info.ggml_type is not Q.F32):
                 out[name] = as_f32
         return out
@@ -191,10 +205,12 @@ class Qwen4ExpGraph:
     def weight_stacks(self, gf: GGUFFile, hp: HParams) -> list[Stack]:
         """hybrid_stacks, and each block mixer's W_dn (padded) with its W_inj: both read X."""
         out = hybrid_stacks(gf, hp)
-        for i in range(hp.L):
+        for i in range(hp.L_all):  # the trunk and an MTP block (its MoE stacks like a trunk block's)
             for X in ("attn", "ffn"):
                 p = f"blk.{i}.hc_{X}_"
                 out.append(Stack(p + "down+inject", (p + "down.weight", p + "inject.weight")))
+        for i in range(hp.L, hp.L_all):
+            out += moe_stacks(f"blk.{i}.")
         if hp.has_ple:
             b = f"blk.{hp.ple_layer}."
             out.append(Stack(b + "ple_key+value", (b + "ple_key.weight", b + "ple_value.weight")))
@@ -206,7 +222,7 @@ class Qwen4ExpGraph:
 
     def allocate_state(self, gpu: "Gpu", gf: GGUFFile, hp: HParams, n_ctx: int, kv: CacheType,
                        ub: int) -> Qwen4State:
-        """Recurrent rows with n_draft+1 slots, indexer caches, the QSA knobs in effect now (BLKTOPK,
+        """Recurrent rows in n_draft+2 planes, indexer caches, the QSA knobs in effect now (BLKTOPK,
         GP, POOLED), PLE host side."""
         rec = RecurrentState.allocate(gpu, hp, n_draft(), ple_taps(hp) - 1 if hp.has_ple else 0)
         idx = allocate_indexer(gpu, hp, n_ctx, kv)
@@ -216,9 +232,10 @@ class Qwen4ExpGraph:
         return Qwen4State(rec, idx, QSAConfig.from_settings(), None, None)
 
     def build(self, g: "Graph", m: StepModel, n: int, head: Head) -> None:
-        """The whole forward of an n-token step (tokens, positions and PLE rows from the params buffer)."""
+        """The whole forward of an n-token step (tokens, positions and PLE rows from the params buffer);
+        the residual R is m.hidden when the draft head needs it (h_nextn, O1)."""
         hp, st = m.hp, m.state
-        R = g.tensor(n, hp.hc * hp.d, "R")
+        R = Rows(m.hidden, n, hp.hc * hp.d) if m.hidden is not None else g.tensor(n, hp.hc * hp.d, "R")
         ring = st.rec.ring(n)
         hc_broadcast(g, embed_tokens(g, m, n), R, hp.hc, name="hc_copy")  # (E1), (H0)
         for i in range(hp.L):
