@@ -162,7 +162,7 @@ class Speculator:
     def describe(self) -> str:
         """One line for startup: what drafts, how many tokens, how verified and rolled back."""
         cfg, d = self.cfg, self.drafter
-        cap = cfg.draft or "6 at temperature 0, 4 sampling"
+        cap = cfg.draft or "6 (temperature 0) or 4 (sampling)"
         return (f"MTP: drafting up to {cap} tokens a round ({'adaptive' if cfg.adapt else 'fixed'} length) with "
                 f"{d.source}{'' if d.device_chain else ', embedding gathered on the host'}; "
                 f"{'rejection sampling' if cfg.stochastic else 'exact-match verification'} at temperature > 0; "
