@@ -107,6 +107,8 @@ def serve(
     kv: Optional[str] = typer.Option(None, "--kv", help="KV cache type (knob KV)"),
     queue: Optional[str] = typer.Option(None, "--queue", help="requests that may wait (knob QUEUE)"),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="bearer token (knob API_KEY)"),
+    mtp: Optional[bool] = typer.Option(None, "--mtp/--no-mtp", help="MTP speculative decoding (knob MTP)"),
+    draft: Optional[str] = typer.Option(None, "--draft", help="MTP-only GGUF of the draft head (knob MODEL_DRAFT)"),
 ) -> None:
     """Serve a model over the OpenAI-compatible HTTP API (flags override the env knobs)."""
     try:
@@ -114,7 +116,7 @@ def serve(
         from vkflash.server.state import ServerOptions
 
         s = settings.load(flags={"MODEL": model, "HOST": host, "PORT": port, "CTX": ctx, "UB": ub, "KV": kv,
-                                 "QUEUE": queue, "API_KEY": api_key})
+                                 "QUEUE": queue, "API_KEY": api_key, "MTP": mtp, "MODEL_DRAFT": draft})
         run_server(s, ServerOptions(queue_depth=s["QUEUE"]))
     except VkflashError as e:
         _fail(e)
@@ -172,15 +174,20 @@ def run_cmd(
     ctx: Optional[int] = typer.Option(None, "--ctx", "-c", help="context tokens (knob CTX)"),
     ub: Optional[int] = typer.Option(None, "--ub", help="prefill ubatch (knob UB)"),
     kv: Optional[str] = typer.Option(None, "--kv", help="KV cache type (knob KV)"),
+    mtp: Optional[bool] = typer.Option(None, "--mtp/--no-mtp", help="MTP speculative decoding (knob MTP)"),
+    draft: Optional[str] = typer.Option(None, "--draft", help="MTP-only GGUF of the draft head (knob MODEL_DRAFT)"),
 ) -> None:
     """Run one prompt (-p) or chat interactively: streamed text, then prefill and decode tok/s."""
     try:
         from vkflash import run as runner
         from vkflash.model.default_model import resolve_model
 
+        s = settings.load(flags={"MTP": mtp, "MODEL_DRAFT": draft})
+        settings.install(s)
         err = Console(stderr=True)
         params = runner.sampling(temperature, top_k, top_p, min_p, seed, max_tokens)
-        session = runner.open_session(resolve_model(model), err, ctx, ub, kv)
+        draft_path = resolve_model(s["MODEL_DRAFT"], "MODEL_DRAFT") if s["MODEL_DRAFT"] else None
+        session = runner.open_session(resolve_model(model), err, ctx, ub, kv, s["MTP"], draft_path)
         if prompt is not None:
             runner.run_prompt(session, prompt, params, sys.stdout, err, raw=raw, system=system)
         else:

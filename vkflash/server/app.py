@@ -164,7 +164,6 @@ def create_app(state: ServerState) -> ASGIApp:
             "slot_busy": ("1 while a generation runs", float(slot.busy if slot else 0)),
             "kv_fill_ratio": ("fraction of the context in use", slot.kv_fill() if slot else 0.0),
             "guard_tier": ("deep-context guard tier in effect (0: none)", float(getattr(fwd, "guard_tier", 0))),
-            "draft_acceptance_ratio": ("MTP draft tokens accepted / drafted", float(getattr(fwd, "draft_acceptance", 0))),
         }
         return PlainTextResponse(state.metrics.render(gauges), media_type="text/plain; version=0.0.4")
 

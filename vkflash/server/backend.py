@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vkflash.engine.api import EngineInfo, Forward
 from vkflash.engine.reference_backend import ReferenceForward
@@ -15,6 +16,9 @@ from vkflash.model.tokenizer import Tokenizer, read_tokenizer_meta
 from vkflash.model.hparams import HParams, hparams_from_gguf
 from vkflash.model.weights import load_model
 from vkflash.settings import Settings
+
+if TYPE_CHECKING:
+    from vkflash.engine.speculate import Speculator
 
 # knobs that steer the GPU forward only (BLKTOPK and GP reach the reference's QSA options); the
 # reference backend says so instead of ignoring them silently
@@ -39,13 +43,27 @@ def _forward(settings: Settings, path: Path, hp: HParams, n_ctx: int) -> tuple[F
     if choice == "gpu" or (choice == "auto" and hp.arch in graphs.ARCHS):
         from vkflash.engine.gpu_forward import GpuForward
 
+        if settings["MTP"]:
+            return open_speculator(path, settings["MODEL_DRAFT"] or None, ctx=n_ctx), "vulkan+mtp"
         return GpuForward(path, ctx=n_ctx), "vulkan"
+    if settings["MTP"]:
+        raise ConfigError("MTP=1 needs the GPU forward (VKFLASH_BACKEND=gpu or auto with a qwen4exp model)")
     fwd = ReferenceForward(load_model(path), n_ctx, qsa_mode="block" if settings["BLKTOPK"] else "cell",
                            gathered=bool(settings["GP"]))
     unused = [k for k in REFERENCE_IGNORES if settings.sources.get(k, "default") != "default"]
     if unused:
         print(f"note: {', '.join(unused)} set but without effect on the NumPy reference backend", flush=True)
     return fwd, "numpy-reference"
+
+
+def open_speculator(path: Path, draft: str | None, **forward: object) -> "Speculator":
+    """The MTP speculator of a model (its own MTP block, or the MTP-only GGUF `draft`); says so."""
+    from vkflash.engine.speculate import Speculator
+    from vkflash.model.default_model import resolve_model
+
+    sp = Speculator.open(path, resolve_model(draft, "MODEL_DRAFT") if draft else None, **forward)
+    print(sp.describe(), flush=True)
+    return sp
 
 
 def model_path(settings: Settings) -> Path:
