@@ -253,21 +253,42 @@ def bench_model(
     kv: Optional[str] = typer.Option(None, "--kv", help="KV cache type (knob KV)"),
     as_json: bool = typer.Option(False, "--json"),
     quick: bool = typer.Option(False, "--quick", help="small sizes, every row (CI, lavapipe)"),
+    mtp: bool = typer.Option(False, "--mtp", help="greedy MTP speculation vs plain decode (default depths 0,32768)"),
+    draft: Optional[str] = typer.Option(None, "--draft", help="--mtp: MTP-only GGUF (knob MODEL_DRAFT)"),
+    accept: Optional[str] = typer.Option(None, "--accept",
+                                         help="--mtp: draft agreement probabilities, default 0,0.5,0.87,1"),
 ) -> None:
-    """pp512/pp2048/tg128, windows and rates at depths, dispatches and host µs per decode token, roofline."""
+    """pp512/pp2048/tg128, windows and rates at depths, dispatches and host µs per decode token, roofline;
+    with --mtp: decode rates of MTP speculation whose drafts agree with probability P, next to plain decode."""
     try:
         from vkflash.bench.model import run as run_bench
+        from vkflash.bench.model import run_mtp
         from vkflash.model.default_model import resolve_model
 
-        try:
-            depths = None if depth is None else [int(d) for d in depth.split(",") if d.strip()]
-        except ValueError:
-            raise ConfigError(f"--depth {depth!r}: expected comma-separated token counts") from None
+        depths = _numbers(depth, "--depth", int)
         if depths is not None and any(d < 0 for d in depths):
             raise ConfigError(f"--depth {depth!r}: depths must be ≥ 0")
+        if mtp:
+            accepts = _numbers(accept, "--accept", float)
+            if accepts is not None and any(not 0 <= p <= 1 for p in accepts):
+                raise ConfigError(f"--accept {accept!r}: probabilities must be in 0..1")
+            draft = draft or settings.current()["MODEL_DRAFT"] or None
+            run_mtp(resolve_model(model), resolve_model(draft, "--draft") if draft else None, quick, depths, accepts,
+                    as_json, console, ub, kv)
+            return
         run_bench(resolve_model(model), quick, depths, as_json, console, ub, kv)
     except VkflashError as e:
         _fail(e)
+
+
+def _numbers(text: Optional[str], flag: str, kind: type) -> Optional[list]:
+    """A comma-separated list of `kind` values from an option, None when not given."""
+    if text is None:
+        return None
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: expected comma-separated {kind.__name__} values") from None
 
 
 def main() -> None:
