@@ -126,7 +126,7 @@ class TableDrafter:
     table: np.ndarray
     k_max: int
     device_chain: bool = True
-    last: int = 0
+    pending: int = 1
     proposals: int = 0
 
     def _row(self, t: int) -> np.ndarray:

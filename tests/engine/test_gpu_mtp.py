@@ -43,7 +43,8 @@ def _models(tmp_path: Path, rng: np.random.Generator, layout: str) -> tuple[Path
     return trunk, draft
 
 
-def _open(gpu, path: Path, draft: Path | None, ctx: int = 128, ub: int = 8, kv: str = "f16", **flags: str) -> Speculator:
+def _open(gpu, path: Path, draft: Path | None, ctx: int = 128, ub: int = 8, kv: str = "f16",
+          **flags: str) -> Speculator:
     with knobs(**flags):
         return Speculator.open(path, draft, ctx=ctx, ub=ub, kv=kv, gpu=gpu)
 
@@ -95,7 +96,8 @@ def test_draft_head_matches_reference(gpu, rng, tmp_path, layout):
         err = np.abs(dr.logits[i] - ref64[i]).max() / ref64[i].std()
         tol = max(EXACT, 4 * np.abs(ref32[i] - ref64[i]).max() / ref64[i].std())
         assert err <= tol, f"row {i}: max|Δ| = {err:.2e}·std > {tol:.2e}"
-        assert dr.ids[i] == int(np.argmax(ref64[i])) or np.sort(ref64[i])[-2] >= ref64[i].max() - 2 * tol * ref64[i].std()
+        top2 = np.sort(ref64[i])[-2:]
+        assert dr.ids[i] == int(np.argmax(ref64[i])) or top2[1] - top2[0] <= 2 * tol * ref64[i].std()
 
 
 def _generate(fwd, prompt: list[int], params: SamplingParams) -> tuple[list[int], object]:
