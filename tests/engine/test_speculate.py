@@ -49,11 +49,11 @@ def test_greedy_rounds_are_greedy_decoding(rng, k, adapt, chain):
                    SamplingParams(temperature=0.0, repetition_penalty=1.4, ignore_eos=True)):
         want = _tokens(ArgmaxTableForward(target, 80), prompt, params)
         assert len(want) == 75
-        sp = _speculator(target, draft, 80, SpecConfig(k, 0.0, True, adapt), chain)
-        sp.policy.t_plain = 1.0  # a plain round "costs" 1 s: drafting looks cheap, so it happens
-        assert _tokens(sp, prompt, params) == want
-        sp.propose = agreeing(want, len(prompt), 0.6, V, rng)
-        assert _tokens(sp, prompt, params) == want
+        for propose in (None, agreeing(want, len(prompt), 0.6, V, rng)):
+            sp = _speculator(target, draft, 80, SpecConfig(k, 0.0, True, adapt), chain)
+            sp.policy.t_plain = 1.0  # a plain round "costs" 1 s: drafting looks cheap, so it happens
+            sp.propose = propose
+            assert _tokens(sp, prompt, params) == want
         assert 0 < sp.accepted < sp.drafted
 
 

@@ -206,7 +206,8 @@ class Speculator:
         """One round from the token x (the last of `history`, not yet fed): the tokens it produces,
         at least one, at most `limit` (≥ 1) and never past the context."""
         greedy = sampler.params.greedy
-        room = min(self.n_ctx - self.fwd.n_past - 1, limit - 1)
+        step = min(self.fwd.ub, self.fwd.model.head.rows)  # the most tokens one verify step holds
+        room = min(self.n_ctx - self.fwd.n_past - 1, limit - 1, step - 1)
         k = self.policy.length(self.cfg.cap(greedy), room)
         records, t0 = Graph.records, time.perf_counter()
         r = self._round(x, k, sampler, history) if k else Round(tokens=[self._plain(x, sampler, history)])
