@@ -229,11 +229,11 @@ class Speculator:
         n = self.fwd.n_past
         rejection = self.cfg.stochastic and not sampler.params.greedy
         usual = self.drafter.pending <= k + 1  # not the first round after a prompt (its whole last ubatch)
-        drafts, qs = self._draft(x, k, sampler, _window(history, sampler), rejection)
+        history = _window(history, sampler)
+        drafts, qs = self._draft(x, k, sampler, history, rejection)
         if self.propose is not None:
             drafts = self.propose(n + 1, drafts)
         r = Round(drafted=len(drafts), timed=len(drafts) == k and usual)
-        history = _window(history, sampler)
         if not drafts:  # cut to nothing: the pending rows are in the cache, so this is a plain step
             r.tokens = [self._plain(x, sampler, history)]
             return r
