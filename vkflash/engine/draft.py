@@ -105,6 +105,7 @@ class MtpDrafter:
         self._p0 = 1  # MTP position of pending row 0 (target position of hidden row 0, plus 1)
         self._c = 0  # pending rows: hidden rows [0, c)
         self._tokens: list[int] = []  # tokens of pending rows 0..c−2 (the last one's is the next token)
+        self._pos0 = 0  # position of the last round's draft row
 
     @property
     def pending(self) -> int:
