@@ -220,3 +220,23 @@ def test_configuration_errors(gpu, rng, tmp_path):
     other = make_model("qwen3next", "tiny", "F32", 1, tmp_path / "n.gguf")[0]
     with pytest.raises(ConfigError, match="needs a qwen4exp model"):
         _open(gpu, other, draft)
+
+
+def test_job_log_names_draft_and_verify_submissions(gpu, rng, tmp_path):
+    """VKFLASH_JOB_LOG=1: the catch-up, draft-round and verify submissions are lines of their own."""
+    import io
+    from dataclasses import replace
+
+    from vkflash.gpu import trace
+
+    path, _ = _models(tmp_path, rng, "in-file")
+    logged = gpu.with_options(replace(gpu.options, tracing=replace(gpu.options.tracing, job_log=True)))
+    sp = _open(logged, path, None, ctx=64, DRAFT="3", SPEC_ADAPT="0")
+    old, trace.OUT = trace.OUT, io.StringIO()
+    try:
+        _generate(sp, [int(t) for t in rng.integers(0, V, 9)], SamplingParams(temperature=0.0, max_tokens=6))
+        log = trace.OUT.getvalue()
+    finally:
+        trace.OUT = old
+    names = {line.split()[2] for line in log.splitlines() if line.startswith("job ")}
+    assert {"mtp.catch.8", "mtp.round.1.3", "qwen4exp.verify.4"} <= names, names

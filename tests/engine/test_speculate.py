@@ -166,3 +166,18 @@ def test_generate_with_rounds_of_several_tokens(rng):
     plain = list(generate(ArgmaxTableForward(target, 64), ByteCodec(eog=-1), [31], SamplingParams(temperature=0.0,
                                                                                                   max_tokens=3)))
     assert "draft_n" not in plain[-1].timings.to_json()  # type: ignore[union-attr]
+
+
+def test_confidence_cut_off(rng):
+    """DRAFT_PMIN: a draft ends at its first token whose top-10 softmax weight is below p_min (a round
+    cut to nothing is a plain step); output is still greedy decoding's."""
+    V = 12
+    target, draft = _tables(rng, V, 0.8)
+    draft[:, 0] += 3.0  # drafting token 0 is confident, every other token much less so
+    prompt = [int(t) for t in rng.integers(0, V, 5)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = _tokens(ArgmaxTableForward(target, 64), prompt, params)
+    free = _speculator(target, draft, 64, SpecConfig(4, 0.0, True, False))
+    cut = _speculator(target, draft, 64, SpecConfig(4, 0.95, True, False))
+    assert _tokens(free, prompt, params) == want == _tokens(cut, prompt, params)
+    assert cut.drafted < free.drafted and cut.plain > free.plain
