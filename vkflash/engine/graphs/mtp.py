@@ -56,10 +56,6 @@ class DraftModel:
     chain: Buffer
     rows: list[StepParams]
 
-    @property
-    def k_max(self) -> int:
-        return len(self.rows)
-
 
 def _eh(m: StepModel) -> tuple[QWeight, QWeight]:
     """W_fe and W_fh (rows of eh_proj as re-laid at upload: qwen4exp.eh_halves)."""
