@@ -6,7 +6,6 @@
 // GROUPED 0) or ⌊j/(n_v/n_k)⌋ (grouped, GROUPED 1) (G7) — then, with α = e^g:
 //   MODE 0 (step; decode and short verify batches), token by token (G8) using
 //     r1 = Sᵀk̂, r2 = Sᵀq̂ of the undecayed S:  δ = β(v − α r1);  o = α r2 + δ (k̂·q̂);  S ← αS + k̂δᵀ.
-//     Checkpoint slot s < n_slots receives S after token T-1-s (slot 0 = the final state).
 //   MODE 1 (chunked prefill, scalar), chunks of n ≤ CH tokens (GC1–GC6), with V' solved directly as
 //     V' = A⁻¹ diag(β)(V − diag(e^γ) K̂ S₀)  (= U − Wk S₀ of GC3–GC4, without forming Wk).
 //   MODE 2 (chunked prefill, matrix form; the default, VKFLASH_GDN_MATRIX=0 reverts to MODE 1):
@@ -20,9 +19,13 @@
 //       V'_k = T_kk (R_k − A_{k,<k} V'_{<k}) block row by block row  (V' = (I+A)⁻¹R = U − Wk S₀,
 //              GC3–GC4 with Wk·S₀ folded into R: T·(βV) − T·(βe^γK̂)·S₀ without all of T, or Wk)
 //       O = O₀ + P V' (GC5);  S₁ = e^{γ_{CH−1}} S₀ + K̂ᵀ diag(e^{γ_{CH−1}−γ}) V' (GC6)
-// Buffers (f32): 0 c [T rows, stride c_stride: q (n_k·S) | k (n_k·S) | v (n_v·S)], 1 beta and
-// 2 g [T rows × n_v], 3 state [n_v, S, S] from st_off (read, then written in place), 4 o [T rows ×
-// n_v·S], 5 slots [n_slots, n_v, S, S] from sl_off. Offsets and strides in elements.
+// The state lives in n_planes planes of [n_v, S, S] (engine/state.py); the live one is plane
+// q = idx[idx_off] mod n_planes (plane 0 when n_planes = 1, idx unread). Without RING the final
+// state goes back into plane q; with ring ≠ 0 (MODE 0 only, a verify step, T < n_planes) plane q is
+// left as it was and plane (q+1+t) mod n_planes gets the state after token t.
+// Buffers: 0 c (f32) [T rows, stride c_stride: q (n_k·S) | k (n_k·S) | v (n_v·S)], 1 beta and
+// 2 g (f32) [T rows × n_v], 3 planes (f32) [n_planes, n_v, S, S] from st_off (read, then
+// written), 4 o (f32) [T rows × n_v·S], 5 idx (uint). Offsets and strides in elements.
 // RAW_GATES: β = σ(b), g = softplus(a + dt_bias[j])·ssm_a[j] (G2, G3, as shaders/gdn_gates.comp)
 // are computed where read from the raw projections 8 b and 9 a [T rows × n_v] (b_off, b_stride,
 // a_off, a_stride), 6 dt_bias [n_v] from dt_off and 7 ssm_a [n_v] from sa_off; buffers 1 and 2
@@ -46,7 +49,7 @@ layout(std430, binding = 1) readonly buffer Bb { float beta[]; };
 layout(std430, binding = 2) readonly buffer Gb { float gg[]; };
 layout(std430, binding = 3) buffer St { float st[]; };
 layout(std430, binding = 4) buffer Ob { float o[]; };
-layout(std430, binding = 5) writeonly buffer Sl { float sl[]; };
+layout(std430, binding = 5) readonly buffer Idx { uint idx[]; };
 layout(std430, binding = 6) readonly buffer Dt { float dt_bias[]; };
 layout(std430, binding = 7) readonly buffer Sa { float ssm_a[]; };
 layout(std430, binding = 8) readonly buffer Braw { float b_raw[]; };
@@ -54,18 +57,20 @@ layout(std430, binding = 9) readonly buffer Araw { float a_raw[]; };
 layout(push_constant) uniform P {
     uint n_k; uint n_v; uint T;
     uint c_off; uint c_stride; uint beta_off; uint beta_stride; uint g_off; uint g_stride;
-    uint st_off; uint o_off; uint o_stride; uint sl_off; uint n_slots; float eps;
+    uint st_off; uint o_off; uint o_stride; uint n_planes; uint idx_off; uint ring; float eps;
     uint dt_off; uint sa_off; uint b_off; uint b_stride; uint a_off; uint a_stride;
 } p;
 
 shared float sh[SH];
 
 uint j, b0, kh;  // v-head, first value column, key head π(j)
+uint live;  // the live plane
 
 uint q_col(uint a) { return p.c_off + kh * S + a; }
 uint k_col(uint a) { return p.c_off + (p.n_k + kh) * S + a; }
 uint v_col(uint b) { return p.c_off + 2 * p.n_k * S + j * S + b0 + b; }
-uint st_idx(uint a, uint b) { return p.st_off + (j * S + a) * S + b0 + b; }
+// Element (key row a, value column b0 + b) of head j in plane q.
+uint st_idx(uint q, uint a, uint b) { return p.st_off + ((q * p.n_v + j) * S + a) * S + b0 + b; }
 
 // β and g of token t for head j: as stored, or from the raw projections (RAW_GATES).
 float beta_at(uint t) {
@@ -85,7 +90,7 @@ void step_mode() {
     uint tid = gl_LocalInvocationID.x, b = tid % BW, pp = tid / BW;
     const uint KS = 0, QS = S, P1 = 2 * S, P2 = 2 * S + WG, RD = 2 * S + 2 * WG;
     float s[ROWS];
-    for (uint r = 0; r < ROWS; ++r) s[r] = st[st_idx(pp + NP * r, b)];
+    for (uint r = 0; r < ROWS; ++r) s[r] = st[st_idx(live, pp + NP * r, b)];
     for (uint t = 0; t < p.T; ++t) {
         uint row = t * p.c_stride;
         float kk = 0.0, qq = 0.0, kq = 0.0;
@@ -138,15 +143,15 @@ void step_mode() {
         float delta = beta_at(t) * (c[v_col(b) + row] - alpha * r1);
         if (pp == 0) o[p.o_off + t * p.o_stride + j * S + b0 + b] = alpha * r2 + delta * kq_hat;
         for (uint r = 0; r < ROWS; ++r) s[r] = alpha * s[r] + sh[KS + pp + NP * r] * rk * delta;
-        uint slot = p.T - 1 - t;
-        if (slot < p.n_slots) {
-            for (uint r = 0; r < ROWS; ++r) {
-                sl[p.sl_off + ((slot * p.n_v + j) * S + pp + NP * r) * S + b0 + b] = s[r];
-            }
+        if (p.ring != 0) {
+            uint q = (live + 1 + t) % p.n_planes;
+            for (uint r = 0; r < ROWS; ++r) st[st_idx(q, pp + NP * r, b)] = s[r];
         }
         barrier();  // ks, qs, part1, part2 are rewritten by the next token
     }
-    for (uint r = 0; r < ROWS; ++r) st[st_idx(pp + NP * r, b)] = s[r];
+    if (p.ring == 0) {
+        for (uint r = 0; r < ROWS; ++r) st[st_idx(live, pp + NP * r, b)] = s[r];
+    }
 }
 
 // MODE 1. Shared: K̂ [CH, S] | Q̂ [CH, S] | Att [CH, CH] | S₀ slice [S, BW] | V' [CH, BW] | γ [CH]
@@ -156,7 +161,7 @@ void chunk_mode() {
     const uint KR = 0, QR = CH * S, AT = 2 * CH * S, SR = AT + CH * CH, VR = SR + S * BW;
     const uint GR = VR + CH * BW, BR = GR + CH;
     uint tid = gl_LocalInvocationID.x;
-    for (uint e = tid; e < S * BW; e += WG) sh[SR + e] = st[st_idx(e / BW, e % BW)];
+    for (uint e = tid; e < S * BW; e += WG) sh[SR + e] = st[st_idx(live, e / BW, e % BW)];
     for (uint t0 = 0; t0 < p.T; t0 += CH) {
         uint n = min(CH, p.T - t0);
         // load raw K, Q, the V slice, β and g of the chunk
@@ -236,7 +241,7 @@ void chunk_mode() {
         }
         barrier();  // the next chunk reloads K̂, Q̂, V' and reads S₀
     }
-    for (uint e = tid; e < S * BW; e += WG) st[st_idx(e / BW, e % BW)] = sh[SR + e];
+    for (uint e = tid; e < S * BW; e += WG) st[st_idx(live, e / BW, e % BW)] = sh[SR + e];
 }
 
 // MODE 2. Shared, rows padded by one float so rows 4 apart fall in different banks:
@@ -267,7 +272,7 @@ void matrix_mode() {
     const uint LK = (CH * S + WG - 1) / WG, LV = (CH * BW + WG - 1) / WG;  // loads per invocation
     uint tid = gl_LocalInvocationID.x;
     float oacc[TL][TL];
-    for (uint e = tid; e < S * BW; e += WG) sh[SR + e] = st[st_idx(e / BW, e % BW)];
+    for (uint e = tid; e < S * BW; e += WG) sh[SR + e] = st[st_idx(live, e / BW, e % BW)];
     for (uint t0 = 0; t0 < p.T; t0 += CH) {
         uint n = min(CH, p.T - t0);
         // raw K, Q rows and the V slice of the chunk, zero on padding rows i ≥ n: every load first
@@ -475,7 +480,7 @@ void matrix_mode() {
         }
         barrier();  // the next chunk reloads K, Q, V and the vectors and reads S₁
     }
-    for (uint e = tid; e < S * BW; e += WG) st[st_idx(e / BW, e % BW)] = sh[SR + e];
+    for (uint e = tid; e < S * BW; e += WG) st[st_idx(live, e / BW, e % BW)] = sh[SR + e];
 }
 
 void main() {
@@ -483,6 +488,7 @@ void main() {
     j = gl_WorkGroupID.x / slices;
     b0 = (gl_WorkGroupID.x % slices) * BW;
     kh = GROUPED == 1 ? j / (p.n_v / p.n_k) : j % p.n_k;
+    live = p.n_planes > 1 ? idx[p.idx_off] % p.n_planes : 0;
     if (MODE == 0) step_mode();
     else if (MODE == 1) chunk_mode();
     else matrix_mode();

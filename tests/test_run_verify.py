@@ -123,6 +123,26 @@ def test_cli_run_prompt(gpu, chat_model):
     assert r.stdout.endswith("\n") and "prefill" not in r.stdout
 
 
+def test_cli_run_mtp(gpu, tmp_path, rng):
+    """`vkflash run --mtp`: the MTP line at startup, the drafted/accepted counts with the rates, and
+    the same greedy text as without; a model without an MTP block is one error line."""
+    from vkflash.model.make_model import make_model
+
+    seed = int(rng.integers(1 << 31))
+    path = make_model("qwen4exp", "tiny", "F32", seed, tmp_path / "m.gguf", mtp_block=True)[0]
+    args = ["run", str(path), "-p", "hello", "-n", "8", "--ctx", "96", "--ub", "16", "--temp", "0"]
+    plain = CliRunner().invoke(cli.app, args)
+    r = CliRunner().invoke(cli.app, [*args, "--mtp"])
+    assert r.exit_code == 0, r.stderr
+    err = " ".join(r.stderr.split())  # the console wraps lines
+    assert "MTP: drafting up to 6 (temperature 0) or 4 (sampling) tokens a round" in err
+    assert re.search(r"\d+ of \d+ drafted tokens accepted", err), err
+    assert r.stdout == plain.stdout
+    bare = make_model("qwen4exp", "tiny", "F32", seed, tmp_path / "b.gguf")[0]
+    bad = CliRunner().invoke(cli.app, ["run", str(bare), "-p", "hi", "-n", "2", "--ctx", "64", "--mtp"])
+    assert bad.exit_code == 1 and "no MTP block" in bad.stderr
+
+
 # --- verify ---------------------------------------------------------------------------------
 
 @pytest.fixture

@@ -64,9 +64,9 @@ def test_mem_budget_suffixes():
 def test_planned_knobs_are_named_when_set():
     """Knobs whose feature is not built yet are accepted but reported, never silently ignored."""
     assert settings.load(env={}).planned_in_use() == []
-    s = settings.load(env={"MTP": "1", "UB": "512"})
-    assert s.planned_in_use() == ["MTP"]
-    assert "planned" in settings.markdown_table().split("`MTP`")[1].splitlines()[0]
+    s = settings.load(env={"MODEL_DRAFT_SMALL": "small.gguf", "UB": "512"})
+    assert s.planned_in_use() == ["MODEL_DRAFT_SMALL"]
+    assert "planned" in settings.markdown_table().split("`MODEL_DRAFT_SMALL`")[1].splitlines()[0]
 
 
 def test_guard_step_knobs():

@@ -107,6 +107,8 @@ def serve(
     kv: Optional[str] = typer.Option(None, "--kv", help="KV cache type (knob KV)"),
     queue: Optional[str] = typer.Option(None, "--queue", help="requests that may wait (knob QUEUE)"),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="bearer token (knob API_KEY)"),
+    mtp: Optional[bool] = typer.Option(None, "--mtp/--no-mtp", help="MTP speculative decoding (knob MTP)"),
+    draft: Optional[str] = typer.Option(None, "--draft", help="MTP-only GGUF of the draft head (knob MODEL_DRAFT)"),
 ) -> None:
     """Serve a model over the OpenAI-compatible HTTP API (flags override the env knobs)."""
     try:
@@ -114,7 +116,7 @@ def serve(
         from vkflash.server.state import ServerOptions
 
         s = settings.load(flags={"MODEL": model, "HOST": host, "PORT": port, "CTX": ctx, "UB": ub, "KV": kv,
-                                 "QUEUE": queue, "API_KEY": api_key})
+                                 "QUEUE": queue, "API_KEY": api_key, "MTP": mtp, "MODEL_DRAFT": draft})
         run_server(s, ServerOptions(queue_depth=s["QUEUE"]))
     except VkflashError as e:
         _fail(e)
@@ -229,6 +231,7 @@ def make_model_cmd(
     config: str = typer.Option("tiny", "--config", help="tiny | shape-8L | shape-48L"),
     quant: Optional[str] = typer.Option(None, "--quant", help="tiny: F32 | F16 | Q8_0 | mix; shape: Q4_K_M | Q8_0"),
     mtp_separate: bool = typer.Option(False, "--mtp-separate", help="write the MTP block to <out>-mtp.gguf"),
+    mtp_block: bool = typer.Option(False, "--mtp", help="write the MTP block into the model file (vkflash only)"),
     variant: Optional[str] = typer.Option(None, "--variant", help="comma-separated layout variants"),
     seed: int = typer.Option(0, "--seed"),
     sparse: bool = typer.Option(False, "--sparse", help="header and tensor table only, the data a hole (for "
@@ -240,7 +243,7 @@ def make_model_cmd(
         from vkflash.model.make_model import make_model
 
         for p in make_model(arch, config, quant, seed, out, mtp_separate=mtp_separate, variant=variant,
-                            sparse=sparse):
+                            sparse=sparse, mtp_block=mtp_block):
             typer.echo(f"wrote {p} ({p.stat().st_size / 2**20:.1f} MiB)")
     except VkflashError as e:
         _fail(e)
@@ -261,15 +264,20 @@ def run_cmd(
     ctx: Optional[int] = typer.Option(None, "--ctx", "-c", help="context tokens (knob CTX)"),
     ub: Optional[int] = typer.Option(None, "--ub", help="prefill ubatch (knob UB)"),
     kv: Optional[str] = typer.Option(None, "--kv", help="KV cache type (knob KV)"),
+    mtp: Optional[bool] = typer.Option(None, "--mtp/--no-mtp", help="MTP speculative decoding (knob MTP)"),
+    draft: Optional[str] = typer.Option(None, "--draft", help="MTP-only GGUF of the draft head (knob MODEL_DRAFT)"),
 ) -> None:
     """Run one prompt (-p) or chat interactively: streamed text, then prefill and decode tok/s."""
     try:
         from vkflash import run as runner
         from vkflash.model.default_model import resolve_model
 
+        s = settings.load(flags={"MTP": mtp, "MODEL_DRAFT": draft})
+        settings.install(s)
         err = Console(stderr=True)
         params = runner.sampling(temperature, top_k, top_p, min_p, seed, max_tokens)
-        session = runner.open_session(resolve_model(model), err, ctx, ub, kv)
+        draft_path = resolve_model(s["MODEL_DRAFT"], "MODEL_DRAFT") if s["MODEL_DRAFT"] else None
+        session = runner.open_session(resolve_model(model), err, ctx, ub, kv, s["MTP"], draft_path)
         if prompt is not None:
             runner.run_prompt(session, prompt, params, sys.stdout, err, raw=raw, system=system)
         else:
@@ -337,21 +345,42 @@ def bench_model(
     quick: bool = typer.Option(False, "--quick", help="small sizes, every row (CI, lavapipe)"),
     profile: bool = typer.Option(False, "--profile", help="also the decode step's GPU time per op"),
     reps: Optional[int] = typer.Option(None, "--reps", min=1, help="timings of each depth-0 row (default 3)"),
+    mtp: bool = typer.Option(False, "--mtp", help="greedy MTP speculation vs plain decode (default depths 0,32768)"),
+    draft: Optional[str] = typer.Option(None, "--draft", help="--mtp: MTP-only GGUF (knob MODEL_DRAFT)"),
+    accept: Optional[str] = typer.Option(None, "--accept",
+                                         help="--mtp: draft agreement probabilities, default 0,0.5,0.87,1"),
 ) -> None:
-    """pp512/pp2048/tg128, windows and rates at depths, dispatches and host µs per decode token, roofline."""
+    """pp512/pp2048/tg128, windows and rates at depths, dispatches and host µs per decode token, roofline;
+    with --mtp: decode rates of MTP speculation whose drafts agree with probability P, next to plain decode."""
     try:
         from vkflash.bench.model import run as run_bench
+        from vkflash.bench.model import run_mtp
         from vkflash.model.default_model import resolve_model
 
-        try:
-            depths = None if depth is None else [int(d) for d in depth.split(",") if d.strip()]
-        except ValueError:
-            raise ConfigError(f"--depth {depth!r}: expected comma-separated token counts") from None
+        depths = _numbers(depth, "--depth", int)
         if depths is not None and any(d < 0 for d in depths):
             raise ConfigError(f"--depth {depth!r}: depths must be ≥ 0")
+        if mtp:
+            accepts = _numbers(accept, "--accept", float)
+            if accepts is not None and any(not 0 <= p <= 1 for p in accepts):
+                raise ConfigError(f"--accept {accept!r}: probabilities must be in 0..1")
+            draft = draft or settings.current()["MODEL_DRAFT"] or None
+            run_mtp(resolve_model(model), resolve_model(draft, "--draft") if draft else None, quick, depths, accepts,
+                    as_json, console, ub, kv)
+            return
         run_bench(resolve_model(model), quick, depths, as_json, console, ub, kv, profile, reps)
     except VkflashError as e:
         _fail(e)
+
+
+def _numbers(text: Optional[str], flag: str, kind: type) -> Optional[list]:
+    """A comma-separated list of `kind` values from an option, None when not given."""
+    if text is None:
+        return None
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: expected comma-separated {kind.__name__} values") from None
 
 
 def main() -> None:

@@ -38,11 +38,13 @@ class Session:
 
 
 def open_session(path: Path, console: "Console", ctx: int | None = None, ub: int | None = None,
-                 kv: str | None = None) -> Session:
-    """Read the tokenizer and template, then upload the weights behind a progress bar."""
+                 kv: str | None = None, mtp: bool = False, draft: Path | None = None) -> Session:
+    """Read the tokenizer and template, then upload the weights behind a progress bar; `mtp`: decode
+    by MTP speculation (the model's own MTP block, or the MTP-only GGUF `draft`)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
     from vkflash.engine.gpu_forward import GpuForward
+    from vkflash.engine.speculate import Speculator
     from vkflash.model.chat import QWEN3_THINKING_TEMPLATE
     from vkflash.model.tokenizer import read_tokenizer_meta
 
@@ -52,12 +54,15 @@ def open_session(path: Path, console: "Console", ctx: int | None = None, ub: int
     with Progress(TextColumn(f"loading {path.name}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                   console=console, transient=True) as bar:
         task = bar.add_task("load", total=None)
-        fwd = GpuForward(path, ctx=ctx, ub=ub, kv=kv,
-                         progress=lambda done, total: bar.update(task, completed=done, total=total))
+        progress = lambda done, total: bar.update(task, completed=done, total=total)  # noqa: E731
+        sp = Speculator.open(path, draft, ctx=ctx, ub=ub, kv=kv, progress=progress) if mtp else None
+        fwd = sp.fwd if sp is not None else GpuForward(path, ctx=ctx, ub=ub, kv=kv, progress=progress)
     if tok.vocab_size > fwd.n_vocab:
         raise ConfigError(f"{path.name}: the tokenizer has {tok.vocab_size} tokens but the model only {fwd.n_vocab}")
     console.print(f"{path.name}: {fwd.hp.arch}, context {fwd.n_ctx} tokens, ubatch {fwd.ub}, on {fwd.gpu.caps.name}")
-    return Session(path, fwd, tok, template, fwd.ub)
+    if sp is not None:
+        console.print(sp.describe())
+    return Session(path, sp or fwd, tok, template, fwd.ub)
 
 
 @dataclass
@@ -94,8 +99,12 @@ def context_full(fin: Finish, n_ctx: int) -> bool:
 def report(fin: Finish, n_ctx: int, console: "Console") -> None:
     """Prefill and decode rates of one generation, and why it stopped when that was the context end."""
     t = fin.timings.to_json()
+    drafts = ""
+    if "draft_n" in t:
+        rate = t["draft_n_accepted"] / t["draft_n"] if t["draft_n"] else 0.0
+        drafts = f", {t['draft_n_accepted']} of {t['draft_n']} drafted tokens accepted ({rate:.0%})"
     console.print(f"prefill {t['prompt_n']} tokens at {t['prompt_per_second']:.1f} tok/s, "
-                  f"decode {t['predicted_n']} tokens at {t['predicted_per_second']:.1f} tok/s "
+                  f"decode {t['predicted_n']} tokens at {t['predicted_per_second']:.1f} tok/s{drafts} "
                   f"(stop: {fin.reason})")
     if context_full(fin, n_ctx):
         console.print(f"[yellow]context end reached ({n_ctx} tokens): generation stopped[/yellow]")

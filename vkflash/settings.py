@@ -116,14 +116,19 @@ def _planned(name: str, parse: Parser, default: Any, help: str, group: str, *ali
 KNOBS: tuple[Knob, ...] = (
     # launcher-level knobs, also read by `vkflash serve`
     _k("MODEL", _text, "", "GGUF file to serve (empty: the default qwen2 model, fetched and cached)", "launcher"),
-    _planned("MODEL_DRAFT", _text, "", "separate GGUF holding the MTP block (empty: use the model's own)", "launcher"),
+    _k("MODEL_DRAFT", _text, "", "MTP-only GGUF holding the draft head, in any quant (empty: the model's own block)",
+       "launcher"),
     _k("HOST", _text, "127.0.0.1", "address the server binds (loopback by default)", "launcher"),
     _k("PORT", _int_range(1, 65535), 8080, "server port", "launcher"),
     _k("CTX", _int_range(0, 1 << 24), 0, "context length in tokens (0: the model's full context)", "launcher"),
     _k("UB", _int_range(1, 8192), 2048, "prefill ubatch in tokens", "launcher"),
     _k("KV", _choice("f16", "q8_0"), "f16", "attention KV cache type", "launcher"),
-    _planned("MTP", _bool, False, "MTP self-speculative decoding", "launcher"),
-    _k("DRAFT", _int_range(0, 16), 0, "draft length (0: 6 at temperature 0, else 4)", "launcher"),
+    _k("MTP", _bool, False, "MTP self-speculative decoding (qwen4exp with an MTP block or MODEL_DRAFT)", "launcher"),
+    _k("DRAFT", _int_range(0, 7), 0, "most tokens drafted per round (0: 6 at temperature 0, else 4; at most 7: "
+       "a verify step of 8 is the most the step kernels keep state planes for)", "launcher"),
+    _k("DRAFT_PMIN", _float_range(0.0, 1.0), 0.0,
+       "cut a draft at its first token whose confidence (softmax over the draft's top 10 logits) is below this "
+       "(0: off)", "launcher"),
     _k("TEMP", _float_range(0.0, 5.0), 0.8, "default sampling temperature", "launcher"),
     _k("REASONING", _choice("", "none", "low", "medium", "high", "xhigh"), "",
        "reasoning effort (empty: the template's default)", "launcher"),
@@ -139,8 +144,12 @@ KNOBS: tuple[Knob, ...] = (
     _k("API_KEY", _text, "", "require this bearer token on every request (empty: none)", "launcher"),
     _k("QUEUE", _int_range(0, 1024), 8, "requests that may wait for the generation slot (more get 503)", "launcher"),
     # revert knobs: each 0 restores the plain path so an optimisation can be A/B-tested
-    _planned("SPEC_STOCH", _bool, True, "0: exact-match verification instead of rejection sampling", "revert"),
-    _planned("RSROLL", _bool, True, "0: restore recurrent checkpoints instead of rolling back in place", "revert"),
+    _k("SPEC_STOCH", _bool, True, "0: exact-match verification instead of rejection sampling when sampling",
+       "revert"),
+    _k("SPEC_ADAPT", _bool, True, "0: always draft the full DRAFT length instead of the length the measured "
+       "acceptance and round costs favour (0 drafts: a plain step)", "revert"),
+    _k("RSROLL", _bool, True, "0: roll recurrent states back by copying the kept state plane on the device instead "
+       "of moving the live-plane index (no copy)", "revert"),
     _k("BLKTOPK", _bool, True, "0: QSA `cell` selection instead of `block` (every cell scores as its block; "
        "ties go to the lower cell index, where llama.cpp's CPU breaks them in heap order)", "revert"),
     _k("GP", _bool, True, "0: masked dense QSA prefill instead of gathered sparse", "revert"),

@@ -103,3 +103,59 @@ class ScriptForward(TableForward):
         k = len(self.seq) - self.n_prompt
         z[self.script[k] if k < len(self.script) else 0] = 50.0
         return z
+
+
+class VerifyTableForward(ArgmaxTableForward):
+    """ArgmaxTableForward with the speculator's verify step: logits (or argmax) after every fed token."""
+
+    ub = 64
+
+    class model:  # noqa: N801 — the head rows a verify step may fill, as GpuForward.model.head.rows
+        class head:  # noqa: N801
+            rows = 64
+
+    def verify(self, ids: Sequence[int], logits: bool = False) -> np.ndarray:
+        self.calls.append(f"verify {len(ids)}")
+        rows = []
+        for t in ids:
+            self._feed([t])
+            rows.append(self.logits())
+        out = np.stack(rows)
+        return out if logits else out.argmax(axis=1)
+
+
+@dataclass
+class TableDrafter:
+    """The draft head's interface over a table: the draft logits after token t are table[t] (a
+    Markov chain of its own); `proposals` counts the tokens it drafted."""
+
+    table: np.ndarray
+    k_max: int
+    device_chain: bool = True
+    pending: int = 1
+    proposals: int = 0
+
+    def _row(self, t: int) -> np.ndarray:
+        return self.table[t].astype(np.float32)
+
+    def draft(self, x: int, k: int, logits: bool = False):
+        from vkflash.engine.draft import Drafted
+
+        ids, rows, t = [], [], x
+        for _ in range(k):
+            rows.append(self._row(t))
+            t = int(np.argmax(rows[-1]))
+            ids.append(t)
+        self.proposals += k
+        return Drafted(ids, np.stack(rows) if logits else None)
+
+    def first(self, x: int) -> np.ndarray:
+        self.proposals += 1
+        return self._row(x)
+
+    def next(self, j: int, token: int) -> np.ndarray:
+        self.proposals += 1
+        return self._row(token)
+
+    def truncated(self, n: int) -> None:
+        pass

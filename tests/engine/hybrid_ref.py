@@ -8,18 +8,31 @@ prompt meets about three router near-ties, and one draw in ~25 a QSA one."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from vkflash import settings
 from vkflash.engine.gpu_forward import steps
 from vkflash.engine.graphs.common import Head
 from vkflash.model import reference
 from vkflash.model.ties import Follow, Seen, tap_names
 from vkflash.model.weights import load_model
+
+@contextmanager
+def knobs(**flags: str) -> Iterator[None]:
+    """Install settings with these knob flags for the block (the forward reads them when built)."""
+    old = settings.current()
+    settings.install(settings.load(flags=flags))
+    try:
+        yield
+    finally:
+        settings.install(old)
+
 
 EXACT = 1e-3  # MODEL.md §7.10: max|Δ| ≤ 1e-3·std(logits) with f32 caches and identical weights
 
@@ -137,6 +150,19 @@ def check_prompt_then_steps(fwd: Any, path: Path, toks: np.ndarray, n_steps: int
     got = np.vstack([device_logits(fwd, toks[:cut], seen)] + [device_logits(fwd, toks[t:t + 1], seen)
                                                               for t in range(cut, len(toks))])
     reference_logits(path, toks, seen).check(got)
+
+
+def live_states(fwd: Any) -> dict[str, np.ndarray]:
+    """The live plane of every recurrent state and the PLE history, to compare runs bit for bit."""
+    rec = getattr(fwd.model.state, "rec", fwd.model.state)
+    out = {s.buf.name: s.buf.read(np.float32, s.plane_words, 4 * rec.live * s.plane_words) for s in rec.states()}
+    return out | {"ple_history": rec.ple_history.copy()}
+
+
+def assert_same_states(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
 SAME = 1e-5

@@ -2,7 +2,7 @@
 each run): hyper-connections, PLE (host hashing + gathered table rows, dilated conv), GDN with the
 tiled head map and σ gate, QSA block selection (dense up to W = 35, sparse after: masked prefill,
 gathered decode), MoE and the head mixer. Logits at every position, prefill-then-decode, greedy
-tokens, rollback of GDN/PLE states and history by checkpoint slots."""
+tokens, verify rows equal to decode, rollback of GDN/PLE states and history (in place and by copy)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hybrid_ref import (check_decode_graph, check_logits_at_every_position, check_prefill_decode_greedy,
-                        check_prompt_then_steps, check_rollback)
+from hybrid_ref import (assert_same_states, check_decode_graph, check_logits_at_every_position,
+                        check_prefill_decode_greedy, check_prompt_then_steps, check_rollback, knobs, live_states)
 from vkflash.engine.gpu_forward import GpuForward
 from vkflash.model.make_model import make_model
 
@@ -57,8 +57,8 @@ def test_prefill_then_decode_and_greedy(gpu, rng, tmp_path):
 
 
 def test_rollback_by_slots(gpu, rng, tmp_path):
-    """A 4-token verify-sized step writes slots of the GDN and PLE conv states; truncating 1..3 of
-    its tokens restores them (and the PLE history): check_rollback."""
+    """A 4-token verify-sized step writes a state plane per token for the GDN and PLE conv states;
+    truncating 1..3 of its tokens goes back to one (and the PLE history): check_rollback."""
     path = _model(tmp_path, rng)
     toks = _prompt(rng, 40)
     check_rollback(lambda: GpuForward(path, ctx=64, ub=16, kv="f32", gpu=gpu), path, toks, int(rng.integers(1, 4)))
@@ -80,3 +80,44 @@ def test_long_prompt_sparse_selection(gpu, rng, tmp_path):
     toks = _prompt(rng, 648)
     fwd = GpuForward(path, ctx=700, ub=64, kv="f32", gpu=gpu, logits_rows=64)
     check_prompt_then_steps(fwd, path, toks, 8)
+
+
+@pytest.mark.parametrize("variant", [None, "dense"], ids=["qsa", "dense"])
+def test_verify_rows_equal_decode(gpu, rng, tmp_path, variant):
+    """A verify-sized step (2..8 tokens, logits of every row) computes each row exactly as a decode
+    step at its position does, bit for bit: attention row by row with the row's own cache length
+    (flash-decode splits of a 600-token cache) and, past W = 35, its own QSA cell list."""
+    path = _model(tmp_path, rng, variant)
+    toks = _prompt(rng, 48)
+    n = int(rng.integers(2, 9))
+    fwd = GpuForward(path, ctx=600, ub=16, kv="f16", gpu=gpu)
+    fwd.prefill(toks[:40])
+    rows = fwd.prefill_logits(toks[40:40 + n])
+    fwd.reset()
+    fwd.prefill(toks[:40])
+    np.testing.assert_array_equal(rows, np.stack([fwd.decode(int(t)) for t in toks[40:40 + n]]))
+
+
+@pytest.mark.parametrize("back", [1, 3, 4])
+def test_rollback_in_place_equals_copy(gpu, rng, tmp_path, back):
+    """A 5-token verify step truncated by `back`: moving the live plane back (RSROLL=1, no copy) and
+    copying the kept plane into the live one (RSROLL=0) leave every recurrent state and the PLE
+    history bit for bit as a fresh run that fed only the kept tokens, and the next logits alike."""
+    path = _model(tmp_path, rng)
+    toks = _prompt(rng, 40)
+    fresh = GpuForward(path, ctx=64, ub=16, kv="f32", gpu=gpu)
+    fresh.prefill(toks[:31])
+    fresh.verify(toks[31:36 - back])  # one step of the kept tokens (a decode step for 1)
+    want = live_states(fresh)
+    want_next = fresh.prefill(toks[36 - back:38])
+    for roll in ("1", "0"):
+        with knobs(RSROLL=roll):
+            fwd = GpuForward(path, ctx=64, ub=16, kv="f32", gpu=gpu)
+        rec = fwd.model.state.rec
+        fwd.prefill(toks[:31])
+        start = rec.live
+        fwd.verify(toks[31:36])
+        fwd.truncate(36 - back)
+        assert rec.live == (start + 5 - (back if roll == "1" else 0)) % rec.n_planes
+        assert_same_states(live_states(fwd), want)
+        np.testing.assert_array_equal(fwd.prefill(toks[36 - back:38]), want_next)

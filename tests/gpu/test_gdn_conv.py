@@ -1,5 +1,5 @@
-"""GDN causal conv + silu with state and checkpoint slots (G4), and the gates (G2, G3), vs float64
-NumPy (the model reference's causal_conv / softplus)."""
+"""GDN causal conv + silu with state planes, in place and per token (G4), and the gates (G2, G3),
+vs float64 NumPy (the model reference's causal_conv / softplus)."""
 
 from __future__ import annotations
 
@@ -25,24 +25,38 @@ def _strided(rng: np.random.Generator, x: np.ndarray) -> tuple[np.ndarray, int, 
     return buf, off, stride
 
 
+def _planes(gpu, rng, st0: np.ndarray, n: int) -> tuple[gdn.Planes, int, np.ndarray]:
+    """n NaN-poisoned planes of st0's shape with st0 in a random live plane (the index word at a
+    random offset of its buffer): the view, the live plane, the buffer's first contents."""
+    rows, C = st0.shape
+    live = int(rng.integers(0, n))
+    init = np.full((n, rows, C), np.nan, np.float32)
+    init[live] = st0
+    word = int(rng.integers(0, 4))
+    index = np.zeros(4, np.uint32)
+    index[word] = live + n * int(rng.integers(0, 3))  # the kernels take it mod n
+    planes = gdn.Planes(gpu.upload(init, "conv_planes"), rows, C, n, gpu.upload(index, "live"), word)
+    return planes, live, init
+
+
 @pytest.mark.parametrize("T", [1, 2, 3, 63, 64, 65, 130])
 @pytest.mark.parametrize("K", [4, 3])
 def test_conv(gpu, rng, T, K):
-    """c and the new state for T below, at and above K−1 and the 32-token block; slots = the state
-    s tokens before the batch end; an incoming non-zero state (a continuing sequence)."""
+    """c and the new state for T below, at and above K−1 and the 32-token block, from an incoming
+    non-zero state (a continuing sequence) in the live one of several planes: updated in place,
+    every other plane untouched."""
     C = int(rng.integers(1, 700)) if T > 1 else 10240  # ragged channel counts; the Flash-Next width at decode
     m = rng.standard_normal((T, C)).astype(np.float32)
     w = rng.normal(0, 0.5, (C, K)).astype(np.float32)
     st0 = rng.standard_normal((K - 1, C)).astype(np.float32)
-    n_slots = min(T, 4)
+    n = int(rng.integers(1, 5))
+    planes, live, init = _planes(gpu, rng, st0, n)
     mbuf, moff, mstride = _strided(rng, m)
-    mb, wb, sb = gpu.upload(mbuf, "m"), gpu.upload(w, "w"), gpu.upload(st0, "conv_state")
-    cb, slb = gpu.buffer(4 * T * C, "c"), gpu.buffer(4 * n_slots * (K - 1) * C, "conv_slots")
+    mb, wb = gpu.upload(mbuf, "m"), gpu.upload(w, "w")
+    cb = gpu.buffer(4 * T * C, "c")
     cb.fill(np.nan)
-    slb.fill(np.nan)
     g = gpu.graph("conv")
-    gdn.conv(g, Rows(mb, T, C, moff, mstride), Rows(wb, C, K), Rows(sb, K - 1, C), Rows(cb, T, C),
-             Rows(slb, n_slots * (K - 1), C))
+    gdn.conv(g, Rows(mb, T, C, moff, mstride), Rows(wb, C, K), planes, Rows(cb, T, C))
     g.run()
     m64, w64, s64 = m.astype(np.float64), w.astype(np.float64), st0.astype(np.float64)
     want, want_state = causal_conv(m64, s64, w64)
@@ -55,10 +69,33 @@ def test_conv(gpu, rng, T, K):
     got = cb.read(np.float32).reshape(T, C)
     assert np.all(np.abs(got - want) <= bound), f"max err {np.abs(got - want).max():.3g}"
     # states are raw copies: exact
-    np.testing.assert_array_equal(sb.read(np.float32).reshape(K - 1, C), want_state)
-    slots = slb.read(np.float32).reshape(n_slots, K - 1, C)
-    for s in range(n_slots):
-        np.testing.assert_array_equal(slots[s], causal_conv(m64[:T - s], s64, w64)[1], err_msg=f"slot {s}")
+    after = planes.buf.read(np.float32).reshape(n, K - 1, C)
+    np.testing.assert_array_equal(after[live], want_state)
+    np.testing.assert_array_equal(np.delete(after, live, 0), np.delete(init, live, 0))
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 7])
+def test_conv_ring(gpu, rng, T):
+    """A verify step (ring) leaves the live plane and writes the state after its token t into plane
+    live + 1 + t (mod n), wrapping around; the outputs are those of the in-place step."""
+    C, K = int(rng.integers(1, 300)), 4
+    m = rng.standard_normal((T, C)).astype(np.float32)
+    w = rng.normal(0, 0.5, (C, K)).astype(np.float32)
+    st0 = rng.standard_normal((K - 1, C)).astype(np.float32)
+    n = T + 1 + int(rng.integers(0, 3))
+    planes, live, init = _planes(gpu, rng, st0, n)
+    mb, wb = gpu.upload(m, "m"), gpu.upload(w, "w")
+    cb, c1 = gpu.buffer(4 * T * C, "c"), gpu.buffer(4 * T * C, "c1")
+    g = gpu.graph("conv_ring")
+    gdn.conv(g, Rows(mb, T, C), Rows(wb, C, K), planes, Rows(cb, T, C), ring=True)
+    gdn.conv(g, Rows(mb, T, C), Rows(wb, C, K), Rows(gpu.upload(st0, "state"), K - 1, C), Rows(c1, T, C))
+    g.run()
+    np.testing.assert_array_equal(cb.read(np.float32), c1.read(np.float32))
+    after = planes.buf.read(np.float32).reshape(n, K - 1, C)
+    m64, s64, w64 = m.astype(np.float64), st0.astype(np.float64), w.astype(np.float64)
+    written = {(live + 1 + t) % n: causal_conv(m64[:t + 1], s64, w64)[1] for t in range(T)}
+    for q in range(n):
+        np.testing.assert_array_equal(after[q], written.get(q, init[q]), err_msg=f"plane {q}")
 
 
 def test_conv_split_batches_equal_one(gpu, rng):
@@ -120,8 +157,8 @@ def test_validation(gpu):
     g = gpu.graph("bad")
     with pytest.raises(ValueError, match="state is"):
         gdn.conv(g, Rows(b, 3, 10), Rows(b, 10, 4), Rows(b, 2, 10, 100), Rows(b, 3, 10, 200))
-    with pytest.raises(ValueError, match="n_slots"):
-        gdn.conv(g, Rows(b, 2, 10), Rows(b, 10, 4), Rows(b, 3, 10, 100), Rows(b, 2, 10, 200), Rows(b, 9, 10, 300))
+    with pytest.raises(ValueError, match="ring step of 3 tokens"):
+        gdn.conv(g, Rows(b, 3, 10), Rows(b, 10, 4), gdn.Planes(b, 3, 10, 3, b, 0, 100), Rows(b, 3, 10, 300), ring=True)
     with pytest.raises(ValueError, match="partly overlaps"):
         gdn.conv(g, Rows(b, 3, 10), Rows(b, 10, 4), Rows(b, 3, 10, 100), Rows(b, 3, 10, 5))
     with pytest.raises(ValueError, match="overlap"):

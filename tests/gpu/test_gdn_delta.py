@@ -1,6 +1,6 @@
 """GDN gated delta rule (G6–G8, GC1–GC6) vs the float64 token-by-token recurrence of the model
-reference: step, scalar chunked and matrix chunked variants, both head maps, in-place state,
-checkpoint slots, and the VKFLASH_GDN_MATRIX knob."""
+reference: step, scalar chunked and matrix chunked variants, both head maps, state planes in place
+and per token (ring), and the VKFLASH_GDN_MATRIX knob."""
 
 from __future__ import annotations
 
@@ -70,29 +70,28 @@ def _tol(ref: np.ndarray, S: int, T: int) -> float:
     return 8 * np.sqrt((S + 64) * (T + 1)) * 2.0**-24 * float(np.abs(ref).max())
 
 
-def _run(gpu, shape: GDNShape, x: Inputs, variant: Variant | None, n_slots: int = 0, chunk: int | None = None,
-         c_pad: int = 0, cols: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, gdn.DeltaPlan]:
-    """One dispatch on fresh buffers (outputs NaN-poisoned; c at an offset with a padded row stride)."""
+def _run(gpu, rng, shape: GDNShape, x: Inputs, variant: Variant | None, n_planes: int = 1, chunk: int | None = None,
+         c_pad: int = 0, ring: bool = False, cols: int | None = None) -> tuple[np.ndarray, np.ndarray, int, gdn.DeltaPlan]:
+    """One dispatch on fresh buffers (o NaN-poisoned; c at an offset with a padded row stride); the
+    state in a random live one of n_planes NaN planes. Returns o, every plane, the live plane, the plan."""
     T, C, n_v, S = len(x.c), shape.C, shape.n_v, shape.S
     stride = C + c_pad
     cbuf = np.full(3 + T * stride, 7.0, np.float32)
     cbuf[3:].reshape(T, stride)[:, :C] = x.c
     cb = gpu.upload(cbuf, "conv")
     gates = gpu.upload(np.concatenate([x.beta, x.g], axis=1), "beta|g")
-    sb = gpu.upload(x.state, "ssm_state")
+    live = int(rng.integers(0, n_planes))
+    planes = np.full((n_planes, n_v, S, S), np.nan, np.float32)
+    planes[live] = x.state
+    sb = gpu.upload(planes, "ssm_planes")
     ob = gpu.buffer(4 * T * n_v * S, "o")
     ob.fill(np.nan)
-    slots = None
-    if n_slots:
-        slb = gpu.buffer(4 * n_slots * n_v * S * S, "ssm_slots")
-        slb.fill(np.nan)
-        slots = Rows(slb, n_slots * n_v, S * S)
+    state = gdn.Planes(sb, n_v, S * S, n_planes, gpu.upload(np.array([0, live], np.uint32), "live"), 1)
     g = gpu.graph("delta")
     plan = gdn.delta(g, Rows(cb, T, C, 3, stride), Rows(gates, T, n_v, 0, 2 * n_v), Rows(gates, T, n_v, n_v, 2 * n_v),
-                     Rows(sb, n_v, S * S), Rows(ob, T, n_v * S), shape, EPS, variant, slots, chunk, cols=cols)
+                     state, Rows(ob, T, n_v * S), shape, EPS, variant, ring, chunk, cols=cols)
     g.run()
-    sl = None if slots is None else slots.buf.read(np.float32).reshape(n_slots, n_v, S, S)
-    return ob.read(np.float32).reshape(T, n_v * S), sb.read(np.float32).reshape(n_v, S, S), sl, plan
+    return (ob.read(np.float32).reshape(T, n_v * S), sb.read(np.float32).reshape(n_planes, n_v, S, S), live, plan)
 
 
 def _close(name: str, got: np.ndarray, want: np.ndarray, tol: float) -> None:
@@ -106,11 +105,13 @@ def test_chunked_equals_recurrence(gpu, rng, T, head_map):
     """The chunked variant (the device's default chunk) over ragged T vs the f64 recurrence: o and state."""
     shape = GDNShape(2, 6, 32, head_map)
     x = _inputs(rng, shape, T)
-    o, st, _, plan = _run(gpu, shape, x, Variant.CHUNK, c_pad=int(rng.integers(0, 5)))
+    o, st, live, plan = _run(gpu, rng, shape, x, Variant.CHUNK, n_planes=int(rng.integers(1, 4)),
+                             c_pad=int(rng.integers(0, 5)))
     assert plan.variant == Variant.CHUNK
     want_o, want_st = _reference(shape, x)
     _close("o", o, want_o, _tol(want_o, 32, T))
-    _close("state", st, want_st, _tol(want_st, 32, T))
+    _close("state", st[live], want_st, _tol(want_st, 32, T))
+    assert np.isnan(np.delete(st, live, 0)).all(), "a plane other than the live one was written"
 
 
 @pytest.mark.parametrize("chunk", [8, 16])
@@ -119,11 +120,11 @@ def test_small_chunks_and_slices(gpu, rng, chunk):
     shape = GDNShape(1, 3, 64, HeadMap.GROUPED)
     T = int(rng.integers(2 * chunk + 1, 5 * chunk))
     x = _inputs(rng, shape, T)
-    o, st, _, plan = _run(gpu, shape, x, Variant.CHUNK, chunk=chunk)
+    o, st, _, plan = _run(gpu, rng, shape, x, Variant.CHUNK, chunk=chunk)
     assert plan.chunk == chunk
     want_o, want_st = _reference(shape, x)
     _close("o", o, want_o, _tol(want_o, 64, T))
-    _close("state", st, want_st, _tol(want_st, 64, T))
+    _close("state", st[0], want_st, _tol(want_st, 64, T))
 
 
 @pytest.mark.parametrize("head_map", list(HeadMap))
@@ -132,11 +133,11 @@ def test_matrix_equals_recurrence(gpu, rng, T, head_map):
     """The matrix variant (the device's default layout) over ragged T vs the f64 recurrence: o and state."""
     shape = GDNShape(2, 6, 32, head_map)
     x = _inputs(rng, shape, T)
-    o, st, _, plan = _run(gpu, shape, x, Variant.MATRIX, c_pad=int(rng.integers(0, 5)))
+    o, st, _, plan = _run(gpu, rng, shape, x, Variant.MATRIX, c_pad=int(rng.integers(0, 5)))
     assert plan.variant == Variant.MATRIX
     want_o, want_st = _reference(shape, x)
     _close("o", o, want_o, _tol(want_o, 32, T))
-    _close("state", st, want_st, _tol(want_st, 32, T))
+    _close("state", st[0], want_st, _tol(want_st, 32, T))
 
 
 @pytest.mark.parametrize("head_map", list(HeadMap))
@@ -147,11 +148,11 @@ def test_matrix_layouts(gpu, rng, S, chunk, cols, head_map):
     shape = GDNShape(2, 4, S, head_map)
     T = int(rng.integers(2 * chunk + 1, 3 * chunk))
     x = _inputs(rng, shape, T)
-    o, st, _, plan = _run(gpu, shape, x, Variant.MATRIX, chunk=chunk, cols=cols)
+    o, st, _, plan = _run(gpu, rng, shape, x, Variant.MATRIX, chunk=chunk, cols=cols)
     assert (plan.variant, plan.chunk, plan.cols) == (Variant.MATRIX, chunk, cols)
     want_o, want_st = _reference(shape, x)
     _close("o", o, want_o, _tol(want_o, S, T))
-    _close("state", st, want_st, _tol(want_st, S, T))
+    _close("state", st[0], want_st, _tol(want_st, S, T))
 
 
 @pytest.mark.parametrize("matrix", ["1", "0"])
@@ -163,9 +164,9 @@ def test_knob_picks_chunked_variant_and_both_agree(gpu, rng, matrix):
     shape = GDNShape(2, 6, 32, HeadMap.TILED)
     T = int(rng.integers(9, 150))
     x = _inputs(rng, shape, T)
-    o, st, _, plan = _run(gpu.with_options(GpuOptions.from_knobs(VKFLASH_GDN_MATRIX=matrix)), shape, x, None)
+    o, st, _, plan = _run(gpu.with_options(GpuOptions.from_knobs(VKFLASH_GDN_MATRIX=matrix)), rng, shape, x, None)
     assert plan.variant == (Variant.MATRIX if matrix == "1" else Variant.CHUNK)
-    o2, st2, _, _ = _run(gpu, shape, x, Variant.CHUNK if matrix == "1" else Variant.MATRIX)
+    o2, st2, _, _ = _run(gpu, rng, shape, x, Variant.CHUNK if matrix == "1" else Variant.MATRIX)
     want_o, want_st = _reference(shape, x)
     _close("o matrix vs scalar", o, o2, 2 * _tol(want_o, 32, T))
     _close("state matrix vs scalar", st, st2, 2 * _tol(want_st, 32, T))
@@ -173,19 +174,28 @@ def test_knob_picks_chunked_variant_and_both_agree(gpu, rng, matrix):
 
 @pytest.mark.parametrize("head_map", list(HeadMap))
 @pytest.mark.parametrize("T", [1, 3, 8])
-def test_step_with_slots(gpu, rng, T, head_map):
-    """The step variant (decode / MTP verify) with checkpoint slots: slot s = state s tokens before the end."""
+def test_step_in_place_and_ring(gpu, rng, T, head_map):
+    """The step variant (decode / MTP verify) updates the live plane in place; as a ring step it
+    leaves the live plane and writes the state after token t into plane live + 1 + t (mod n), with
+    the same o bit for bit."""
     shape = GDNShape(2, 6, 32, head_map)
     x = _inputs(rng, shape, T)
-    n_slots = int(rng.integers(1, T + 1))
-    o, st, slots, plan = _run(gpu, shape, x, Variant.STEP, n_slots=n_slots)
+    n = T + 1 + int(rng.integers(0, 3))
+    o, st, live, plan = _run(gpu, rng, shape, x, Variant.STEP, n_planes=n)
     assert plan.variant == Variant.STEP
     want_o, want_st = _reference(shape, x)
     tol = _tol(want_st, 32, T)
     _close("o", o, want_o, _tol(want_o, 32, T))
-    _close("state", st, want_st, tol)
-    for s in range(n_slots):
-        _close(f"slot {s}", slots[s], _reference(shape, x, T - s)[1], tol)
+    _close("state", st[live], want_st, tol)
+    o_ring, planes, live, _ = _run(gpu, rng, shape, x, Variant.STEP, n_planes=n, ring=True)
+    np.testing.assert_array_equal(o_ring, o)
+    written = {(live + 1 + t) % n: t for t in range(T)}
+    for q in range(n):
+        if q not in written:
+            assert q == live or np.isnan(planes[q]).all(), f"plane {q} written"
+            continue
+        _close(f"plane {q}", planes[q], _reference(shape, x, written[q] + 1)[1], tol)
+    np.testing.assert_array_equal(planes[live], x.state)
 
 
 @pytest.mark.parametrize("chunked", [Variant.CHUNK, Variant.MATRIX])
@@ -195,8 +205,8 @@ def test_step_over_T_equals_chunked(gpu, rng, S, chunked):
     shape = GDNShape(2, 4, S, HeadMap.TILED)
     T = int(rng.integers(20, 70))
     x = _inputs(rng, shape, T)
-    o1, st1, _, _ = _run(gpu, shape, x, Variant.STEP)
-    o2, st2, _, _ = _run(gpu, shape, x, chunked)
+    o1, st1, _, _ = _run(gpu, rng, shape, x, Variant.STEP)
+    o2, st2, _, _ = _run(gpu, rng, shape, x, chunked)
     want_o, want_st = _reference(shape, x)
     _close("o step vs chunk", o1, o2, 2 * _tol(want_o, S, T))
     _close("state step vs chunk", st1, st2, 2 * _tol(want_st, S, T))
@@ -243,33 +253,34 @@ def test_raw_gates_equal_gates_then_delta(gpu, rng, variant):
 
 
 def test_prefill_then_decode_in_one_graph(gpu, rng):
-    """Two chunked prefill ubatches, then single-token steps, then a verify batch with slots,
-    carrying the state in place through one recorded graph: equal to the recurrence over all tokens."""
+    """Two chunked prefill ubatches, then single-token steps, then a verify batch (ring), carrying
+    the live plane through one recorded graph: equal to the recurrence over all tokens."""
     shape = GDNShape(2, 6, 32, HeadMap.TILED)
     parts = [int(rng.integers(40, 100)), int(rng.integers(9, 40)), 1, 1, 4]
     T = sum(parts)
     x = _inputs(rng, shape, T)
     C, n_v, S = shape.C, shape.n_v, shape.S
-    cb, sb = gpu.upload(x.c, "conv"), gpu.upload(x.state, "ssm_state")
+    planes = np.full((6, n_v, S, S), np.nan, np.float32)
+    planes[2] = x.state
+    cb, sb = gpu.upload(x.c, "conv"), gpu.upload(planes, "ssm_planes")
+    state = gdn.Planes(sb, n_v, S * S, 6, gpu.upload(np.array([2], np.uint32), "live"))
     bb, gb = gpu.upload(x.beta, "beta"), gpu.upload(x.g, "g")
-    ob, slb = gpu.buffer(4 * T * n_v * S, "o"), gpu.buffer(4 * 3 * n_v * S * S, "ssm_slots")
+    ob = gpu.buffer(4 * T * n_v * S, "o")
     ob.fill(np.nan)
-    slb.fill(np.nan)
     g = gpu.graph("prefill+decode")
     t0 = 0
     for n in parts:
         gdn.delta(g, Rows(cb, n, C, t0 * C), Rows(bb, n, n_v, t0 * n_v), Rows(gb, n, n_v, t0 * n_v),
-                  Rows(sb, n_v, S * S), Rows(ob, n, n_v * S, t0 * n_v * S), shape, EPS,
-                  slots=Rows(slb, 3 * n_v, S * S) if n == 4 else None)
+                  state, Rows(ob, n, n_v * S, t0 * n_v * S), shape, EPS, ring=n == 4)
         t0 += n
     assert [op.spec[0] for op in g.ops] == [Variant.MATRIX, Variant.MATRIX, Variant.STEP, Variant.STEP, Variant.STEP]
     g.run()
     want_o, want_st = _reference(shape, x)
     _close("o", ob.read(np.float32).reshape(T, -1), want_o, _tol(want_o, S, T))
-    _close("state", sb.read(np.float32).reshape(n_v, S, S), want_st, _tol(want_st, S, T))
-    slots = slb.read(np.float32).reshape(3, n_v, S, S)
-    for s in range(3):
-        _close(f"slot {s}", slots[s], _reference(shape, x, T - s)[1], _tol(want_st, S, T))
+    got = sb.read(np.float32).reshape(6, n_v, S, S)
+    for t in range(4):  # the verify step's token t: plane (2 + 1 + t) mod 6
+        _close(f"plane {(3 + t) % 6}", got[(3 + t) % 6], _reference(shape, x, T - 3 + t)[1], _tol(want_st, S, T))
+    np.testing.assert_array_equal(got[1], planes[1])
 
 
 def test_validation(gpu):
@@ -279,10 +290,12 @@ def test_validation(gpu):
     C, T = shape.C, 5
     args = (Rows(b, T, C), Rows(b, T, 6, 2000), Rows(b, T, 6, 2100), Rows(b, 6, 1024, 3000),
             Rows(b, T, 192, 10000))
-    with pytest.raises(ValueError, match="slots need the step variant"):
-        gdn.delta(g, *args, shape, EPS, Variant.CHUNK, slots=Rows(b, 6, 1024, 20000))
-    with pytest.raises(ValueError, match="n_slots"):
-        gdn.delta(g, *args, shape, EPS, Variant.STEP, slots=Rows(b, 36, 1024, 20000))
+    ring = (Rows(b, T, C), Rows(b, T, 6, 2000), Rows(b, T, 6, 2100), gdn.Planes(b, 6, 1024, 6, b, 0, 20000),
+            Rows(b, T, 192, 10000))
+    with pytest.raises(ValueError, match="ring step needs the step variant"):
+        gdn.delta(g, *ring, shape, EPS, Variant.CHUNK, ring=True)
+    with pytest.raises(ValueError, match="ring step of 5 tokens"):
+        gdn.delta(g, *ring[:3], gdn.Planes(b, 6, 1024, 5, b, 0, 20000), ring[4], shape, EPS, Variant.STEP, ring=True)
     with pytest.raises(ValueError, match="conv rows"):
         gdn.delta(g, Rows(b, T, C - 1), *args[1:], shape, EPS)
     with pytest.raises(ValueError, match="multiple of n_k"):

@@ -76,6 +76,22 @@ def test_qwen4exp_tensor_table(q4e):
         t.name for t in mtp.tensors}
 
 
+def test_mtp_block_in_the_model_file(q4e, tmp_path):
+    """--mtp: block_count 9 and nextn_predict_layers 1 with the PLE keys kept, the trunk and the MTP
+    block both in the file, the same tensors (bytes) as the trunk file plus the MTP-only file."""
+    path = mm.make_model("qwen4exp", "tiny", None, SEED, tmp_path / "in.gguf", mtp_block=True)[0]
+    f = GGUFReader(path)
+    assert f.fields["qwen4exp.block_count"].contents() == 9
+    assert f.fields["qwen4exp.nextn_predict_layers"].contents() == 1
+    assert f.fields["qwen4exp.ple.layers"].contents() == [1]
+    both = {**_tensors(q4e[0]), **_tensors(q4e[1])}
+    mine = _tensors(path)
+    assert mine.keys() == both.keys()
+    assert all(np.array_equal(mine[n].data, both[n].data) for n in mine)
+    with pytest.raises(ConfigError, match="no HC, PLE, QSA or MTP"):
+        mm.make_model("qwen3next", "tiny", None, SEED, tmp_path / "n.gguf", mtp_block=True)
+
+
 def test_init_rules(q4e):
     """§9 init: folded gains 1±0.1, ssm_norm, ssm_a, dt_bias, ple_conv std 0.3, router ×4, matrices 1/√fan_in."""
     ts = _tensors(q4e[0])

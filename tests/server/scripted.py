@@ -103,3 +103,24 @@ def openai_client(base: str):
     import openai
 
     return openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+
+
+class SpeculativeScripted(ArgmaxScripted):
+    """The script in speculation rounds (a SpeculativeForward): each round returns up to 3 tokens,
+    counting 3 drafted and all but the last accepted."""
+
+    drafted = accepted = 0
+
+    def reset(self) -> None:
+        super().reset()
+        self.drafted = self.accepted = 0
+
+    def speculate(self, token: int, sampler, history: Sequence[int], limit: int) -> list[int]:
+        out = []
+        for _ in range(min(3, limit)):
+            self._k += 1
+            self._n += 1
+            out.append(self._target())
+        self.drafted += 3
+        self.accepted += len(out) - 1
+        return out

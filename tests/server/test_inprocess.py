@@ -102,3 +102,25 @@ def test_loading_is_503_then_ready(in_process, tiny_model, tokenizer):
     wait_health(p.base, 200, timeout=10)
     r = call(p.base, "POST", "/v1/chat/completions", {"messages": MSGS, "temperature": 0})
     assert r.body["choices"][0]["message"]["content"] == "fib"
+
+
+def test_speculation_timings_and_metrics(in_process, tiny_model, tokenizer):
+    """A speculative forward: responses carry timings.draft_n / draft_n_accepted (streamed too), and
+    /metrics the drafted and accepted totals and their ratio."""
+    from scripted import SpeculativeScripted
+
+    fwd = SpeculativeScripted(tokenizer.encode("alpha beta fib range value"), tokenizer.eos_id,
+                              tokenizer.vocab_size, 256)
+    base = serve_scripted(in_process, tiny_model, tokenizer, fwd)
+    r = call(base, "POST", "/v1/chat/completions", {"messages": MSGS, "temperature": 0})
+    t = r.body["timings"]
+    assert r.body["choices"][0]["message"]["content"] == "alpha beta fib range value"
+    assert t["draft_n"] == fwd.drafted > 0 and t["draft_n_accepted"] == fwd.accepted > 0
+    s = call(base, "POST", "/v1/completions", {"prompt": "x", "temperature": 0, "stream": True}).body
+    last = [line for line in s.splitlines() if '"timings"' in line][-1]
+    assert '"draft_n"' in last and '"draft_n_accepted"' in last
+    m = call(base, "GET", "/metrics").body
+    sample = {line.split()[0]: line.split()[1] for line in m.splitlines() if not line.startswith("#")}
+    drafted, accepted = int(sample["vkflash_draft_tokens_total"]), int(sample["vkflash_draft_accepted_total"])
+    assert drafted >= 2 * t["draft_n"] and 0 < accepted < drafted
+    assert f"vkflash_draft_acceptance_ratio {accepted / drafted:.6g}" in m

@@ -1,4 +1,5 @@
-"""`vkflash bench model`: prefill and decode rates of a model on the GPU forward, at depths.
+"""`vkflash bench model`: prefill and decode rates of a model on the GPU forward, at depths; with
+`--mtp`, greedy decoding by MTP speculation against plain decoding (see `bench_mtp`).
 
 Rows: pp512 and pp2048 from an empty context, tg128 after a one-token prompt (each `reps` times:
 the median, with the slowest and fastest), then at each depth of `--depth` the marginal window
@@ -30,10 +31,16 @@ from rich.console import Console
 from rich.table import Table
 
 from vkflash.bench.kernels import copy_bandwidth, gpu_ns
+from vkflash.engine.api import SamplingParams
 from vkflash.engine.gpu_forward import GpuForward, steps
 from vkflash.engine.graphs.common import Head
+from vkflash.engine.sampling import Sampler
+from vkflash.engine.speculate import DraftPolicy, Speculator, agreeing
+from vkflash.errors import DeviceError
+from vkflash.formats.gguf_file import GGUFFile
 from vkflash.gpu.graph import Graph
 from vkflash.gpu.ops.attention import Cache
+from vkflash.model.hparams import hparams_from_gguf
 
 T = TypeVar("T")
 
@@ -243,9 +250,6 @@ def decode_cost(fwd: GpuForward, token: int, n: int) -> tuple[DecodeCost, int]:
 
 def bench(path: Path, plan: Plan, ub: int | None = None, kv: str | None = None, with_profile: bool = False) -> Result:
     """Every row of the plan on one GPU forward of path (depths beyond the model's context skipped)."""
-    from vkflash.formats.gguf_file import GGUFFile
-    from vkflash.model.hparams import hparams_from_gguf
-
     n_train = hparams_from_gguf(GGUFFile(path)).n_ctx_train
     depths = tuple(sorted(d for d in set(plan.depths) if d + 2 * plan.window + plan.tg <= n_train))
     plan = replace(plan, depths=depths)
@@ -346,4 +350,111 @@ def run(path: Path, quick: bool, depths: Sequence[int] | None, as_json: bool, co
         console.print_json(json.dumps(res.to_json()))
     else:
         show(res, console)
+    return res
+
+
+# --- MTP speculative decoding -----------------------------------------------------------------
+ACCEPTS = (0.0, 0.5, 0.87, 1.0)
+"""Default draft agreement probabilities of `--mtp`."""
+MTP_DEPTHS = (0, 32768)
+"""Default depths of `--mtp`."""
+
+
+@dataclass
+class MtpRow:
+    """Greedy decoding of `tokens` at `depth`: plain (accept None) or speculative, with drafts that
+    agree with the known continuation with probability `accept`."""
+
+    depth: int
+    accept: float | None
+    tokens: int
+    seconds: float
+    rounds: int = 0
+    plain_rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+
+@dataclass
+class MtpResult:
+    device: str
+    model: str
+    draft: str
+    rows: list[MtpRow] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"device": self.device, "model": self.model, "draft": self.draft,
+                "rows": [dict(asdict(r), tok_per_s=r.rate) for r in self.rows]}
+
+
+def bench_mtp(path: Path, draft: Path | None, depths: Sequence[int], accepts: Sequence[float], tg: int,
+              ub: int | None = None, kv: str | None = None) -> MtpResult:
+    """At each depth: plain greedy decoding of tg tokens (the continuation, timed), then for each
+    agreement probability P speculative decoding of the same tokens from the same prefix, timed, its
+    output checked against the continuation. Random weights accept almost nothing, so the drafts are
+    replaced (`agreeing`) after the draft head ran: the draft and verify work is the real one."""
+    n_train = hparams_from_gguf(GGUFFile(path)).n_ctx_train
+    depths = sorted(d for d in set(depths) if d + tg + 16 <= n_train)
+    sp = Speculator.open(path, draft, ctx=min(n_train, max(depths) + tg + 16), ub=ub, kv=kv)
+    fwd = sp.fwd
+    res = MtpResult(fwd.gpu.caps.name, path.name, draft.name if draft else "own MTP block")
+    sp.warm()
+    rng = np.random.default_rng()
+    ids = rng.integers(0, fwd.n_vocab, max(depths) + 1)
+    greedy = Sampler(SamplingParams(temperature=0.0))
+    for d in depths:
+        sp.reset()
+        x0 = sp.prefill_argmax(ids[:d + 1])
+        fwd.hooks, hooks = None, fwd.hooks  # plain decoding: the draft head neither runs nor catches up
+        t0, truth = time.perf_counter(), [x0]
+        for _ in range(tg):
+            truth.append(fwd.decode_argmax(truth[-1]))
+        res.rows.append(MtpRow(d, None, tg, time.perf_counter() - t0))
+        fwd.hooks = hooks
+        for p in accepts:
+            sp.reset()
+            sp.policy = DraftPolicy(sp.cfg.adapt)
+            x = sp.prefill_argmax(ids[:d + 1])
+            sp.propose = agreeing(truth, d + 1, p, fwd.n_vocab, rng)
+            out, t0 = [x], time.perf_counter()
+            while len(out) <= tg:
+                out += sp.speculate(out[-1], greedy, out, tg + 1 - len(out))
+            seconds = time.perf_counter() - t0
+            sp.propose = None
+            if out != truth:
+                raise DeviceError(f"depth {d}, P={p}: speculative decoding gave other tokens than plain decoding")
+            res.rows.append(MtpRow(d, p, tg, seconds, sp.rounds, sp.plain, sp.drafted, sp.accepted))
+    return res
+
+
+def show_mtp(res: MtpResult, console: Console) -> None:
+    """The MTP rows: tok/s and speed-up over plain decoding at the same depth, per agreement P."""
+    t = Table(title=f"vkflash bench model --mtp — {res.model} (draft: {res.draft}) on {res.device}")
+    for c in ("depth", "drafts agree", "tok/s", "× plain", "tokens/round", "drafted/round", "plain rounds"):
+        t.add_column(c)
+    plain: dict[int, float] = {}
+    for r in res.rows:
+        if r.accept is None:
+            plain[r.depth] = r.rate
+            t.add_row(str(r.depth), "plain decode", f"{r.rate:.1f}", "1.00", "1", "", "")
+            continue
+        t.add_row(str(r.depth), f"{r.accept:g}", f"{r.rate:.1f}", f"{r.rate / plain[r.depth]:.2f}",
+                  f"{r.tokens / max(r.rounds, 1):.2f}", f"{r.drafted / max(r.rounds, 1):.2f}", str(r.plain_rounds))
+    console.print(t)
+
+
+def run_mtp(path: Path, draft: Path | None, quick: bool, depths: Sequence[int] | None,
+            accepts: Sequence[float] | None, as_json: bool, console: Console, ub: int | None = None,
+            kv: str | None = None) -> MtpResult:
+    """`vkflash bench model --mtp`: measure, then print a table or JSON."""
+    plan = Plan.quick(depths) if quick else Plan(depths=tuple(depths) if depths is not None else MTP_DEPTHS)
+    res = bench_mtp(path, draft, plan.depths, accepts if accepts is not None else ACCEPTS, plan.tg, ub, kv)
+    if as_json:
+        console.print_json(json.dumps(res.to_json()))
+    else:
+        show_mtp(res, console)
     return res

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
 from vkflash.errors import VkflashError
+
+if TYPE_CHECKING:
+    from vkflash.engine.sampling import Sampler
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
@@ -109,6 +112,17 @@ class ArgmaxForward(Forward, Protocol):
     def decode_argmax(self, token: int) -> int: ...
 
 
+@runtime_checkable
+class SpeculativeForward(Forward, Protocol):
+    """A Forward that decodes in speculation rounds (MTP, engine/speculate.py): each round feeds one
+    token and returns the tokens it produced; draft tokens proposed and accepted since the last reset."""
+
+    drafted: int
+    accepted: int
+
+    def speculate(self, token: int, sampler: "Sampler", history: Sequence[int], limit: int) -> list[int]: ...
+
+
 class TextCodec(Protocol):
     """What the engine needs of a tokenizer: streaming detokenization and end-of-generation ids."""
 
@@ -135,12 +149,15 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class Timings:
-    """llama-server's `timings` object: prompt (prefill) and predicted (decode) counts and rates."""
+    """llama-server's `timings` object: prompt (prefill) and predicted (decode) counts and rates;
+    with speculative decoding also the draft tokens proposed and accepted (None: no speculation)."""
 
     prompt_n: int = 0
     prompt_ms: float = 0.0
     predicted_n: int = 0
     predicted_ms: float = 0.0
+    draft_n: int | None = None
+    draft_n_accepted: int | None = None
 
     def to_json(self) -> dict[str, float | int]:
         """The llama-server field set, with per-token ms and tokens per second."""
@@ -149,9 +166,13 @@ class Timings:
 
         p_tok, p_sec = rate(self.prompt_n, self.prompt_ms)
         d_tok, d_sec = rate(self.predicted_n, self.predicted_ms)
-        return {"prompt_n": self.prompt_n, "prompt_ms": self.prompt_ms, "prompt_per_token_ms": p_tok,
-                "prompt_per_second": p_sec, "predicted_n": self.predicted_n, "predicted_ms": self.predicted_ms,
-                "predicted_per_token_ms": d_tok, "predicted_per_second": d_sec}
+        out: dict[str, float | int] = {
+            "prompt_n": self.prompt_n, "prompt_ms": self.prompt_ms, "prompt_per_token_ms": p_tok,
+            "prompt_per_second": p_sec, "predicted_n": self.predicted_n, "predicted_ms": self.predicted_ms,
+            "predicted_per_token_ms": d_tok, "predicted_per_second": d_sec}
+        if self.draft_n is not None:
+            out.update(draft_n=self.draft_n, draft_n_accepted=self.draft_n_accepted or 0)
+        return out
 
 
 @dataclass(frozen=True)

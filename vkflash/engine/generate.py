@@ -1,5 +1,6 @@
-"""The generation loop of DESIGN §3: prefill in ubatches, then one decode per token, incremental
-detokenization, and every stop rule (EOS/EOT, stop strings, max_tokens, the context end, cancel).
+"""The generation loop of DESIGN §3: prefill in ubatches, then one decode per token (or, with a
+speculative forward, one speculation round per few tokens), incremental detokenization, and every
+stop rule (EOS/EOT, stop strings, max_tokens, the context end, cancel).
 
 The prompt plus the output always fits in n_ctx: output stops with "length" when it would not,
 so no backend is ever asked to write past its cache.
@@ -9,11 +10,12 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from vkflash.engine.api import ArgmaxForward, Finish, Forward, InvalidRequest, SamplingParams, TextCodec, Timings, \
-    TokenEvent
+from vkflash.engine.api import ArgmaxForward, Finish, Forward, InvalidRequest, SamplingParams, SpeculativeForward, \
+    TextCodec, Timings, TokenEvent
 from vkflash.engine.sampling import Sampler
 
 
@@ -74,6 +76,8 @@ def generate(fwd: Forward, codec: TextCodec, prompt: Sequence[int], params: Samp
     check_prompt(len(prompt), fwd.n_ctx)
     sampler = Sampler(params)
     fast = sampler.plain_greedy and isinstance(fwd, ArgmaxForward)
+    spec = fwd if isinstance(fwd, SpeculativeForward) else None
+    ahead: deque[int] = deque()  # tokens a speculation round produced that are not out yet
     detok = codec.streamer()
     stops = StopMatcher(params.stop)
     budget = fwd.n_ctx - len(prompt)  # prompt + output ≤ n_ctx
@@ -88,9 +92,10 @@ def generate(fwd: Forward, codec: TextCodec, prompt: Sequence[int], params: Samp
         if reason != "stop":
             emitted, _ = stops.push(detok.flush())
             tail += emitted + stops.flush()
+        drafts = (spec.drafted, spec.accepted) if spec is not None else (None, None)
         return Finish(reason, tail, len(prompt), n_out,  # type: ignore[arg-type]
-                      Timings(len(prompt), (t_prefill_end - t0) * 1e3, n_out, (t_end - t_prefill_end) * 1e3),
-                      error)
+                      Timings(len(prompt), (t_prefill_end - t0) * 1e3, n_out, (t_end - t_prefill_end) * 1e3,
+                              *drafts), error)
 
     try:
         fwd.reset()
@@ -130,6 +135,11 @@ def generate(fwd: Forward, codec: TextCodec, prompt: Sequence[int], params: Samp
             if n_out >= budget:
                 yield finish("length")
                 return
-            nxt = fwd.decode_argmax(token) if fast else sampler.sample(fwd.decode(token), history)  # type: ignore[attr-defined]
+            if spec is not None:
+                if not ahead:
+                    ahead.extend(spec.speculate(token, sampler, history, budget - n_out))
+                nxt = ahead.popleft()
+            else:
+                nxt = fwd.decode_argmax(token) if fast else sampler.sample(fwd.decode(token), history)  # type: ignore[attr-defined]
     except Exception as e:  # noqa: BLE001 — any backend failure ends this request, reported to the caller
         yield finish("error", error=e)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -25,12 +27,14 @@ from vkflash.engine.caches import allocate_kv, cache_type
 from vkflash.engine.dump import read_taps, tapped
 from vkflash.engine.guard import Draft, Guard, GuardConfig
 from vkflash.engine.graphs.common import Head, HeadBuffers, StepModel
-from vkflash.engine.step_params import StepParams
+from vkflash.engine.step_params import ROW_STEP_MAX, StepParams
 from vkflash.engine.weights_gpu import device_embeddable, host_row_gather, upload_weights
 from vkflash.formats.gguf_file import GGUFFile
 from vkflash.gpu.context import Gpu
 from vkflash.gpu.graph import Graph
+from vkflash.errors import ConfigError
 from vkflash.model.hparams import hparams_from_gguf
+from vkflash.model.tensors import block_of
 
 LOGITS_BUDGET = 64 << 20
 """Bytes of the all-rows logits buffer (verify / teacher forcing); bounds its rows at large V."""
@@ -66,16 +70,32 @@ def steps(total: int, cap: int) -> Iterator[tuple[int, int]]:
         start += n
 
 
+class StepHooks(Protocol):
+    """Host work around every step of a forward: the MTP draft head's bookkeeping (engine/draft.py)."""
+
+    def reset(self) -> None:
+        """The sequence starts over."""
+
+    def before(self, p0: int, ids: np.ndarray) -> None:
+        """A step of ids at positions p0… is about to run."""
+
+    def after(self, p0: int, ids: np.ndarray) -> None:
+        """That step ran."""
+
+
 class GpuForward:
     """One sequence on the GPU: Forward + ArgmaxForward (vkflash.engine.api)."""
 
     def __init__(self, model_path: str | os.PathLike[str], ctx: int | None = None, ub: int | None = None,
                  kv: str | None = None, gpu: Gpu | None = None, logits_rows: int | None = None,
-                 progress: Callable[[int, int], None] | None = None, guard: GuardConfig | None = None) -> None:
+                 progress: Callable[[int, int], None] | None = None, guard: GuardConfig | None = None,
+                 mtp: bool = False) -> None:
         """ctx/ub/kv default to the CTX/UB/KV knobs (CTX 0: the model's context length);
         logits_rows bounds the rows of one all-logits step (default: LOGITS_BUDGET / V);
         progress(done, total) is called with weight bytes uploaded (a load progress bar);
-        guard defaults to the DEEPGUARD, GUARD_* and VKFLASH_MEM_BUDGET knobs."""
+        guard defaults to the DEEPGUARD, GUARD_* and VKFLASH_MEM_BUDGET knobs; `mtp` (qwen4exp):
+        keep the file's MTP block and every step's h_nextn rows for the draft head
+        (engine/draft.py), else an MTP block in the file is not uploaded."""
         s = settings.current()
         self.gpu = gpu or Gpu()
         gf = GGUFFile(model_path)
@@ -93,6 +113,10 @@ class GpuForward:
         # a table the embed kernel cannot decode is gathered on the host; keep it on the GPU only as LM head
         skip = ["token_embd.weight"] if host_embed and "output.weight" in gf.tensors else []
         skip += self.arch.host_tables(hp)
+        if mtp and hp.arch != "qwen4exp":
+            raise ConfigError(f"MTP drafting needs a qwen4exp model, {Path(model_path).name} is {hp.arch}")
+        if not mtp:
+            skip += [n for n in gf.tensors if (b := block_of(n)) is not None and b >= hp.L]
         self._gather = host_row_gather(gf, "token_embd.weight") if host_embed else None
         stacks = self.arch.weight_stacks(gf, hp) if self.gpu.options.stack_weights else ()
         weights = upload_weights(self.gpu, gf, hp, skip, progress, self.arch.weight_transforms(gf, hp), stacks)
@@ -101,10 +125,12 @@ class GpuForward:
         kv_caches = allocate_kv(self.gpu, hp, self.n_ctx, kv_type, self.arch.attention_layers(hp), held)
         state = self.arch.allocate_state(self.gpu, gf, hp, self.n_ctx, kv_type, self.ub, held)
         params = StepParams.allocate(self.gpu, self.ub, hp.d if host_embed else 0, self.arch.extra_dim(hp))
+        hidden = self.gpu.buffer(4 * self.ub * hp.hc * hp.d, "h_nextn") if mtp else None
         self.model = StepModel(self.gpu, hp, weights, kv_caches, params, HeadBuffers.allocate(self.gpu, hp.V, rows),
-                               state)
+                               state, hidden)
         self._graphs: dict[tuple[int, Head], Graph] = {}
         self._reserved = False
+        self.hooks: StepHooks | None = None
         self._n = 0
         self._seq: list[int] = []  # the tokens fed (a recurrent model replays a prefix it cannot restore)
         self.guard.start(self)
@@ -123,10 +149,12 @@ class GpuForward:
         self.guard.reset(self)
         if self.model.state is not None:
             self.model.state.reset()
+        if self.hooks is not None:
+            self.hooks.reset()
 
     def truncate(self, n: int) -> None:
         """Keep the first n tokens: attention-only models just shorten the length; recurrent states
-        are restored from a checkpoint slot when the last step wrote one, else the prefix is re-run."""
+        go back to the state plane a verify step left (engine/state.py), else the prefix is re-run."""
         n = max(0, min(n, self._n))
         st = self.model.state
         if st is not None and n < self._n and not st.truncate(self._n - n):
@@ -165,6 +193,17 @@ class GpuForward:
             out[start:start + n] = self.model.head.logits.read(np.float32, n * self.n_vocab).reshape(n, -1)
         return out
 
+    def verify(self, ids: Sequence[int], logits: bool = False) -> np.ndarray:
+        """Feed ids as one step with logits of every row (a speculation verify step, which a later
+        truncate can roll back): every row's argmax (int64, n), or with `logits` the logits (n, V)."""
+        arr = self._ids(ids)
+        if len(arr) > min(self.ub, self.model.head.rows):
+            raise InvalidRequest(f"a verify step holds at most {min(self.ub, self.model.head.rows)} tokens")
+        self._run(arr, Head.ALL)
+        if logits:
+            return self.model.head.logits.read(np.float32, len(arr) * self.n_vocab).reshape(len(arr), -1)
+        return self.model.head.ids.read(np.uint32, len(arr)).astype(np.int64)
+
     def dump_step(self, ids: Sequence[int], names: Iterable[str]) -> dict[str, np.ndarray]:
         """Feed ids as one step with logits for every row; the buffers written by the dispatches
         named in `names`, read right after them (flat float32, engine/dump.py). For verify."""
@@ -184,7 +223,8 @@ class GpuForward:
         if g is None:
             if not 1 <= n <= self.ub:
                 raise ValueError(f"a step of {n} tokens; this forward's steps hold 1..{self.ub}")
-            g = Graph(self.gpu, f"{self.hp.arch}.{head.value}.{n}", split=n > 1)
+            kind = "verify" if head is Head.ALL and 2 <= n <= ROW_STEP_MAX else head.value  # named in the job log
+            g = Graph(self.gpu, f"{self.hp.arch}.{kind}.{n}", split=n > 1)
             self.arch.build(g, self.model, n, head)
             self._graphs[key] = g
         return g
@@ -258,6 +298,8 @@ class GpuForward:
         """One replay: params for len(ids) tokens at n_past, then the graph (or `g`, a tapped copy)."""
         n = len(ids)
         self.guard.before_step(self, self._n + n)
+        if self.hooks is not None:
+            self.hooks.before(self._n, ids)
         emb = self._gather(ids) if self._gather is not None else None
         self.model.params.set(self._n, ids, emb)
         st = self.model.state
@@ -266,5 +308,7 @@ class GpuForward:
         (g or self.graph(n, head)).run()
         if st is not None:
             st.stepped(ids)
+        if self.hooks is not None:
+            self.hooks.after(self._n, ids)
         self._n += n
         self._seq.extend(int(t) for t in ids)

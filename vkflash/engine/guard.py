@@ -118,7 +118,8 @@ def indexer_caches(state: object) -> dict[int, IndexerCache]:
     return getattr(state, "idx", {})
 
 
-def _cache_fill(c: Cache) -> Fill:
+def cache_fill(c: Cache) -> Fill:
+    """A K/V or indexer-key cache as a Fill."""
     return Fill(c.buf, lambda t, c=c: Cache.nbytes(t, c.n_heads, c.dim, c.type))
 
 
@@ -162,9 +163,9 @@ class Guard:
 
     def fills(self, fwd: "GpuForward") -> list[Fill]:
         """Every buffer that grows with the context: K/V, indexer keys and summary rows, the draft's."""
-        out = [_cache_fill(c) for kv in fwd.model.kv.layers.values() for c in (kv.k, kv.v)]
+        out = [cache_fill(c) for kv in fwd.model.kv.layers.values() for c in (kv.k, kv.v)]
         for ic in indexer_caches(fwd.model.state).values():
-            out.append(_cache_fill(ic.keys))
+            out.append(cache_fill(ic.keys))
             out.append(Fill(ic.summary, lambda t, ic=ic: summary_bytes(t, ic.r, ic.keys.dim)))
         if fwd.draft is not None:
             out += fwd.draft.fills()

@@ -10,7 +10,7 @@ the budget would not hold them the guard's steps engage, at the depths the plan 
 
 Parts: weights (uploaded, also by GGML type; host-gathered tables are mmapped file pages, shown
 apart and not counted: the page cache can evict them), kv (attention K/V), indexer (QSA keys and
-summary rows), states (recurrent rows), slots (their checkpoint copies), compute (arena and
+summary rows), states (recurrent rows, in the planes a verify step rolls back to), compute (arena and
 graph-owned buffers), io (step params, logits, argmax ids, staging ring), draft and draft kv (the
 MTP draft's weights and K/V cache, from its GGUF header: the draft engine is not built yet, so
 its compute is not counted). Budgeted bytes are everything on UMA (weights host-visible, no
@@ -50,22 +50,20 @@ class Part(str, Enum):
     KV = "kv"
     INDEXER = "indexer"
     STATES = "states"
-    SLOTS = "slots"
     COMPUTE = "compute"
     IO = "io"
     DRAFT = "draft"
     DRAFT_KV = "draft kv"
 
 
-def _recurrent(st: RecurrentState | None) -> tuple[list[Buffer], list[Buffer]]:
-    """(states, checkpoint slots) of the recurrent rows."""
+def _recurrent(st: RecurrentState | None) -> list[Buffer]:
+    """The recurrent rows' buffers: every state's planes and the live-plane index."""
     if st is None:
-        return [], []
-    rows = [(layer.conv.state, layer.conv.slots) for layer in st.gdn.values()]
-    rows += [(layer.ssm.state, layer.ssm.slots) for layer in st.gdn.values()]
+        return []
+    bufs = [layer.conv.buf for layer in st.gdn.values()] + [layer.ssm.buf for layer in st.gdn.values()]
     if st.ple_conv is not None:
-        rows.append((st.ple_conv.state, st.ple_conv.slots))
-    return [s for s, _ in rows], [s for _, s in rows]
+        bufs.append(st.ple_conv.buf)
+    return bufs + [st.index]
 
 
 def buffers_by_part(fwd: GpuForward) -> dict[Part, list[Buffer]]:
@@ -74,13 +72,11 @@ def buffers_by_part(fwd: GpuForward) -> dict[Part, list[Buffer]]:
     st = m.state
     rec = st if isinstance(st, RecurrentState) else getattr(st, "rec", None)
     idx: dict[int, IndexerCache] = indexer_caches(st)
-    states, slots = _recurrent(rec)
     parts = {
         Part.WEIGHTS: [t.buf for t in m.weights.tensors.values()],
         Part.KV: [c.buf for kv in m.kv.layers.values() for c in (kv.k, kv.v)],
         Part.INDEXER: [b for ic in idx.values() for b in (ic.keys.buf, ic.summary)],
-        Part.STATES: states,
-        Part.SLOTS: slots,
+        Part.STATES: _recurrent(rec),
         Part.COMPUTE: list(fwd.gpu.arena.slots) + [b for g in fwd.graphs() for b in g.owned],
         Part.IO: [m.params.buf, m.head.logits, m.head.ids] + fwd.gpu.staged(),
         Part.DRAFT: fwd.draft.weights() if fwd.draft is not None else [],

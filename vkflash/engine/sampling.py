@@ -34,6 +34,9 @@ def apply_penalties(logits: np.ndarray, window: Sequence[int], p: SamplingParams
 def filtered_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
     """The distribution a stochastic draw uses: softmax(z/T) truncated by top-k, top-p, min-p."""
     z = logits.astype(np.float64) / p.temperature
+    if p.top_k == 0 and p.top_p >= 1.0 and p.min_p == 0.0:  # nothing filtered: softmax without sorting V
+        w = np.exp(z - z.max())
+        return w / w.sum()
     order = np.argsort(-z, kind="stable")
     if p.top_k > 0:
         order = order[: p.top_k]
@@ -67,12 +70,24 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, history: Sequence[int]) -> int:
         """Next token from logits (float32[V]) given the tokens so far (prompt + output)."""
+        if self.params.greedy:
+            return int(np.argmax(self.penalized(logits, history)))
+        return self.draw(self.probs(logits, history))
+
+    def penalized(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        """The logits after the penalties over the window of `history`."""
         p = self.params
-        window = history[-p.penalty_last_n:] if p.penalty_last_n else ()
-        z = apply_penalties(logits, window, p)
-        if p.greedy:
-            return int(np.argmax(z))
-        probs = filtered_probs(z, p)
-        u = self._rng.random()
+        return apply_penalties(logits, history[-p.penalty_last_n:] if p.penalty_last_n else (), p)
+
+    def probs(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        """The distribution a stochastic draw after `history` uses (float64[V]; temperature > 0)."""
+        return filtered_probs(self.penalized(logits, history), self.params)
+
+    def draw(self, probs: np.ndarray) -> int:
+        """One token from `probs` (any non-negative weights), with one uniform of the generator."""
         cdf = np.cumsum(probs)
-        return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(cdf) - 1))
+        return int(min(np.searchsorted(cdf, self.uniform() * cdf[-1], side="right"), len(cdf) - 1))
+
+    def uniform(self) -> float:
+        """A uniform draw in [0, 1) from the request's generator (speculative acceptance tests)."""
+        return float(self._rng.random())

@@ -1,10 +1,14 @@
 """Recurrent per-sequence state on the GPU (MODEL.md §6): GDN conv [K_c−1, C] and SSM [n_v, S·S]
 states per GDN layer, the PLE conv state [(K_p−1)·N, hc·d] and the PLE token history, all f32
-(history: host int64), with checkpoint slots for speculative rollback.
+(history: host int64), each kept as n_draft + 2 planes so that a verify step can be rolled back.
 
-A step of 2 ≤ n ≤ n_slots tokens (verify) writes slot s = the state s tokens before its end, for
-s < n; `truncate(s)` then restores slot s instead of recomputing. Slots are not written by decode
-(n = 1, slot 0 would equal the state) nor by prefill ubatches (the chunked GDN has no slots).
+The live plane's index is one word of a small host-visible buffer the kernels read (gpu/ops/gdn.py
+`Planes`). Decode and prefill update the live plane in place. A verify step of 2 ≤ n < n_planes
+tokens (at most the step kernels' STEP_MAX_T) leaves it and writes the state after its token t
+into plane live + 1 + t; the live index then moves n planes on. `truncate(s)` drops the last
+s < n tokens of that step: in place (RSROLL=1) by moving the index back s planes, no copy, or
+(RSROLL=0) by copying the plane s tokens back into the live one on the device. Both leave the live
+state bit for bit the state after the kept tokens.
 """
 
 from __future__ import annotations
@@ -14,9 +18,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from vkflash.gpu.graph import Graph
 from vkflash.gpu.memory import Buffer
-from vkflash.gpu.ops.gdn import STEP_MAX_T
-from vkflash.gpu.ops.views import Rows
+from vkflash.gpu.ops.copy import copy_words
+from vkflash.gpu.ops.gdn import STEP_MAX_T, Planes
 from vkflash.model.hparams import HParams
 from vkflash.settings import current
 
@@ -27,137 +32,138 @@ if TYPE_CHECKING:
 
 def n_draft() -> int:
     """Draft tokens a verify step may carry (DRAFT knob; 0 means 6, the longest default draft),
-    sizing the checkpoint slots."""
+    sizing the state planes."""
     return int(current()["DRAFT"]) or 6
 
 
 @dataclass(frozen=True)
-class ConvState:
-    """A causal-conv state of `hist` rows × `ch` channels and its `n_slots` checkpoint copies."""
+class StateBuffer:
+    """One recurrent state of `rows` × `cols` f32 in `n_planes` planes; `index` holds the live one."""
 
-    state: Buffer
-    slots: Buffer
-    hist: int
-    ch: int
-    n_slots: int
-
-    @classmethod
-    def allocate(cls, gpu: "Gpu", hist: int, ch: int, n_slots: int, name: str) -> "ConvState":
-        return cls(gpu.buffer(4 * hist * ch, name), gpu.buffer(4 * max(1, n_slots) * hist * ch, name + ".slots"),
-                   hist, ch, n_slots)
-
-    def view(self) -> Rows:
-        return Rows(self.state, self.hist, self.ch)
-
-    def slot_view(self, n: int) -> Rows:
-        """The first n slots (slot s = rows [s·hist, (s+1)·hist))."""
-        return Rows(self.slots, n * self.hist, self.ch)
-
-    def restore(self, s: int) -> None:
-        """state = slot s."""
-        words = self.hist * self.ch
-        self.state.write(self.slots.read(np.float32, words, 4 * s * words))
-
-
-@dataclass(frozen=True)
-class SSMState:
-    """A GDN state [n_v, S·S] (row = key index) and its checkpoint copies."""
-
-    state: Buffer
-    slots: Buffer
-    n_v: int
-    S: int
-    n_slots: int
+    buf: Buffer
+    rows: int
+    cols: int
+    n_planes: int
+    index: Buffer
 
     @classmethod
-    def allocate(cls, gpu: "Gpu", n_v: int, S: int, n_slots: int, name: str) -> "SSMState":
-        return cls(gpu.buffer(4 * n_v * S * S, name), gpu.buffer(4 * max(1, n_slots) * n_v * S * S, name + ".slots"),
-                   n_v, S, n_slots)
+    def allocate(cls, gpu: "Gpu", rows: int, cols: int, n_planes: int, index: Buffer, name: str) -> "StateBuffer":
+        return cls(gpu.buffer(4 * n_planes * rows * cols, name), rows, cols, n_planes, index)
 
-    def view(self) -> Rows:
-        return Rows(self.state, self.n_v, self.S * self.S)
+    @property
+    def plane_words(self) -> int:
+        return self.rows * self.cols
 
-    def slot_view(self, n: int) -> Rows:
-        return Rows(self.slots, n * self.n_v, self.S * self.S)
+    def planes(self) -> Planes:
+        """The view the step kernels take."""
+        return Planes(self.buf, self.rows, self.cols, self.n_planes, self.index)
 
-    def restore(self, s: int) -> None:
-        words = self.n_v * self.S * self.S
-        self.state.write(self.slots.read(np.float32, words, 4 * s * words))
+    def zero(self, plane: int) -> None:
+        """Plane `plane` = 0."""
+        self.buf.write(np.zeros(self.plane_words, np.float32), 4 * plane * self.plane_words)
 
 
 @dataclass(frozen=True)
 class GDNLayerState:
     """One GDN layer's conv and SSM states."""
 
-    conv: ConvState
-    ssm: SSMState
+    conv: StateBuffer
+    ssm: StateBuffer
 
 
 @dataclass
 class RecurrentState:
-    """Every recurrent row of one sequence; `valid_slots` = slots written by the last step."""
+    """Every recurrent row of one sequence: the states, the live plane, the PLE history, and how
+    many tokens the last step allows to roll back (`valid_slots`: a verify step of n tokens, n)."""
 
-    n_slots: int
+    gpu: "Gpu"
+    n_planes: int
     gdn: dict[int, GDNLayerState]
-    ple_conv: ConvState | None
+    ple_conv: StateBuffer | None
     ple_keep: int  # N − 1 tokens of PLE history (0: no PLE)
+    index: Buffer
+    in_place: bool  # RSROLL
+    live: int = 0
     ple_history: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     valid_slots: int = 0
     _last: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    _copies: dict[tuple[int, int], Graph] = field(default_factory=dict)
 
     @classmethod
     def allocate(cls, gpu: "Gpu", hp: HParams, n_draft: int, ple_dilation_hist: int = 0) -> "RecurrentState":
-        """States for hp's GDN layers (and its PLE layer, history rows `ple_dilation_hist`), with
-        n_draft + 1 checkpoint slots each."""
-        n_slots = n_draft + 1
-        gdn = {i: GDNLayerState(ConvState.allocate(gpu, hp.K_c - 1, hp.C, n_slots, f"blk.{i}.conv_state"),
-                                SSMState.allocate(gpu, hp.n_v, hp.S, n_slots, f"blk.{i}.ssm_state"))
+        """States for hp's GDN layers (and its PLE layer, history rows `ple_dilation_hist`) in
+        n_draft + 2 planes: the live one and one per token of a verify step of n_draft + 1; the
+        RSROLL knob in effect now picks the rollback."""
+        n_planes = n_draft + 2
+        index = gpu.buffer(4, "state.live", host=True)
+        gdn = {i: GDNLayerState(StateBuffer.allocate(gpu, hp.K_c - 1, hp.C, n_planes, index, f"blk.{i}.conv_state"),
+                                StateBuffer.allocate(gpu, hp.n_v, hp.S * hp.S, n_planes, index, f"blk.{i}.ssm_state"))
                for i in range(hp.L) if hp.is_gdn[i]}
         ple = None
         if hp.has_ple:
-            ple = ConvState.allocate(gpu, ple_dilation_hist, hp.hc * hp.d, n_slots, "ple_conv_state")
-        st = cls(n_slots, gdn, ple, hp.N - 1 if hp.has_ple else 0)
+            ple = StateBuffer.allocate(gpu, ple_dilation_hist, hp.hc * hp.d, n_planes, index, "ple_conv_state")
+        st = cls(gpu, n_planes, gdn, ple, hp.N - 1 if hp.has_ple else 0, index, bool(current()["RSROLL"]))
         st.reset()
         return st
 
-    def slots_for(self, n: int) -> int:
-        """Slots a step of n tokens writes: n for a verify-sized step (2 ≤ n ≤ n_slots, step GDN), else 0."""
-        return n if 2 <= n <= min(self.n_slots, STEP_MAX_T) else 0
+    def states(self) -> list[StateBuffer]:
+        """Every state buffer, GDN layers in order, then the PLE conv."""
+        out = [s for layer in self.gdn.values() for s in (layer.conv, layer.ssm)]
+        return out + ([self.ple_conv] if self.ple_conv is not None else [])
+
+    def ring(self, n: int) -> bool:
+        """Whether a step of n tokens is a verify step (2 ≤ n < n_planes, step GDN): one plane per token."""
+        return 2 <= n < self.n_planes and n <= STEP_MAX_T
 
     def reset(self) -> None:
-        """A new sequence: every state zero, no history, no valid slot."""
-        for layer in self.gdn.values():
-            layer.conv.state.fill(0.0)
-            layer.ssm.state.fill(0.0)
-        if self.ple_conv is not None:
-            self.ple_conv.state.fill(0.0)
+        """A new sequence: the live plane zero, no history, nothing to roll back."""
+        self._set_live(0)
+        for s in self.states():
+            s.zero(0)
         self.ple_history = np.zeros(0, np.int64)
         self.valid_slots = 0
         self._last = np.zeros(0, np.int64)
 
     def before_step(self, params: "StepParams", ids: np.ndarray) -> None:
-        """Host work before a step's replay: none for the GDN states themselves."""
+        """Host work before a step's replay: none for the states themselves."""
 
     def stepped(self, ids: np.ndarray) -> None:
-        """Record a step of `ids` that ran: the slots it wrote and the PLE history after it."""
-        self.valid_slots = self.slots_for(len(ids))
+        """Record a step of `ids` that ran: after a verify step the live plane is n planes on."""
+        n = len(ids)
+        self.valid_slots = n if self.ring(n) else 0
+        if self.valid_slots:
+            self._set_live(self.live + n)
         self._last = np.concatenate([self.ple_history, np.asarray(ids, np.int64)])
         if self.ple_keep:
             self.ple_history = self._last[-self.ple_keep:]
 
     def truncate(self, back: int) -> bool:
-        """Drop the last `back` tokens of the last step by restoring slot `back`; False when the
-        slots cannot do it (the caller must then recompute the sequence)."""
+        """Drop the last `back` tokens of the last step (a verify step of more than `back`); False
+        when it cannot (the caller must then recompute the sequence)."""
         if back == 0:
             return True
         if back >= self.valid_slots:
             return False
-        for layer in self.gdn.values():
-            layer.conv.restore(back)
-            layer.ssm.restore(back)
-        if self.ple_conv is not None:
-            self.ple_conv.restore(back)
-        kept = self._last[: len(self._last) - back]
-        self.ple_history = kept[-self.ple_keep:] if self.ple_keep else self.ple_history
+        kept = (self.live - back) % self.n_planes
+        if self.in_place:
+            self._set_live(kept)
+        else:
+            self._copy(kept, self.live)
+        self.ple_history = self._last[: len(self._last) - back][-self.ple_keep:] if self.ple_keep else self.ple_history
         self.valid_slots = 0
         return True
+
+    def _set_live(self, plane: int) -> None:
+        self.live = plane % self.n_planes
+        self.index.write(np.array([self.live], np.uint32))
+
+    def _copy(self, src: int, dst: int) -> None:
+        """Plane src → plane dst of every state, on the device (one recorded graph per pair)."""
+        g = self._copies.get((src, dst))
+        if g is None:
+            g = Graph(self.gpu, f"rollback.copy.{src}>{dst}", split=False)
+            for s in self.states():
+                copy_words(g, s.buf, src * s.plane_words, s.buf, dst * s.plane_words, s.plane_words,
+                           name=f"{s.buf.name}.restore")
+            self._copies[(src, dst)] = g
+        g.run()

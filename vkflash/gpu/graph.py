@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, ClassVar, Sequence
 
 import kp
 import numpy as np
@@ -119,6 +119,9 @@ class Graph:
     GPU-time budget under `rates` (the device's assumed ones) and by max_ops_per_submission (0: any).
     `options` default to the Gpu's.
     """
+
+    records: ClassVar[int] = 0
+    """Recordings made by all graphs so far: a caller timing replays can tell one happened."""
 
     def __init__(self, gpu: "Gpu", name: str, max_ops_per_submission: int = 0, split: bool = True,
                  options: "GpuOptions | None" = None) -> None:
@@ -270,6 +273,7 @@ class Graph:
     def record(self) -> None:
         """Place the intermediates and record every submission once (barriers only on real
         dependencies); the budget and rates in effect now decide the cuts."""
+        Graph.records += 1
         timestamps = self.options.tracing.timestamps
         self.place()
         slots = self.gpu.arena.slots

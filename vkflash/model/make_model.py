@@ -276,8 +276,9 @@ def mtp_spec(g: Geometry, v: frozenset[str]) -> ModelSpec:
 
 # ---------------------------------------------------------------- metadata (MODEL.md §3)
 
-def _hparams_meta(s: ModelSpec, g: Geometry, v: frozenset[str], mtp: bool) -> None:
-    """All arch keys with the exact GGUF types of §3."""
+def _hparams_meta(s: ModelSpec, g: Geometry, v: frozenset[str], mtp: bool, mtp_only: bool = False) -> None:
+    """All arch keys with the exact GGUF types of §3 (`mtp`: block_count counts the MTP block;
+    `mtp_only`: an MTP-only file, without PLE keys)."""
     A, u32 = s.arch, VT.UINT32
     L_all = g.L + (1 if mtp else 0)
     s.kv("general.name", f"vkflash synthetic {s.arch}", VT.STRING)
@@ -309,7 +310,7 @@ def _hparams_meta(s: ModelSpec, g: Geometry, v: frozenset[str], mtp: bool) -> No
     r = 0 if "dense" in v else g.r
     ratios = [0 if g.is_gdn(i) or i >= g.L else r for i in range(L_all)]
     s.kv(f"{A}.attention.compress_ratios", ratios, VT.INT32)
-    if mtp:
+    if mtp_only:
         return  # an MTP-only file carries no PLE keys
     hp = _ple_params(g)
     s.kv(f"{A}.ple.layers", [g.ple_layer], VT.INT32)
@@ -542,8 +543,9 @@ def _variants(variant: str | tuple[str, ...] | frozenset[str] | None) -> frozens
 
 def make_model(arch: str, config: str, quant: str | None, seed: int, out: str | Path,
                mtp_separate: bool = False, variant: str | tuple[str, ...] | None = None,
-               sparse: bool = False) -> list[Path]:
-    """Write a synthetic model (and, with mtp_separate, its MTP-only file `<out>-mtp.gguf`).
+               sparse: bool = False, mtp_block: bool = False) -> list[Path]:
+    """Write a synthetic model (and, with mtp_separate, its MTP-only file `<out>-mtp.gguf`; with
+    mtp_block, the MTP block in the model file itself: block_count L + 1, which only vkflash loads).
 
     Returns the written paths. tiny: quant ∈ F32 (default) | F16 | Q8_0 | mix; shape configs:
     the §9 types (quant None or "Q4_K_M"), or "Q8_0" for every quantized tensor. sparse: header
@@ -554,8 +556,9 @@ def make_model(arch: str, config: str, quant: str | None, seed: int, out: str | 
     if config not in CONFIGS:
         raise ConfigError(f"--config must be one of {', '.join(CONFIGS)}, not {config!r}")
     v = _variants(variant)
-    if arch == "qwen3next" and (v & {"hc_norm_2d", "ple_conv_f16", "dense", "tie_stress"} or mtp_separate):
-        raise ConfigError("qwen3next has no HC, PLE, QSA or MTP: drop those variants / --mtp-separate")
+    if arch == "qwen3next" and (v & {"hc_norm_2d", "ple_conv_f16", "dense", "tie_stress"} or mtp_separate
+                                or mtp_block):
+        raise ConfigError("qwen3next has no HC, PLE, QSA or MTP: drop those variants / --mtp-separate / --mtp")
     if arch == "qwen4exp" and "ssm_in" in v:
         raise ConfigError("the ssm_in variant is qwen3next-only")
     g = GEOMETRIES[(arch, config)]
@@ -586,12 +589,14 @@ def make_model(arch: str, config: str, quant: str | None, seed: int, out: str | 
             yield quantize(float_values(t, seed, g, rank1), t.qtype)
 
     spec = typed(trunk_spec(arch, g, v))
-    _hparams_meta(spec, g, v, mtp=False)
+    if mtp_block:
+        spec.tensors += typed(mtp_spec(g, v)).tensors
+    _hparams_meta(spec, g, v, mtp=mtp_block)
     _tokenizer_meta(spec, vm)
     paths = [_write(out, spec, chunks, sparse)]
     if mtp_separate:
         mspec = typed(mtp_spec(g, v))
-        _hparams_meta(mspec, g, v, mtp=True)
+        _hparams_meta(mspec, g, v, mtp=True, mtp_only=True)
         _tokenizer_meta(mspec, vm)
         paths.append(_write(out.with_name(out.stem + "-mtp" + out.suffix), mspec, chunks, sparse))
     return paths

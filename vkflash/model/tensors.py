@@ -160,8 +160,8 @@ def _ple_table(hp: HParams) -> Spec:
 def _qwen4exp(hp: HParams, names: frozenset[str]) -> tuple[dict[str, Spec], bool, bool]:
     """The qwen4exp table: trunk (unless MTP-only) plus the MTP block when present."""
     d, V, L = hp.d, hp.V, hp.L
-    mtp_only = hp.n_mtp > 0 and not any(_block_of(n) is not None and _block_of(n) < L for n in names)
-    has_mtp = any((b := _block_of(n)) is not None and b >= L for n in names)
+    mtp_only = hp.n_mtp > 0 and not any(block_of(n) is not None and block_of(n) < L for n in names)
+    has_mtp = any((b := block_of(n)) is not None and b >= L for n in names)
     t: dict[str, Spec] = {"token_embd.weight": exact((d, V), required=not mtp_only),
                           "output.weight": exact((d, V), required=False)}
     if not mtp_only:
@@ -235,7 +235,7 @@ def _qwen2(hp: HParams) -> dict[str, Spec]:
     return t
 
 
-def _block_of(name: str) -> int | None:
+def block_of(name: str) -> int | None:
     """The block index of a `blk.i.*` name, else None."""
     if not name.startswith("blk."):
         return None

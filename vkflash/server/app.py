@@ -165,7 +165,6 @@ def create_app(state: ServerState) -> ASGIApp:
             "kv_fill_ratio": ("fraction of the context in use", slot.kv_fill() if slot else 0.0),
             "guard_tier": ("deep-context guard steps in force (0: none)", float(getattr(fwd, "guard_tier", 0))),
             **_memory_gauges(fwd),
-            "draft_acceptance_ratio": ("MTP draft tokens accepted / drafted", float(getattr(fwd, "draft_acceptance", 0))),
         }
         return PlainTextResponse(state.metrics.render(gauges), media_type="text/plain; version=0.0.4")
 

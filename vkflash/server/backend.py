@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vkflash.engine.api import EngineInfo, Forward
 from vkflash.engine.qsa_config import QSAConfig
@@ -16,6 +17,9 @@ from vkflash.model.tokenizer import Tokenizer, read_tokenizer_meta
 from vkflash.model.hparams import HParams, hparams_from_gguf
 from vkflash.model.weights import load_model
 from vkflash.settings import Settings
+
+if TYPE_CHECKING:
+    from vkflash.engine.speculate import Speculator
 
 # knobs that steer the GPU forward only (BLKTOPK and GP reach the reference's QSA options); the
 # reference backend says so instead of ignoring them silently
@@ -38,9 +42,15 @@ def _forward(settings: Settings, path: Path, hp: HParams, n_ctx: int) -> tuple[F
     if uses_gpu(settings, hp.arch):
         from vkflash.engine.gpu_forward import GpuForward
 
+        if settings["MTP"]:
+            sp = open_speculator(path, settings["MODEL_DRAFT"] or None, ctx=n_ctx)
+            sp.fwd.reserve()  # the compute buffers of every step now, as the memory plan counts them
+            return sp, "vulkan+mtp"
         fwd = GpuForward(path, ctx=n_ctx)
-        fwd.reserve()  # the compute buffers of every step now, as the memory plan counts them
+        fwd.reserve()
         return fwd, "vulkan"
+    if settings["MTP"]:
+        raise ConfigError("MTP=1 needs the GPU forward (VKFLASH_BACKEND=gpu or auto with a qwen4exp model)")
     qsa = QSAConfig.from_settings(settings)
     fwd = ReferenceForward(load_model(path), n_ctx, gathered=qsa.gathered, **qsa.reference_options())
     unused = [k for k in REFERENCE_IGNORES if settings.sources.get(k, "default") != "default"]
@@ -76,6 +86,16 @@ def preflight(settings: Settings) -> str:
     if not plan.boot_fits:
         raise DoesNotFit(plan.summary())
     return plan.summary()
+
+
+def open_speculator(path: Path, draft: str | None, **forward: object) -> "Speculator":
+    """The MTP speculator of a model (its own MTP block, or the MTP-only GGUF `draft`); says so."""
+    from vkflash.engine.speculate import Speculator
+    from vkflash.model.default_model import resolve_model
+
+    sp = Speculator.open(path, resolve_model(draft, "MODEL_DRAFT") if draft else None, **forward)
+    print(sp.describe(), flush=True)
+    return sp
 
 
 def model_path(settings: Settings) -> Path:

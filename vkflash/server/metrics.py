@@ -23,6 +23,8 @@ class Metrics:
     decode_seconds: float = 0.0
     last_prompt_rate: float = 0.0
     last_decode_rate: float = 0.0
+    draft_tokens: int = 0
+    draft_accepted: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def request(self, path: str, status: int) -> None:
@@ -49,6 +51,8 @@ class Metrics:
                 self.last_prompt_rate = float(j["prompt_per_second"])
             if t.predicted_n > 1:
                 self.last_decode_rate = float(j["predicted_per_second"])
+            self.draft_tokens += t.draft_n or 0
+            self.draft_accepted += t.draft_n_accepted or 0
 
     def render(self, gauges: dict[str, tuple[str, float]]) -> str:
         """Prometheus text format; `gauges` maps name → (help, value) for live values."""
@@ -71,6 +75,10 @@ class Metrics:
             family("decode_seconds_total", "counter", "time spent decoding", [("", self.decode_seconds)])
             family("prompt_tokens_per_second", "gauge", "prefill rate of the last request", [("", self.last_prompt_rate)])
             family("decode_tokens_per_second", "gauge", "decode rate of the last request", [("", self.last_decode_rate)])
+            family("draft_tokens_total", "counter", "MTP draft tokens proposed", [("", self.draft_tokens)])
+            family("draft_accepted_total", "counter", "MTP draft tokens accepted", [("", self.draft_accepted)])
+            family("draft_acceptance_ratio", "gauge", "MTP draft tokens accepted / proposed, since start",
+                   [("", self.draft_accepted / self.draft_tokens if self.draft_tokens else 0.0)])
         for name, (help_, value) in gauges.items():
             family(name, "gauge", help_, [("", value)])
         return "\n".join(out) + "\n"

@@ -57,7 +57,8 @@ class HeadBuffers:
 class StepModel:
     """Everything a step graph is built from: weights, caches, step params, head buffers and
     `state`, the arch's other per-sequence state (recurrent states, QSA caches: see the arch's
-    `allocate_state`), None for qwen2."""
+    `allocate_state`), None for qwen2; `hidden` (qwen4exp with MTP): where the step leaves its
+    rows of h_nextn (O1) for the draft head, ub rows of hc·d."""
 
     gpu: "Gpu"
     hp: HParams
@@ -66,6 +67,7 @@ class StepModel:
     params: StepParams
     head: HeadBuffers
     state: Any = None
+    hidden: Buffer | None = None
 
     @property
     def host_embed(self) -> bool:
@@ -86,7 +88,7 @@ class SequenceState(Protocol):
         """A step of `ids` ran."""
 
     def truncate(self, back: int) -> bool:
-        """Drop the last `back` tokens from checkpoint slots; False when it cannot."""
+        """Drop the last `back` tokens of a verify step (state planes); False when it cannot."""
 
 
 class ArchGraph(Protocol):

@@ -74,11 +74,17 @@ def hybrid_stacks(gf: GGUFFile, hp: HParams) -> list[Stack]:
         b = f"blk.{i}."
         if hp.is_gdn[i]:
             out += run_stacks([b + t for t, _ in gdn_projections(gf.tensors, b)])
-        for pair in (("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"),
-                     ("ffn_gate_shexp.weight", "ffn_up_shexp.weight"),
-                     ("ffn_gate_exps.weight", "ffn_up_exps.weight")):
-            out.append(Stack(b + "+".join(pair), tuple(b + t for t in pair)))
+        out += moe_stacks(b)
     return out
+
+
+def moe_stacks(b: str) -> list[Stack]:
+    """Block b's MoE projections of one input: the router with the shared-expert gate row, the
+    shared expert's gate/up, the routed experts' gate/up."""
+    return [Stack(b + "+".join(pair), tuple(b + t for t in pair))
+            for pair in (("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"),
+                         ("ffn_gate_shexp.weight", "ffn_up_shexp.weight"),
+                         ("ffn_gate_exps.weight", "ffn_up_exps.weight"))]
 
 
 def hybrid_transforms(gf: GGUFFile, hp: HParams) -> dict[str, Transform]:
@@ -98,10 +104,10 @@ def hybrid_transforms(gf: GGUFFile, hp: HParams) -> dict[str, Transform]:
 # ------------------------------------------------------------------ GDN
 
 
-def gdn_sublayer(g: "Graph", m: StepModel, i: int, u: Rows, st: GDNLayerState, n_slots: int,
+def gdn_sublayer(g: "Graph", m: StepModel, i: int, u: Rows, st: GDNLayerState, ring: bool,
                  head_map: gdn.HeadMap, act: gdn.Gate) -> Rows:
-    """(G1)–(G10) on the rows u: W_o gated_norm(delta(conv(W_qkv u)), W_z u); states in place,
-    `n_slots` checkpoint slots written (0: none)."""
+    """(G1)–(G10) on the rows u: W_o gated_norm(delta(conv(W_qkv u)), W_z u); the live state planes
+    updated in place, or (`ring`, a verify step) one plane per token written (engine/state.py)."""
     hp, w, n = m.hp, m.weights, u.n_rows
     b = f"blk.{i}."
     C, Z, n_v = hp.C, hp.n_v * hp.S, hp.n_v
@@ -112,11 +118,11 @@ def gdn_sublayer(g: "Graph", m: StepModel, i: int, u: Rows, st: GDNLayerState, n
     gdn.gates(g, raw_b, raw_a, w[b + "ssm_dt.bias"].vector(), w[b + "ssm_a"].vector(), beta, gate,
               name=b + "gdn_gates")  # (G2, G3)
     c = g.tensor(n, C, b + "gdn_conv")
-    gdn.conv(g, mq, Rows(w[b + "ssm_conv1d.weight"].buf, C, hp.K_c), st.conv.view(), c,
-             st.conv.slot_view(n_slots) if n_slots else None, name=b + "gdn_conv")  # (G4)
+    gdn.conv(g, mq, Rows(w[b + "ssm_conv1d.weight"].buf, C, hp.K_c), st.conv.planes(), c, ring,
+             name=b + "gdn_conv")  # (G4)
     o = g.tensor(n, Z, b + "gdn_o")
-    gdn.delta(g, c, beta, gate, st.ssm.view(), o, gdn.GDNShape(hp.n_k, n_v, hp.S, head_map), hp.eps,
-              slots=st.ssm.slot_view(n_slots) if n_slots else None, name=b + "gdn_o")  # (G5)–(G8)
+    gdn.delta(g, c, beta, gate, st.ssm.planes(), o, gdn.GDNShape(hp.n_k, n_v, hp.S, head_map), hp.eps,
+              ring=ring, name=b + "gdn_o")  # (G5)–(G8)
     gdn.gated_norm(g, o, z, w[b + "ssm_norm.weight"].vector(), o, hp.S, hp.eps, act, name=b + "gdn_gated")  # (G9)
     a = g.tensor(n, hp.d, b + "attn_out")
     matmul(g, w[b + "ssm_out.weight"].matrix(), o, a, name=b + "attn_out")  # (G10)
@@ -131,10 +137,16 @@ GATHER_TILE = 64  # queries per gathered-prefill tile (S1): one union list each,
 
 @dataclass(frozen=True)
 class GatheredCells:
-    """Gathered decode (Q8): the sorted selected cells and their gather params (position, count)."""
+    """Gathered decode and verify (Q8): row t's sorted selected cells and its gather params
+    (position, count) at params[2t]."""
 
-    cells: CellList
+    cells: Rows
     params: Buffer
+    capacity: int  # the layer's W = B + r − 1
+
+    def row(self, t: int) -> CellList:
+        """Row t's cell list."""
+        return CellList(self.cells.buf, self.capacity, self.cells.off + t * self.cells.stride)
 
 
 @dataclass(frozen=True)
@@ -153,9 +165,9 @@ class GatheredTiles:
 def qsa_select_cells(g: "Graph", m: StepModel, i: int, u: Rows, idx: IndexerCache,
                      cfg: QSAConfig) -> CellMask | GatheredCells | GatheredTiles:
     """(Q1)–(Q8): write ρ, pool the blocks this step completes (or all, POOLED=0), score the visible
-    blocks and select: a gathered cell list (positions in its gather params) for decode; for n > 1
-    per-query bit rows, turned into per-tile union lists (GP=1) or used as the mask of dense
-    attention (GP=0)."""
+    blocks and select: a gathered cell list per row (positions in its gather params) for decode and
+    verify-sized steps; for more rows per-query bit rows, turned into per-tile union lists (GP=1) or
+    used as the mask of dense attention (GP=0)."""
     hp, w, p, n = m.hp, m.weights, m.params, u.n_rows
     b = f"blk.{i}."
     D, n_I, r, n_ctx = hp.D_I, hp.n_I, idx.r, idx.keys.n_ctx
@@ -169,16 +181,16 @@ def qsa_select_cells(g: "Graph", m: StepModel, i: int, u: Rows, idx: IndexerCach
     matmul(g, w[b + "indexer.q_proj.weight"].matrix(), u, qI, name=b + "idx_q")  # (Q4)
     heads = Rows(qI.buf, n * n_I, D, qI.off)
     rms_norm(g, heads, heads, hp.eps, w[b + "indexer.q_norm.weight"].buf, name=b + "idx_q_norm")
-    rope_neox(g, heads, heads, n_I, hp.n_rot, hp.theta, p.buf, p.pos, name=b + "idx_q_rope")
+    rope_neox(g, heads, heads, n_I, hp.n_rot, hp.theta, p.buf, p.rope, name=b + "idx_q_rope")
     g.expose(b + "idx_q", qI.buf, qI.off, n, n_I * D, qI.stride, after=b + "idx_q_rope")  # final after norm + RoPE
     scores = g.tensor(n, idx.n_blocks, b + "idx_scores")
     qsa_scores(g, p.buf, 0, qI, summary, scores, n_I=n_I, r=r, name=b + "idx_scores")  # (Q5)
     W = hp.B + max(hp.r) - 1
-    if n == 1:
-        cells, gp = g.tensor(1, W, b + "qsa_select"), g.temp(8, b + "qsa_select.gp")
+    if n <= p.row_steps:  # decode, verify: one cell list per row
+        cells, gp = g.tensor(n, W, b + "qsa_select"), g.temp(8 * n, b + "qsa_select.gp")
         qsa_select(g, p.buf, 0, scores, cells, r=r, B=hp.B, cell=cfg.cell, gather_params=gp,
                    name=b + "qsa_select")  # (Q6)–(Q8)
-        return GatheredCells(CellList(cells.buf, hp.W(i)), gp)
+        return GatheredCells(cells, gp, hp.W(i))
     words = -(-n_ctx // 32)
     sel = g.tensor(n, words, b + "qsa_mask")
     qsa_select(g, p.buf, 0, scores, sel, r=r, B=hp.B, cell=cfg.cell, name=b + "qsa_mask")
@@ -213,7 +225,7 @@ def attention_sublayer(g: "Graph", m: StepModel, i: int, u: Rows, qsa: tuple[Ind
     q_rows, k_rows = Rows(qg.buf, n * H, Dh, qg.off, 2 * Dh), Rows(k.buf, n * H_kv, Dh, k.off)  # q between the gates
     for rows, heads, nm in ((q_rows, H, "Q"), (k_rows, H_kv, "K")):  # (A2), (A3)
         rms_norm(g, rows, rows, hp.eps, w[b + f"attn_{nm.lower()}_norm.weight"].buf, name=b + f"{nm}norm")
-        rope_neox(g, rows, rows, heads, hp.n_rot, hp.theta, p.buf, p.pos, name=b + f"{nm}cur")
+        rope_neox(g, rows, rows, heads, hp.n_rot, hp.theta, p.buf, p.rope, name=b + f"{nm}cur")
     cache = m.kv[i]
     kv_append(g, p.buf, p.pos, Heads(k, H_kv, Dh), cache.k, name=b + "cache_k")  # (A4)
     kv_append(g, p.buf, p.pos, Heads(v, H_kv, Dh), cache.v, name=b + "cache_v")
@@ -221,16 +233,27 @@ def attention_sublayer(g: "Graph", m: StepModel, i: int, u: Rows, qsa: tuple[Ind
     # (A5)–(A7) with the gate applied in the attention kernel: "attn_gated", not the reference's
     # pre-gate "kqv_out"
     o = g.tensor(n, H * Dh, b + "attn_gated")
-    q, gate = q_and_gate(qg, H, Dh)
     if isinstance(sel, GatheredTiles):  # (S3) every query tile's gathered, slot-masked attention in one dispatch
+        q, gate = q_and_gate(qg, H, Dh)
         attention(g, sel.gp, 0, q, cache.k, cache.v, Heads(o, H, Dh), gate=gate,
                   mask=CellMask(sel.slots.buf, sel.slots.stride, sel.slots.off),
                   cells=CellList(sel.cells, sel.cap), tile=sel.tile, name=b + "attn_gated")
-    else:
+    elif n == 1 or n > p.row_steps:
+        q, gate = q_and_gate(qg, H, Dh)
         listed = isinstance(sel, GatheredCells)
         attention(g, sel.params if listed else p.buf, 0, q, cache.k, cache.v, Heads(o, H, Dh), gate=gate,
-                  mask=sel if isinstance(sel, CellMask) else None, cells=sel.cells if listed else None,
+                  mask=sel if isinstance(sel, CellMask) else None,
+                  cells=sel.row(0) if listed else None,
                   name=b + "attn_gated")
+    else:  # a verify-sized step attends row by row with each row's own params, exactly as decode
+        for t in range(n):
+            q, gate = q_and_gate(qg.rows(t, 1), H, Dh)
+            if isinstance(sel, GatheredCells):
+                params, off, cells = sel.params, 2 * t, sel.row(t)
+            else:
+                params, off, cells = p.buf, p.row(t), None
+            attention(g, params, off, q, cache.k, cache.v, Heads(o.rows(t, 1), H, Dh), gate=gate, cells=cells,
+                      name=b + f"attn_gated.{t}")
     a = g.tensor(n, hp.d, b + "attn_out")
     matmul(g, w[b + "attn_output.weight"].matrix(), o, a, name=b + "attn_out")  # (A8)
     return a

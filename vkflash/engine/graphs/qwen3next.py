@@ -53,20 +53,20 @@ class Qwen3NextGraph:
 
     def allocate_state(self, gpu: "Gpu", gf: GGUFFile, hp: HParams, n_ctx: int, kv: CacheType,
                        ub: int, held: int) -> RecurrentState:
-        """GDN conv and SSM states (+ checkpoint slots) of every GDN layer."""
+        """GDN conv and SSM states (in planes, for rollback) of every GDN layer."""
         return RecurrentState.allocate(gpu, hp, n_draft())
 
     def build(self, g: "Graph", m: StepModel, n: int, head: Head) -> None:
         """The whole forward of an n-token step (tokens and positions from the params buffer)."""
         hp, w, st = m.hp, m.weights, m.state
-        n_slots = st.slots_for(n)
+        ring = st.ring(n)
         h = embed_tokens(g, m, n)
         for i in range(hp.L):
             b = f"blk.{i}."
             u = g.tensor(n, hp.d, b + "attn_norm")
             rms_norm(g, h, u, hp.eps, w[b + "attn_norm.weight"].buf, name=b + "attn_norm")  # (N1)
             if hp.is_gdn[i]:  # (N3)
-                a = gdn_sublayer(g, m, i, u, st.gdn[i], n_slots, HeadMap.GROUPED, Gate.SILU)
+                a = gdn_sublayer(g, m, i, u, st.gdn[i], ring, HeadMap.GROUPED, Gate.SILU)
             else:  # (N4)
                 a = attention_sublayer(g, m, i, u)
             E.add(g, h, a, h, name=b + "attn_residual")

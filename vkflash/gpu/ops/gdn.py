@@ -1,8 +1,9 @@
 """Gated DeltaNet ops (MODEL.md §5.4 G2–G9): causal conv + silu with state, gates, the gated delta
-rule (a step-by-step decode/verify variant with checkpoint slots; chunked prefill in matrix form, or
-scalar with VKFLASH_GDN_MATRIX=0) and the gated RMSNorm. Every op covers a whole ubatch in one
-dispatch; states are f32 and updated in place. The fusion pass computes the gates inside the
-delta-rule kernel (Fusion.GDN_GATES).
+rule (a step-by-step decode/verify variant; chunked prefill in matrix form, or scalar with
+VKFLASH_GDN_MATRIX=0) and the gated RMSNorm. Every op covers a whole ubatch in one dispatch; states
+are f32, kept as `Planes` whose live plane a step updates in place, or, in a verify step (`ring`),
+leaves behind for one plane per token. The fusion pass computes the gates inside the delta-rule
+kernel (Fusion.GDN_GATES).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from vkflash.gpu.graph import Node
 from vkflash.gpu.interface import PushConstants, SpecConstants, boolean, f32, u32
+from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops.views import F32, Rows, check_alias, check_same_shape, grid
 from vkflash.gpu.registry import Kernel, kernel
 
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ConvPush(PushConstants):
-    """gdn_conv.comp's push constants: channels, tokens, then the m, w, state, c and slots views."""
+    """gdn_conv.comp's push constants: channels, tokens, the m, w, state and c views, the planes."""
 
     C: u32
     T: u32
@@ -32,8 +34,9 @@ class ConvPush(PushConstants):
     st_off: u32
     c_off: u32
     c_stride: u32
-    sl_off: u32
-    n_slots: u32
+    n_planes: u32
+    idx_off: u32
+    ring: u32
 
 
 @dataclass(frozen=True)
@@ -78,8 +81,9 @@ class DeltaPush(PushConstants):
     st_off: u32
     o_off: u32
     o_stride: u32
-    sl_off: u32
-    n_slots: u32
+    n_planes: u32
+    idx_off: u32
+    ring: u32
     eps: f32
     dt_off: u32
     sa_off: u32
@@ -142,6 +146,46 @@ MATRIX_MAX_COLS = 64  # widest value-column slice of the matrix variant (its sol
 MIN_COLS = 8  # narrowest value-column slice per workgroup
 
 
+@dataclass(frozen=True)
+class Planes:
+    """A recurrent state of `rows` × `cols` f32 kept as n planes, one after the other from element
+    `off` of buf; the live plane is word `index_word` of `index` (mod n; plane 0 when n = 1, the
+    index unread). A step updates the live plane in place; a verify step (`ring`, T < n tokens)
+    leaves it and writes the state after its token t into plane live + 1 + t (mod n), so a
+    rollback is a move of the index (engine/state.py)."""
+
+    buf: Buffer
+    rows: int
+    cols: int
+    n: int
+    index: Buffer
+    index_word: int = 0
+    off: int = 0
+
+    @classmethod
+    def single(cls, state: Rows) -> "Planes":
+        """A plain state: one plane, updated in place."""
+        _check_dense("state", state=state)
+        return cls(state.buf, state.n_rows, state.n_cols, 1, state.buf, 0, state.off)
+
+    def all(self) -> Rows:
+        """Every plane as one view."""
+        return Rows(self.buf, self.n * self.rows, self.cols, self.off)
+
+    def push(self) -> list[int]:
+        """The kernels' (n_planes, index word) push constants."""
+        return [self.n, self.index_word]
+
+
+def _planes(state: "Planes | Rows") -> Planes:
+    return state if isinstance(state, Planes) else Planes.single(state)
+
+
+def _check_ring(name: str, state: Planes, T: int, ring: bool) -> None:
+    if ring and not 1 <= T < state.n:
+        raise ValueError(f"{name}: a ring step of {T} tokens needs more than {T} state planes, has {state.n}")
+
+
 class HeadMap(IntEnum):
     """(G7) key head of v-head j: TILED j mod n_k (qwen4exp), GROUPED ⌊j/ρ⌋ (qwen3next)."""
 
@@ -198,43 +242,38 @@ class DeltaPlan:
 
 
 def _check_dense(op: str, **views: Rows) -> None:
-    """Views the kernels index as packed arrays (weights, states, slots) must have stride = n_cols."""
+    """Views the kernels index as packed arrays (weights, states) must have stride = n_cols."""
     for k, v in views.items():
         if v.stride != v.n_cols:
             raise ValueError(f"{op}: {k} must be dense (stride {v.stride} ≠ {v.n_cols})")
 
 
-def conv(g: "Graph", m: Rows, w: Rows, state: Rows, c: Rows, slots: Rows | None = None,
+def conv(g: "Graph", m: Rows, w: Rows, state: Planes | Rows, c: Rows, ring: bool = False,
          name: str = "gdn_conv") -> None:
-    """(G4) c = silu(causal depthwise conv of [state; m]) for T rows of C channels; state [K−1, C]
-    (raw m columns) is updated in place; slots (n_slots·(K−1) rows of C) get the state s tokens
-    before the batch end for s < n_slots ≤ T."""
+    """(G4) c = silu(causal depthwise conv of [state; m]) for T rows of C channels; the state
+    [K−1, C] (raw m columns; `Planes`, or one plane as Rows) is updated in place, or with `ring`
+    the state after each token t goes into plane live + 1 + t."""
     T, C, K = m.n_rows, m.n_cols, w.n_cols
+    st = _planes(state)
     check_same_shape(name, m=m, c=c)
     if w.n_rows != C:
         raise ValueError(f"{name}: weights have {w.n_rows} rows, need one per channel ({C})")
     if not 2 <= K <= CONV_TOKENS + 1:
         raise ValueError(f"{name}: conv kernel K = {K} outside 2..{CONV_TOKENS + 1}")
-    if (state.n_rows, state.n_cols) != (K - 1, C):
-        raise ValueError(f"{name}: state is {state.n_rows}x{state.n_cols}, needs {K - 1}x{C}")
-    _check_dense(name, w=w, state=state)
-    n_slots = 0
-    if slots is not None:
-        _check_dense(name, slots=slots)
-        n_slots, rem = divmod(slots.n_rows, K - 1)
-        if rem or slots.n_cols != C or n_slots > T:
-            raise ValueError(f"{name}: slots {slots.n_rows}x{slots.n_cols} must be n_slots·{K - 1} x {C} "
-                             f"with n_slots ≤ T = {T}")
-        check_alias(name, slots, m, state, c)
-    check_alias(name, c, m, state, w)
-    check_alias(name, state, m, w)
+    if (st.rows, st.cols) != (K - 1, C):
+        raise ValueError(f"{name}: state is {st.rows}x{st.cols}, needs {K - 1}x{C}")
+    _check_dense(name, w=w)
+    _check_ring(name, st, T, ring)
+    planes = st.all()
+    check_alias(name, c, m, planes, w)
+    check_alias(name, planes, m, w)
     wg = kernel("gdn_conv").workgroup(g.gpu.caps)
-    sl = slots if slots is not None else state
-    g.dispatch("gdn_conv", [m.buf, w.buf, state.buf, c.buf, sl.buf], [-(-C // wg), -(-T // CONV_TOKENS)],
-               push=ConvPush(C, T, m.off, m.stride, w.off, state.off, c.off, c.stride, sl.off, n_slots),
-               spec=ConvSpec(K, CONV_TOKENS), name=name, writes=[2, 3, 4],
-               desc=f"{T}x{C} K{K} slots {n_slots}", nbytes=F32 * (2 * T * C + (K + 2 * (K - 1) * (1 + n_slots)) * C),
-               flops=2 * K * T * C)
+    written = T if ring else 1
+    g.dispatch("gdn_conv", [m.buf, w.buf, st.buf, c.buf, st.index], [-(-C // wg), -(-T // CONV_TOKENS)],
+               push=ConvPush(C, T, m.off, m.stride, w.off, st.off, c.off, c.stride, *st.push(), int(ring)),
+               spec=ConvSpec(K, CONV_TOKENS), name=name, writes=[2, 3],
+               desc=f"{T}x{C} K{K}" + " ring" * ring,
+               nbytes=F32 * (2 * T * C + (K + (K - 1) * (1 + written)) * C), flops=2 * K * T * C)
 
 
 @dataclass(frozen=True)
@@ -355,12 +394,12 @@ class Delta(Node):
     c: Rows
     beta: Rows
     gate: Rows
-    state: Rows
+    state: Planes
     o: Rows
     shape: GDNShape
     eps: float
     plan: DeltaPlan
-    slots: Rows | None
+    ring: bool
     raw_gates: tuple[Rows, Rows] | None
     name: str
 
@@ -370,41 +409,43 @@ class Delta(Node):
                 if (v.n_rows, v.n_cols) != (1, self.shape.n_v):
                     raise ValueError(f"{self.name}: {k} is {v.n_rows}x{v.n_cols}, needs 1x{self.shape.n_v}")
 
-    def inputs(self) -> tuple[Rows, ...]:
-        return (self.c, self.beta, self.gate, self.state) + (self.raw_gates or ())
+    def inputs(self) -> tuple[Rows | Buffer, ...]:
+        return (self.c, self.beta, self.gate, self.state.all(), self.state.index) + (self.raw_gates or ())
 
     def outputs(self) -> tuple[Rows, ...]:
-        return (self.o, self.state) + ((self.slots,) if self.slots is not None else ())
+        return (self.o, self.state.all())
 
     def lower(self, g: "Graph") -> None:
         c, beta, gate, state, o, shape, plan = self.c, self.beta, self.gate, self.state, self.o, self.shape, self.plan
         T, S, n_v = c.n_rows, shape.S, shape.n_v
-        n_slots = self.slots.n_rows // n_v if self.slots is not None else 0
         raw = self.raw_gates is not None
         dt, sa = self.raw_gates if self.raw_gates is not None else (beta, beta)
         bt, gt = (c, c) if raw else (beta, gate)  # buffers 1, 2: β and g as stored
         rb, ra = (beta, gate) if raw else (c, c)  # buffers 8, 9: the raw projections b, a
-        sl = self.slots if self.slots is not None else state
-        g.dispatch("gdn_delta", [c.buf, bt.buf, gt.buf, state.buf, o.buf, sl.buf, dt.buf, sa.buf, rb.buf, ra.buf],
+        written = T if self.ring else 1
+        g.dispatch("gdn_delta", [c.buf, bt.buf, gt.buf, state.buf, o.buf, state.index, dt.buf, sa.buf, rb.buf, ra.buf],
                    [n_v * (S // plan.cols)],
                    push=DeltaPush(shape.n_k, n_v, T, c.off, c.stride, bt.off, bt.stride, gt.off, gt.stride,
-                                  state.off, o.off, o.stride, sl.off, n_slots, self.eps, dt.off, sa.off,
+                                  state.off, o.off, o.stride, *state.push(), int(self.ring), self.eps, dt.off, sa.off,
                                   rb.off, rb.stride, ra.off, ra.stride),
                    spec=DeltaSpec(plan.variant, S, shape.head_map, plan.cols, plan.chunk, plan.rows, plan.shared, raw),
-                   name=self.name, writes=[3, 4, 5],
-                   desc=f"{plan.variant.name.lower()} {T}x{n_v}x{S} cols {plan.cols} chunk {plan.chunk} slots {n_slots}",
-                   nbytes=F32 * (T * (shape.C + 2 * n_v + n_v * S) + (2 + n_slots) * n_v * S * S),
+                   name=self.name, writes=[3, 4],
+                   desc=f"{plan.variant.name.lower()} {T}x{n_v}x{S} cols {plan.cols} chunk {plan.chunk}"
+                   + " ring" * self.ring,
+                   nbytes=F32 * (T * (shape.C + 2 * n_v + n_v * S) + (1 + written) * n_v * S * S),
                    flops=6 * T * n_v * S * S)
 
 
-def delta(g: "Graph", c: Rows, beta: Rows, gate: Rows, state: Rows, o: Rows, shape: GDNShape, eps: float,
-          variant: Variant | None = None, slots: Rows | None = None, chunk: int | None = None,
+def delta(g: "Graph", c: Rows, beta: Rows, gate: Rows, state: Planes | Rows, o: Rows, shape: GDNShape, eps: float,
+          variant: Variant | None = None, ring: bool = False, chunk: int | None = None,
           name: str = "gdn_delta", cols: int | None = None) -> DeltaPlan:
     """(G6–G8, GC1–GC6) o = gated delta rule over the T rows of c (= conv output q | k | v) with
-    β, g (T × n_v); state [n_v, S·S] (row = key index) is updated in place. slots (step variant
-    only; n_slots·n_v rows of S·S, n_slots ≤ T) get the state s tokens before the batch end.
-    chunk and cols override the plan's chunk and value-column slice (tests, benchmarks)."""
+    β, g (T × n_v); the state [n_v, S·S] (row = key index; `Planes`, or one plane as Rows) is
+    updated in place, or with `ring` (step variant only) the state after each token t goes into
+    plane live + 1 + t. chunk and cols override the plan's chunk and value-column slice (tests,
+    benchmarks)."""
     T, S, n_v = c.n_rows, shape.S, shape.n_v
+    st = _planes(state)
     if c.n_cols != shape.C:
         raise ValueError(f"{name}: conv rows have {c.n_cols} values, need 2·n_k·S + n_v·S = {shape.C}")
     check_same_shape(name, beta=beta, g=gate)
@@ -412,24 +453,18 @@ def delta(g: "Graph", c: Rows, beta: Rows, gate: Rows, state: Rows, o: Rows, sha
         raise ValueError(f"{name}: β is {beta.n_rows}x{beta.n_cols}, needs {T}x{n_v}")
     if (o.n_rows, o.n_cols) != (T, n_v * S):
         raise ValueError(f"{name}: output is {o.n_rows}x{o.n_cols}, needs {T}x{n_v * S}")
-    if (state.n_rows, state.n_cols) != (n_v, S * S):
-        raise ValueError(f"{name}: state is {state.n_rows}x{state.n_cols}, needs {n_v}x{S * S}")
+    if (st.rows, st.cols) != (n_v, S * S):
+        raise ValueError(f"{name}: state is {st.rows}x{st.cols}, needs {n_v}x{S * S}")
     if not eps >= 0:
         raise ValueError(f"{name}: eps must be ≥ 0, got {eps}")
-    _check_dense(name, state=state)
     plan = plan_delta(g, shape, T, variant, chunk, cols)
-    if slots is not None:
-        if plan.variant != Variant.STEP:
-            raise ValueError(f"{name}: checkpoint slots need the step variant")
-        _check_dense(name, slots=slots)
-        n_slots, rem = divmod(slots.n_rows, n_v)
-        if rem or slots.n_cols != S * S or n_slots > T:
-            raise ValueError(f"{name}: slots {slots.n_rows}x{slots.n_cols} must be n_slots·{n_v} x {S * S} "
-                             f"with n_slots ≤ T = {T}")
-        check_alias(name, slots, c, beta, gate, state, o)
-    check_alias(name, o, c, beta, gate, state)
-    check_alias(name, state, c, beta, gate)
-    g.add(Delta(c, beta, gate, state, o, shape, eps, plan, slots, None, name))
+    if ring and plan.variant != Variant.STEP:
+        raise ValueError(f"{name}: a ring step needs the step variant")
+    _check_ring(name, st, T, ring)
+    planes = st.all()
+    check_alias(name, o, c, beta, gate, planes)
+    check_alias(name, planes, c, beta, gate)
+    g.add(Delta(c, beta, gate, st, o, shape, eps, plan, ring, None, name))
     return plan
 
 
