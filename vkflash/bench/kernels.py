@@ -83,7 +83,7 @@ def gpu_seconds(g: Graph, reps: int) -> list[float]:
 def copy_bandwidth(gpu: Gpu, nbytes: int, reps: int) -> Row:
     """Bytes read + written per second by the compute-shader copy, over 3 rotated buffer pairs: the
     median of `reps` replays by GPU timestamps (wall time per replay moved it 2× between runs),
-    with the spread of the replays in the shape column."""
+    with the spread of the replays in the shape column. The buffers are freed after."""
     from vkflash.gpu.ops.copy import copy_words
 
     g = gpu.graph("bench.copy")
@@ -91,6 +91,9 @@ def copy_bandwidth(gpu: Gpu, nbytes: int, reps: int) -> Row:
     for src, dst in bufs:
         copy_words(g, src, 0, dst, 0, nbytes // 4)
     times = np.array(gpu_seconds(g, reps)) / len(bufs)
+    for pair in bufs:
+        for b in pair:
+            gpu.free(b)
     s = float(np.median(times))
     spread = (times.max() - times.min()) / s
     return Row("copy", f"{nbytes >> 20} MiB ±{spread / 2:.0%}", s * 1e6, 2 * nbytes / s / 1e9, "GB/s", 1.0)

@@ -38,6 +38,7 @@ from vkflash.engine.sampling import Sampler
 from vkflash.engine.speculate import DraftPolicy, Speculator, agreeing
 from vkflash.errors import DeviceError
 from vkflash.formats.gguf_file import GGUFFile
+from vkflash.gpu.context import Gpu
 from vkflash.gpu.graph import Graph
 from vkflash.gpu.ops.attention import Cache
 from vkflash.model.hparams import hparams_from_gguf
@@ -253,10 +254,12 @@ def bench(path: Path, plan: Plan, ub: int | None = None, kv: str | None = None, 
     n_train = hparams_from_gguf(GGUFFile(path)).n_ctx_train
     depths = tuple(sorted(d for d in set(plan.depths) if d + 2 * plan.window + plan.tg <= n_train))
     plan = replace(plan, depths=depths)
-    fwd = GpuForward(path, ctx=min(plan.context(), n_train), ub=ub, kv=kv)
+    gpu = Gpu()
+    small = gpu.caps.device_type == "cpu" or max(plan.pp) < 512
+    # the ceiling first: its buffers are freed before the model's budget (VKFLASH_MEM_BUDGET) holds
+    copy = copy_bandwidth(gpu, (32 << 20) if small else (1 << 30), 5 if small else 50)
+    fwd = GpuForward(path, ctx=min(plan.context(), n_train), ub=ub, kv=kv, gpu=gpu)
     fwd.reserve()
-    small = fwd.gpu.caps.device_type == "cpu" or max(plan.pp) < 512
-    copy = copy_bandwidth(fwd.gpu, (32 << 20) if small else (1 << 30), 5 if small else 50)
     res = Result(fwd.gpu.caps.name, path.name, copy.rate, weight_bytes_per_token(fwd),
                  state_bytes=state_bytes_per_token(fwd, 1), budget_ms=fwd.gpu.options.submit_budget_ms)
     rng = np.random.default_rng()
