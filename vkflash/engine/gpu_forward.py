@@ -234,13 +234,16 @@ class GpuForward:
     def reserve(self) -> None:
         """Build and place every step graph a run can use (steps of UB and of each smaller power of
         two, with and without the head), so the arena holds from now on what any run needs: the
-        compute buffers the memory plan counts. The guard's steps keep it so."""
+        compute buffers the memory plan counts; with an MTP draft, its graphs and the verify steps
+        too (engine/draft.py). The guard's steps keep it so."""
         self._reserved = True
         sizes = sorted({self.ub} | {1 << k for k in range(self.ub.bit_length()) if 1 << k < self.ub}, reverse=True)
         for n in sizes:
             for head in (Head.NONE, Head.LAST):
                 if (n, head) != (1, Head.NONE):  # a 1-token piece is always the last
                     self.graph(n, head).place()
+        if self.draft is not None:
+            self.draft.reserve()
 
     def graphs(self) -> list[Graph]:
         """The step graphs built so far."""
