@@ -44,9 +44,9 @@ def _models(tmp_path: Path, rng: np.random.Generator, layout: str) -> tuple[Path
 
 
 def _open(gpu, path: Path, draft: Path | None, ctx: int = 128, ub: int = 8, kv: str = "f16",
-          **flags: str) -> Speculator:
+          small_path: Path | None = None, **flags: str) -> Speculator:
     with knobs(**flags):
-        return Speculator.open(path, draft, ctx=ctx, ub=ub, kv=kv, gpu=gpu)
+        return Speculator.open(path, draft, small_path, ctx=ctx, ub=ub, kv=kv, gpu=gpu)
 
 
 def _reference_rows(path: Path, draft: Path | None, toks: list[int], x: int, drafted: list[int], seen: Seen,
@@ -220,6 +220,39 @@ def test_configuration_errors(gpu, rng, tmp_path):
     other = make_model("qwen3next", "tiny", "F32", 1, tmp_path / "n.gguf")[0]
     with pytest.raises(ConfigError, match="needs a qwen4exp model"):
         _open(gpu, other, draft)
+
+
+def test_bad_small_draft_is_one_config_error(gpu, rng, tmp_path):
+    """MODEL_DRAFT_SMALL that is no GGUF, not an MTP file, of another geometry, no smaller than the
+    draft, or missing: one ConfigError line naming the knob, from the speculator, the server's
+    loader and `vkflash plan --mtp` alike (before any of it is uploaded)."""
+    from dataclasses import replace
+
+    from typer.testing import CliRunner
+
+    from vkflash.cli import app
+    from vkflash.engine.draft import _check_draft
+    from vkflash.model.hparams import hparams_from_gguf
+    from vkflash.server.backend import open_speculator
+
+    path, draft = _models(tmp_path, rng, "separate-q8")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(rng.bytes(64))
+    cases = [(junk, "MODEL_DRAFT_SMALL: .*junk.gguf: not a GGUF file"),
+             (path, f"MODEL_DRAFT_SMALL {path.name}: not a qwen4exp MTP file"),
+             (_models(tmp_path, rng, "separate")[1], "MODEL_DRAFT_SMALL .* is not smaller than the draft it replaces")]
+    for small, msg in cases:
+        with pytest.raises(ConfigError, match=msg) as e:
+            _open(gpu, path, draft, small_path=small)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="MODEL_DRAFT_SMALL x.gguf does not fit the model: hc = 3"):
+        _check_draft(hparams_from_gguf(path), replace(hparams_from_gguf(draft), hc=3), "x.gguf", "MODEL_DRAFT_SMALL")
+    with pytest.raises(ConfigError, match="MODEL_DRAFT_SMALL '.*none.gguf': no such file"):
+        open_speculator(path, str(draft), str(tmp_path / "none.gguf"), ctx=64, gpu=gpu)
+    r = CliRunner().invoke(app, ["plan", str(path), "--ctx", "128", "--mtp", "--draft", str(draft), "--draft-small",
+                                 str(path)])
+    assert r.exit_code == 1 and r.output.strip().splitlines() == [
+        f"error: MODEL_DRAFT_SMALL {path.name}: not a qwen4exp MTP file (arch qwen4exp, nextn_predict_layers 0)"]
 
 
 def test_job_log_names_draft_and_verify_submissions(gpu, rng, tmp_path):
