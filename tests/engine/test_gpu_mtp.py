@@ -159,6 +159,36 @@ def test_rollback_leaves_plain_decoding_states(gpu, rng, tmp_path, rsroll):
         np.testing.assert_array_equal(mine.summary.read(np.float32, blocks), idx.summary.read(np.float32, blocks))
 
 
+def test_draft_rows_stay_inside_the_head_cache(gpu, rng, tmp_path, monkeypatch):
+    """A prompt ending 1..4 positions short of the caches' first chunk (64), then rounds of 6 drafts
+    (mostly accepted, so later rounds start anywhere): every cell a round writes into the head's K/V
+    cache is memory the cache holds (the target's verify step grows the caches only after the
+    draft); the output is plain decoding's."""
+    from vkflash.engine.graphs.mtp import CELL_SHIFT
+    from vkflash.gpu.ops.attention import Cache
+
+    path, _ = _models(tmp_path, rng, "in-file")
+    n_prompt = 64 - int(rng.integers(1, 5))
+    prompt = [int(t) for t in rng.integers(0, V, n_prompt)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    want, _ = _generate(GpuForward(path, ctx=128, ub=8, kv="f16", gpu=gpu), prompt, params)
+    sp = _open(gpu, path, None, ctx=128, DRAFT="6", SPEC_ADAPT="0")
+    sp.propose = agreeing(want, n_prompt, 0.9, V, rng)
+    d, kv = sp.drafter, sp.drafter.d.model.kv[sp.fwd.hp.L].k
+    written: list[tuple[int, int]] = []  # (last cell a round writes, cells the cache holds)
+    start = d._start
+
+    def recorded(x: int, k: int, device_chain: bool):
+        g = start(x, k, device_chain)
+        written.append((d._pos0 + k - 1 - CELL_SHIFT, kv.buf.committed // Cache.nbytes(1, kv.n_heads, kv.dim, kv.type)))
+        return g
+
+    monkeypatch.setattr(d, "_start", recorded)
+    got, _ = _generate(sp, prompt, params)
+    assert got == want and written and written[0][0] >= 64
+    assert all(cell < held for cell, held in written), written
+
+
 def test_livelock_guard(gpu, rng, tmp_path):
     """Drafts forced to be wrong with a fixed draft length: after GUARD rounds in a row that kept only
     their own first token, one plain step; the output is plain decoding's."""

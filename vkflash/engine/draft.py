@@ -29,7 +29,7 @@ import numpy as np
 
 from vkflash.engine.caches import allocate_kv
 from vkflash.engine.gpu_forward import GpuForward
-from vkflash.engine.guard import Fill, cache_fill
+from vkflash.engine.guard import Fill
 from vkflash.engine.graphs import mtp
 from vkflash.engine.graphs.common import Head, HeadBuffers, StepModel
 from vkflash.engine.step_params import ROW_STEP_MAX, StepParams
@@ -38,6 +38,7 @@ from vkflash.errors import ConfigError, FormatError, ModelError
 from vkflash.formats.gguf_file import GGUFFile
 from vkflash.gpu.graph import Graph
 from vkflash.gpu.memory import Buffer, fmt_bytes
+from vkflash.gpu.ops.attention import Cache
 from vkflash.model.hparams import HParams, hparams_from_gguf
 from vkflash.model.tensors import validate_tensors
 
@@ -128,7 +129,7 @@ class MtpDrafter:
         self._graphs: dict[tuple[object, ...], Graph] = {}
         self._params: StepParams | None = None
         self._rows: list[StepParams] = []
-        self._kv = allocate_kv(gpu, hp, fwd.n_ctx, fwd.model.kv.type, [hp.L], fwd.guard.held)
+        self._kv = allocate_kv(gpu, hp, fwd.n_ctx, fwd.model.kv.type, [hp.L], self._cells(fwd.guard.held))
         self._head = HeadBuffers.allocate(gpu, hp.V, k_max)
         self._chain = gpu.buffer(4 * hp.hc * hp.d, "mtp.chain")
         self._load(own, self._path)
@@ -187,9 +188,16 @@ class MtpDrafter:
         return [self.d.model.params.buf, *(p.buf for p in self.d.rows), self._head.logits, self._head.ids, self._chain]
 
     def fills(self) -> list[Fill]:
-        """The head's K/V cache, which grows with the context as the trunk's does."""
+        """The head's K/V cache, which grows with the context as the trunk's does (_cells)."""
         kv = self._kv.layers[self.fwd.hp.L]
-        return [cache_fill(kv.k), cache_fill(kv.v)]
+        return [Fill(c.buf, lambda t, c=c: Cache.nbytes(self._cells(t), c.n_heads, c.dim, c.type))
+                for c in (kv.k, kv.v)]
+
+    def _cells(self, t: int) -> int:
+        """Cells the head's cache holds while the target's hold t positions: a round drafting k
+        tokens after n ≤ t writes cells up to n + k − 2 (its rows' positions n … n + k − 1, less
+        CELL_SHIFT), past the target's until its verify step makes room; so k_max − 1 more."""
+        return min(self.fwd.n_ctx, t + self.k_max - 1)
 
     def graphs(self) -> list[Graph]:
         """Its graphs built so far (they share the Gpu's arena; what they own is theirs)."""
