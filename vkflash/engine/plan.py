@@ -14,8 +14,9 @@ summary rows), states (recurrent rows, in the planes a verify step rolls back to
 graph-owned buffers), io (step params, logits, argmax ids, staging ring), draft and draft kv (the
 MTP draft's weights and its K/V cache). With a draft the forward is the speculator's (mtp=True)
 and the draft head is the real one (engine/draft.py) on the planning Gpu: its weights as uploaded,
-its cache, its step params and head buffers (io), its graphs and the verify steps placed by
-`reserve()` (compute); the guard's draft step switches it to MODEL_DRAFT_SMALL here as in a run.
+its cache, its step params and head buffers and the target's h_nextn rows (io), its graphs and the
+verify steps placed by `reserve()` (compute); the guard's draft step switches it to
+MODEL_DRAFT_SMALL here as in a run.
 Budgeted bytes are everything on UMA (weights host-visible, no staging); device-local memory on a
 discrete GPU.
 """
