@@ -125,7 +125,8 @@ def test_cli_run_prompt(gpu, chat_model):
 
 def test_cli_run_mtp(gpu, tmp_path, rng):
     """`vkflash run --mtp`: the MTP line at startup, the drafted/accepted counts with the rates, and
-    the same greedy text as without; a model without an MTP block is one error line."""
+    the same greedy text as without, also with --draft-small (named in the MTP line); a model
+    without an MTP block is one error line."""
     from vkflash.model.make_model import make_model
 
     seed = int(rng.integers(1 << 31))
@@ -137,6 +138,11 @@ def test_cli_run_mtp(gpu, tmp_path, rng):
     err = " ".join(r.stderr.split())  # the console wraps lines
     assert "MTP: drafting up to 6 (temperature 0) or 4 (sampling) tokens a round" in err
     assert re.search(r"\d+ of \d+ drafted tokens accepted", err), err
+    assert r.stdout == plain.stdout
+    small = make_model("qwen4exp", "tiny", "Q8_0", seed, tmp_path / "q.gguf", mtp_separate=True)[1]
+    r = CliRunner().invoke(cli.app, [*args, "--mtp", "--draft-small", str(small)])
+    assert r.exit_code == 0, r.stderr
+    assert f"({small.name} when the deep-context guard needs its memory)" in " ".join(r.stderr.split())
     assert r.stdout == plain.stdout
     bare = make_model("qwen4exp", "tiny", "F32", seed, tmp_path / "b.gguf")[0]
     bad = CliRunner().invoke(cli.app, ["run", str(bare), "-p", "hi", "-n", "2", "--ctx", "64", "--mtp"])

@@ -61,14 +61,6 @@ def test_mem_budget_suffixes():
     assert settings.load(env={"VKFLASH_MEM_BUDGET": "512M"})["VKFLASH_MEM_BUDGET"] == 512 << 20
 
 
-def test_planned_knobs_are_named_when_set():
-    """Knobs whose feature is not built yet are accepted but reported, never silently ignored."""
-    assert settings.load(env={}).planned_in_use() == []
-    s = settings.load(env={"MODEL_DRAFT_SMALL": "small.gguf", "UB": "512"})
-    assert s.planned_in_use() == ["MODEL_DRAFT_SMALL"]
-    assert "planned" in settings.markdown_table().split("`MODEL_DRAFT_SMALL`")[1].splitlines()[0]
-
-
 def test_guard_step_knobs():
     """GUARD_<STEP>: auto, off, or a depth (k = ×1024); anything else stops startup."""
     s = settings.load(env={"GUARD_KV": "128k", "GUARD_UB": "off", "GUARD_DRAFT": "98304"})

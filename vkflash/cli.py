@@ -109,6 +109,9 @@ def serve(
     api_key: Optional[str] = typer.Option(None, "--api-key", help="bearer token (knob API_KEY)"),
     mtp: Optional[bool] = typer.Option(None, "--mtp/--no-mtp", help="MTP speculative decoding (knob MTP)"),
     draft: Optional[str] = typer.Option(None, "--draft", help="MTP-only GGUF of the draft head (knob MODEL_DRAFT)"),
+    draft_small: Optional[str] = typer.Option(None, "--draft-small",
+                                              help="the draft head in a smaller quant, for the deep-context guard "
+                                                   "(knob MODEL_DRAFT_SMALL)"),
 ) -> None:
     """Serve a model over the OpenAI-compatible HTTP API (flags override the env knobs)."""
     try:
@@ -116,7 +119,8 @@ def serve(
         from vkflash.server.state import ServerOptions
 
         s = settings.load(flags={"MODEL": model, "HOST": host, "PORT": port, "CTX": ctx, "UB": ub, "KV": kv,
-                                 "QUEUE": queue, "API_KEY": api_key, "MTP": mtp, "MODEL_DRAFT": draft})
+                                 "QUEUE": queue, "API_KEY": api_key, "MTP": mtp, "MODEL_DRAFT": draft,
+                                 "MODEL_DRAFT_SMALL": draft_small})
         run_server(s, ServerOptions(queue_depth=s["QUEUE"]))
     except VkflashError as e:
         _fail(e)
@@ -130,7 +134,8 @@ def plan_cmd(
                                                           "default: the device's)"),
     ub: Optional[str] = typer.Option(None, "--ub", help="prefill ubatch (knob UB)"),
     kv: Optional[str] = typer.Option(None, "--kv", help="KV cache type (knob KV)"),
-    mtp: bool = typer.Option(False, "--mtp", help="count the MTP draft (--draft / MODEL_DRAFT)"),
+    mtp: bool = typer.Option(False, "--mtp", help="plan MTP speculation: the model's own MTP block, or --draft / "
+                                                  "MODEL_DRAFT"),
     draft: Optional[str] = typer.Option(None, "--draft", help="the draft's GGUF (knob MODEL_DRAFT)"),
     draft_small: Optional[str] = typer.Option(None, "--draft-small", help="its smaller quant, for the guard "
                                                                           "(knob MODEL_DRAFT_SMALL)"),
@@ -266,18 +271,21 @@ def run_cmd(
     kv: Optional[str] = typer.Option(None, "--kv", help="KV cache type (knob KV)"),
     mtp: Optional[bool] = typer.Option(None, "--mtp/--no-mtp", help="MTP speculative decoding (knob MTP)"),
     draft: Optional[str] = typer.Option(None, "--draft", help="MTP-only GGUF of the draft head (knob MODEL_DRAFT)"),
+    draft_small: Optional[str] = typer.Option(None, "--draft-small",
+                                              help="the draft head in a smaller quant, for the deep-context guard "
+                                                   "(knob MODEL_DRAFT_SMALL)"),
 ) -> None:
     """Run one prompt (-p) or chat interactively: streamed text, then prefill and decode tok/s."""
     try:
         from vkflash import run as runner
         from vkflash.model.default_model import resolve_model
 
-        s = settings.load(flags={"MTP": mtp, "MODEL_DRAFT": draft})
+        s = settings.load(flags={"MTP": mtp, "MODEL_DRAFT": draft, "MODEL_DRAFT_SMALL": draft_small})
         settings.install(s)
         err = Console(stderr=True)
         params = runner.sampling(temperature, top_k, top_p, min_p, seed, max_tokens)
-        draft_path = resolve_model(s["MODEL_DRAFT"], "MODEL_DRAFT") if s["MODEL_DRAFT"] else None
-        session = runner.open_session(resolve_model(model), err, ctx, ub, kv, s["MTP"], draft_path)
+        drafts = [resolve_model(s[k], k) if s[k] else None for k in ("MODEL_DRAFT", "MODEL_DRAFT_SMALL")]
+        session = runner.open_session(resolve_model(model), err, ctx, ub, kv, s["MTP"], *drafts)
         if prompt is not None:
             runner.run_prompt(session, prompt, params, sys.stdout, err, raw=raw, system=system)
         else:

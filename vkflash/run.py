@@ -38,9 +38,11 @@ class Session:
 
 
 def open_session(path: Path, console: "Console", ctx: int | None = None, ub: int | None = None,
-                 kv: str | None = None, mtp: bool = False, draft: Path | None = None) -> Session:
+                 kv: str | None = None, mtp: bool = False, draft: Path | None = None,
+                 draft_small: Path | None = None) -> Session:
     """Read the tokenizer and template, then upload the weights behind a progress bar; `mtp`: decode
-    by MTP speculation (the model's own MTP block, or the MTP-only GGUF `draft`)."""
+    by MTP speculation (the model's own MTP block, or the MTP-only GGUF `draft`; `draft_small`: its
+    smaller quant for the deep-context guard)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
     from vkflash.engine.gpu_forward import GpuForward
@@ -55,7 +57,7 @@ def open_session(path: Path, console: "Console", ctx: int | None = None, ub: int
                   console=console, transient=True) as bar:
         task = bar.add_task("load", total=None)
         progress = lambda done, total: bar.update(task, completed=done, total=total)  # noqa: E731
-        sp = Speculator.open(path, draft, ctx=ctx, ub=ub, kv=kv, progress=progress) if mtp else None
+        sp = Speculator.open(path, draft, draft_small, ctx=ctx, ub=ub, kv=kv, progress=progress) if mtp else None
         fwd = sp.fwd if sp is not None else GpuForward(path, ctx=ctx, ub=ub, kv=kv, progress=progress)
     if tok.vocab_size > fwd.n_vocab:
         raise ConfigError(f"{path.name}: the tokenizer has {tok.vocab_size} tokens but the model only {fwd.n_vocab}")

@@ -98,7 +98,6 @@ class Knob:
     help: str
     group: str
     aliases: tuple[str, ...] = ()
-    planned: bool = False  # accepted and validated, but the feature it steers is not built yet
 
     @property
     def accepts(self) -> str:
@@ -107,10 +106,6 @@ class Knob:
 
 def _k(name: str, parse: Parser, default: Any, help: str, group: str, *aliases: str) -> Knob:
     return Knob(name, parse, default, help, group, tuple(aliases))
-
-
-def _planned(name: str, parse: Parser, default: Any, help: str, group: str, *aliases: str) -> Knob:
-    return Knob(name, parse, default, help, group, tuple(aliases), planned=True)
 
 
 KNOBS: tuple[Knob, ...] = (
@@ -139,8 +134,8 @@ KNOBS: tuple[Knob, ...] = (
     _k("GUARD_DRAFT", _guard_step, "auto", "when the guard switches to the small MTP draft", "launcher"),
     _k("GUARD_KV", _guard_step, "auto", "when the guard re-quantizes the KV and indexer caches to q8_0", "launcher"),
     _k("GUARD_UB", _guard_step, "auto", "when the guard first halves UB (the second halving stays auto)", "launcher"),
-    _planned("MODEL_DRAFT_SMALL", _text, "", "smaller-quant MTP draft the guard switches to (`vkflash plan --mtp` "
-             "counts it)", "launcher"),
+    _k("MODEL_DRAFT_SMALL", _text, "", "MTP-only GGUF of the draft head in a smaller quant: the deep-context guard's "
+       "first step frees the draft's weights and switches to it (empty: no draft step)", "launcher"),
     _k("API_KEY", _text, "", "require this bearer token on every request (empty: none)", "launcher"),
     _k("QUEUE", _int_range(0, 1024), 8, "requests that may wait for the generation slot (more get 503)", "launcher"),
     # revert knobs: each 0 restores the plain path so an optimisation can be A/B-tested
@@ -217,10 +212,6 @@ class Settings:
     def __getitem__(self, name: str) -> Any:
         return self.values[name]
 
-    def planned_in_use(self) -> list[str]:
-        """Knobs set away from their default whose feature is not built yet (said at startup)."""
-        return [k.name for k in KNOBS if k.planned and self.sources[k.name] != "default"]
-
     def lines(self, only_changed: bool = False) -> list[str]:
         """One line per knob in effect, e.g. `CTX=4096 (env CTX)`."""
         out = []
@@ -287,6 +278,5 @@ def markdown_table() -> str:
         default = k.default if k.default != "" else "(empty)"
         if isinstance(default, bool):
             default = int(default)
-        what = f"{k.help} (planned: accepted, no effect yet)" if k.planned else k.help
-        rows.append(f"| {names} | {default} | {k.accepts} | {what} |")
+        rows.append(f"| {names} | {default} | {k.accepts} | {k.help} |")
     return "\n".join(rows)

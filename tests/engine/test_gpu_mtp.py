@@ -44,9 +44,9 @@ def _models(tmp_path: Path, rng: np.random.Generator, layout: str) -> tuple[Path
 
 
 def _open(gpu, path: Path, draft: Path | None, ctx: int = 128, ub: int = 8, kv: str = "f16",
-          **flags: str) -> Speculator:
+          small_path: Path | None = None, **flags: str) -> Speculator:
     with knobs(**flags):
-        return Speculator.open(path, draft, ctx=ctx, ub=ub, kv=kv, gpu=gpu)
+        return Speculator.open(path, draft, small_path, ctx=ctx, ub=ub, kv=kv, gpu=gpu)
 
 
 def _reference_rows(path: Path, draft: Path | None, toks: list[int], x: int, drafted: list[int], seen: Seen,
@@ -159,6 +159,36 @@ def test_rollback_leaves_plain_decoding_states(gpu, rng, tmp_path, rsroll):
         np.testing.assert_array_equal(mine.summary.read(np.float32, blocks), idx.summary.read(np.float32, blocks))
 
 
+def test_draft_rows_stay_inside_the_head_cache(gpu, rng, tmp_path, monkeypatch):
+    """A prompt ending 1..4 positions short of the caches' first chunk (64), then rounds of 6 drafts
+    (mostly accepted, so later rounds start anywhere): every cell a round writes into the head's K/V
+    cache is memory the cache holds (the target's verify step grows the caches only after the
+    draft); the output is plain decoding's."""
+    from vkflash.engine.graphs.mtp import CELL_SHIFT
+    from vkflash.gpu.ops.attention import Cache
+
+    path, _ = _models(tmp_path, rng, "in-file")
+    n_prompt = 64 - int(rng.integers(1, 5))
+    prompt = [int(t) for t in rng.integers(0, V, n_prompt)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    want, _ = _generate(GpuForward(path, ctx=128, ub=8, kv="f16", gpu=gpu), prompt, params)
+    sp = _open(gpu, path, None, ctx=128, DRAFT="6", SPEC_ADAPT="0")
+    sp.propose = agreeing(want, n_prompt, 0.9, V, rng)
+    d, kv = sp.drafter, sp.drafter.d.model.kv[sp.fwd.hp.L].k
+    written: list[tuple[int, int]] = []  # (last cell a round writes, cells the cache holds)
+    start = d._start
+
+    def recorded(x: int, k: int, device_chain: bool):
+        g = start(x, k, device_chain)
+        written.append((d._pos0 + k - 1 - CELL_SHIFT, kv.buf.committed // Cache.nbytes(1, kv.n_heads, kv.dim, kv.type)))
+        return g
+
+    monkeypatch.setattr(d, "_start", recorded)
+    got, _ = _generate(sp, prompt, params)
+    assert got == want and written and written[0][0] >= 64
+    assert all(cell < held for cell, held in written), written
+
+
 def test_livelock_guard(gpu, rng, tmp_path):
     """Drafts forced to be wrong with a fixed draft length: after GUARD rounds in a row that kept only
     their own first token, one plain step; the output is plain decoding's."""
@@ -220,6 +250,39 @@ def test_configuration_errors(gpu, rng, tmp_path):
     other = make_model("qwen3next", "tiny", "F32", 1, tmp_path / "n.gguf")[0]
     with pytest.raises(ConfigError, match="needs a qwen4exp model"):
         _open(gpu, other, draft)
+
+
+def test_bad_small_draft_is_one_config_error(gpu, rng, tmp_path):
+    """MODEL_DRAFT_SMALL that is no GGUF, not an MTP file, of another geometry, no smaller than the
+    draft, or missing: one ConfigError line naming the knob, from the speculator, the server's
+    loader and `vkflash plan --mtp` alike (before any of it is uploaded)."""
+    from dataclasses import replace
+
+    from typer.testing import CliRunner
+
+    from vkflash.cli import app
+    from vkflash.engine.draft import _check_draft
+    from vkflash.model.hparams import hparams_from_gguf
+    from vkflash.server.backend import open_speculator
+
+    path, draft = _models(tmp_path, rng, "separate-q8")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(rng.bytes(64))
+    cases = [(junk, "MODEL_DRAFT_SMALL: .*junk.gguf: not a GGUF file"),
+             (path, f"MODEL_DRAFT_SMALL {path.name}: not a qwen4exp MTP file"),
+             (_models(tmp_path, rng, "separate")[1], "MODEL_DRAFT_SMALL .* is not smaller than the draft it replaces")]
+    for small, msg in cases:
+        with pytest.raises(ConfigError, match=msg) as e:
+            _open(gpu, path, draft, small_path=small)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="MODEL_DRAFT_SMALL x.gguf does not fit the model: hc = 3"):
+        _check_draft(hparams_from_gguf(path), replace(hparams_from_gguf(draft), hc=3), "x.gguf", "MODEL_DRAFT_SMALL")
+    with pytest.raises(ConfigError, match="MODEL_DRAFT_SMALL '.*none.gguf': no such file"):
+        open_speculator(path, str(draft), str(tmp_path / "none.gguf"), ctx=64, gpu=gpu)
+    r = CliRunner().invoke(app, ["plan", str(path), "--ctx", "128", "--mtp", "--draft", str(draft), "--draft-small",
+                                 str(path)])
+    assert r.exit_code == 1 and r.output.strip().splitlines() == [
+        f"error: MODEL_DRAFT_SMALL {path.name}: not a qwen4exp MTP file (arch qwen4exp, nextn_predict_layers 0)"]
 
 
 def test_job_log_names_draft_and_verify_submissions(gpu, rng, tmp_path):

@@ -1,9 +1,10 @@
 """The deep-context guard (engine/guard.py) on lavapipe with tiny models: under a small budget a
-long prompt walks every step (smaller draft, KV q8_0, UB halved twice) at the depths the plan
-computed, completes without an allocation failure and says so (lines, job log, metrics); with
-DEEPGUARD=0 the same budget gives one clear DoesNotFit; after the KV re-quantization the logits
-stay within the q8_0 bound of the reference and the rows written after it are those of a q8_0
-run from the start; reset() restores the boot configuration."""
+long prompt walks every step (KV q8_0, UB halved twice) at the depths the plan computed, completes
+without an allocation failure and says so (lines, job log, metrics); with DEEPGUARD=0 the same
+budget gives one clear DoesNotFit; after the KV re-quantization the logits stay within the q8_0
+bound of the reference and the rows written after it are those of a q8_0 run from the start;
+under MTP speculation the draft step switches the real draft head to MODEL_DRAFT_SMALL where the
+plan says, greedy output staying plain decoding's; reset() restores the boot configuration."""
 
 from __future__ import annotations
 
@@ -15,18 +16,22 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from fakes import ByteCodec
 from qwen2_tiny import Geometry, write_qwen2
+from vkflash.engine.api import SamplingParams, TokenEvent
+from vkflash.engine.generate import generate
 from vkflash.engine.gpu_forward import GpuForward
 from vkflash.engine.guard import GuardConfig, Kind
-from vkflash.engine.plan import DraftFiles, DraftMemory, make_plan, usage
+from vkflash.engine.plan import DraftFiles, Part, make_plan, usage
+from vkflash.engine.speculate import Speculator
 from vkflash.errors import DoesNotFit
-from vkflash.formats.gguf_write import write_gguf
 from kv_q8 import kv_q8_0
 from vkflash.formats.quants import dequantize
 from vkflash.gpu import trace
 from vkflash.gpu.budget import Budget
 from vkflash.gpu.ops.attention import CacheType
 from vkflash.model import reference
+from vkflash.model.make_model import make_model
 from vkflash.model.weights import load_model
 from vkflash.server.app import _memory_gauges
 
@@ -38,55 +43,47 @@ NONE = Budget(0, "none")
 
 
 @pytest.fixture
-def model(tmp_path, rng) -> tuple[Path, DraftFiles]:
-    """A tiny qwen2 and a draft of 160 KiB with a 16 KiB smaller quant (their headers are all the
-    guard's stand-in draft reads)."""
+def model(tmp_path, rng) -> Path:
+    """A tiny qwen2 (no MTP: the draft step does not apply)."""
     path = tmp_path / "q2.gguf"
     write_qwen2(path, rng, GEO)
-    files = []
-    for name, rows in (("big", 640), ("small", 64)):
-        files.append(tmp_path / f"draft-{name}.gguf")
-        write_gguf(files[-1], "qwen2", {}, {"blk.2.nextn.eh_proj.weight": np.zeros((rows, 64), np.float32)})
-    return path, DraftFiles(*files)
+    return path
 
 
-def _plan(path: Path, draft: DraftFiles | None, nbytes: int, enabled: bool = True):
-    return make_plan(path, ctx=CTX, ub=UB, kv="f16", budget=Budget(nbytes, "test"), draft=draft,
-                     guard=GuardConfig(enabled=enabled), suggest=False)
+def _plan(path: Path, nbytes: int, enabled: bool = True):
+    return make_plan(path, ctx=CTX, ub=UB, kv="f16", budget=Budget(nbytes, "test"), guard=GuardConfig(enabled=enabled),
+                     suggest=False)
 
 
-def _least_budget(path: Path, draft: DraftFiles) -> int:
+def _least_budget(path: Path) -> int:
     """The smallest budget (to 1 KiB) under which the plan fills the context: it needs every step."""
-    free = make_plan(path, ctx=CTX, ub=UB, kv="f16", draft=draft, guard=GuardConfig(budget=NONE), suggest=False)
+    free = make_plan(path, ctx=CTX, ub=UB, kv="f16", guard=GuardConfig(budget=NONE), suggest=False)
     lo, hi = free.boot.usage.total, free.rows[-1].usage.total
     while hi - lo > 1024:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if _plan(path, draft, mid).fill_fits else (mid, hi)
+        lo, hi = (lo, mid) if _plan(path, mid).fill_fits else (mid, hi)
     return hi
 
 
-def _forward(gpu, path: Path, draft: DraftFiles | None, cfg: GuardConfig, kv: str = "f16", ub: int = UB,
-             ctx: int = CTX) -> GpuForward:
-    """The real forward as the server makes it (draft memory added, every graph reserved)."""
+def _forward(gpu, path: Path, cfg: GuardConfig, kv: str = "f16", ub: int = UB, ctx: int = CTX) -> GpuForward:
+    """The real forward as the server makes it (every graph reserved)."""
     fwd = GpuForward(path, ctx=ctx, ub=ub, kv=kv, gpu=gpu, guard=cfg)
-    if draft is not None:
-        fwd.draft = DraftMemory(gpu, draft.big, draft.small, fwd)
     fwd.reserve()
     return fwd
 
 
 def test_guard_walks_every_step_as_planned(gpu, rng, model, monkeypatch):
-    """Under the least budget that fits, the plan takes all four steps; a 511-token prompt (two
+    """Under the least budget that fits, the plan takes all three steps; a 511-token prompt (two
     prefills) then a decode take them at the same depths, freeing the same bytes, stay within
     the budget, print a line each (and a job-log note), count in /metrics; reset() undoes them."""
-    path, draft = model
-    budget = _least_budget(path, draft)
-    plan = _plan(path, draft, budget)
-    assert plan.fill_fits and [e.kind for e in plan.events] == [Kind.DRAFT, Kind.KV, Kind.UB, Kind.UB]
+    path = model
+    budget = _least_budget(path)
+    plan = _plan(path, budget)
+    assert plan.fill_fits and [e.kind for e in plan.events] == [Kind.KV, Kind.UB, Kind.UB]
     job_log = io.StringIO()
     monkeypatch.setattr(trace, "OUT", job_log)
     logged = gpu.with_options(replace(gpu.options, tracing=replace(gpu.options.tracing, job_log=True)), own_arena=True)
-    fwd = _forward(logged, path, draft, GuardConfig(budget=Budget(budget, "test")))
+    fwd = _forward(logged, path, GuardConfig(budget=Budget(budget, "test")))
     boot = usage(fwd)
     lines: list[str] = []
     fwd.guard.out = lines.append
@@ -97,10 +94,10 @@ def test_guard_walks_every_step_as_planned(gpu, rng, model, monkeypatch):
     assert [(e.depth, e.kind, e.freed) for e in fwd.guard.events] == [(e.depth, e.kind, e.freed) for e in plan.events]
     assert (fwd.model.kv.type, fwd.ub, fwd.n_past) == (CacheType.Q8_0, UB // 4, CTX)
     assert logged.ledger.total <= budget and usage(fwd).total == plan.rows[-1].usage.total
-    assert len(lines) == 4 and all(ln.startswith("deep-context guard:") and "freed" in ln for ln in lines)
-    assert job_log.getvalue().count("note deep-context guard:") == 4
+    assert len(lines) == 3 and all(ln.startswith("deep-context guard:") and "freed" in ln for ln in lines)
+    assert job_log.getvalue().count("note deep-context guard:") == 3
     gauges = _memory_gauges(fwd)
-    assert fwd.guard_tier == 4 and gauges["guard_freed_bytes"][1] == sum(e.freed for e in plan.events) > 0
+    assert fwd.guard_tier == 3 and gauges["guard_freed_bytes"][1] == sum(e.freed for e in plan.events) > 0
     assert gauges["memory_budget_bytes"][1] == budget
     fwd.reset()
     assert (fwd.guard_tier, fwd.model.kv.type, fwd.ub) == (0, CacheType.F16, UB)
@@ -111,11 +108,11 @@ def test_deepguard_off_does_not_fit_clearly(gpu, rng, model):
     """DEEPGUARD=0 under the same budget: one DoesNotFit line naming the budget and DEEPGUARD=1,
     at the depth the plan without the guard stops; no allocation failed and the forward still
     serves a prompt that fits."""
-    path, draft = model
-    budget = _least_budget(path, draft)
-    plan = _plan(path, draft, budget, enabled=False)
+    path = model
+    budget = _least_budget(path)
+    plan = _plan(path, budget, enabled=False)
     assert plan.fails_at is not None and not plan.events
-    fwd = _forward(gpu.with_options(gpu.options, own_arena=True), path, draft,
+    fwd = _forward(gpu.with_options(gpu.options, own_arena=True), path,
                    GuardConfig(enabled=False, budget=Budget(budget, "test")))
     toks = rng.integers(0, GEO.V, CTX - 1)
     with pytest.raises(DoesNotFit) as e:
@@ -129,9 +126,8 @@ def test_deepguard_off_does_not_fit_clearly(gpu, rng, model):
 
 def test_boot_over_budget_does_not_fit(gpu, model):
     """A budget below what the model holds at boot: DoesNotFit when the forward is made."""
-    path, _ = model
     with pytest.raises(DoesNotFit, match="does not fit: the model needs"):
-        GpuForward(path, ctx=CTX, ub=UB, gpu=gpu.with_options(gpu.options, own_arena=True),
+        GpuForward(model, ctx=CTX, ub=UB, gpu=gpu.with_options(gpu.options, own_arena=True),
                    guard=GuardConfig(budget=Budget(1 << 16, "test")))
 
 
@@ -178,14 +174,88 @@ def test_requantized_kv_logits(gpu, rng, tmp_path):
 
 def test_knobs_force_and_skip_steps(gpu, rng, model):
     """GUARD_UB=100 halves UB once when the context reaches 100 (not twice), with no budget at all;
-    GUARD_KV=off under the least budget makes the guard go from the draft straight to UB."""
-    path, draft = model
+    GUARD_KV=off under the least budget makes the guard go straight to UB."""
+    path = model
     when = {Kind.DRAFT: "auto", Kind.KV: "auto", Kind.UB: 100}
-    fwd = _forward(gpu.with_options(gpu.options, own_arena=True), path, None, GuardConfig(when=when, budget=NONE))
+    fwd = _forward(gpu.with_options(gpu.options, own_arena=True), path, GuardConfig(when=when, budget=NONE))
     fwd.prefill(rng.integers(0, GEO.V, 200))
     assert [(e.depth, e.kind) for e in fwd.guard.events] == [(128, Kind.UB)] and fwd.ub == UB // 2
-    budget = _least_budget(path, draft)
+    budget = _least_budget(path)
     skip_kv = GuardConfig(when={Kind.DRAFT: "auto", Kind.KV: "off", Kind.UB: "auto"})
-    plan = make_plan(path, ctx=CTX, ub=UB, kv="f16", budget=Budget(budget, "t"), draft=draft, guard=skip_kv,
-                     suggest=False)
-    assert Kind.KV not in [e.kind for e in plan.events] and plan.events[0].kind is Kind.DRAFT
+    plan = make_plan(path, ctx=CTX, ub=UB, kv="f16", budget=Budget(budget, "t"), guard=skip_kv, suggest=False)
+    assert plan.events and all(e.kind is Kind.UB for e in plan.events)
+
+
+V = 512  # the tiny qwen4exp's vocabulary
+
+
+def _mtp_model(tmp_path: Path, rng: np.random.Generator, layout: str) -> tuple[Path, DraftFiles]:
+    """A tiny qwen4exp (F32) with its MTP head in the model file (`in-file`) or in an MTP-only F32
+    file (`separate`), and that head in Q8_0 as MODEL_DRAFT_SMALL (the same seed: the same weights
+    before quantization)."""
+    seed = int(rng.integers(1 << 31))
+    small = make_model("qwen4exp", "tiny", "Q8_0", seed, tmp_path / "q.gguf", mtp_separate=True)[1]
+    if layout == "in-file":
+        return make_model("qwen4exp", "tiny", "F32", seed, tmp_path / "m.gguf", mtp_block=True)[0], DraftFiles(None, small)
+    path, draft = make_model("qwen4exp", "tiny", "F32", seed, tmp_path / "t.gguf", mtp_separate=True)
+    return path, DraftFiles(draft, small)
+
+
+def _tokens(fwd, prompt: list[int], params: SamplingParams) -> list[int]:
+    return [e.token for e in generate(fwd, ByteCodec(eog=-1), prompt, params, ubatch=16) if isinstance(e, TokenEvent)]
+
+
+@pytest.mark.parametrize("layout", ["in-file", "separate"])
+def test_guard_switches_the_mtp_draft_as_planned(gpu, rng, tmp_path, layout, monkeypatch):
+    """MTP speculation (context 256, UB 32: the caches grow 64 positions at a time) under a budget one
+    byte short of what the plan without the guard holds at 192 positions: the plan switches the
+    draft head to MODEL_DRAFT_SMALL when the caches outgrow 128 positions, and takes no other step.
+    Greedy generation after a 100-token prompt takes that step at the same depth and frees the same
+    bytes, as the ledger shows around it (the weights the head held alone, the model's own blk.L
+    included, less the small ones, and what its graphs' arena share changed by); it prints its line; the output is plain decoding's token for
+    token; every part equals the plan's at 192. reset() brings the original draft back, byte for
+    byte, and the boot memory with it."""
+    path, draft = _mtp_model(tmp_path, rng, layout)
+    ctx, ub = 256, 32
+    free = make_plan(path, ctx=ctx, ub=ub, kv="f16", draft=draft, guard=GuardConfig(budget=NONE), suggest=False,
+                     depths=(192,))
+    budget = Budget(next(r for r in free.rows if r.depth == 192).usage.total - 1, "test")
+    plan = make_plan(path, ctx=ctx, ub=ub, kv="f16", budget=budget, draft=draft, guard=GuardConfig(), suggest=False,
+                     depths=(192,))
+    assert plan.fill_fits and [(e.depth, e.kind) for e in plan.events] == [(128, Kind.DRAFT)]
+    fresh = gpu.with_options(gpu.options, own_arena=True)
+    sp = Speculator.open(path, draft.path, draft.small, ctx=ctx, ub=ub, kv="f16", gpu=fresh,
+                         guard=GuardConfig(budget=budget))
+    sp.fwd.reserve()
+    d = sp.drafter
+    boot, source = usage(sp.fwd), d.source
+    assert boot == plan.boot.usage and d.can_shrink
+    original = {n: t.buf.read(np.uint8) for n, t in d.d.model.weights.tensors.items()}
+    lines: list[str] = []
+    sp.fwd.guard.out = lines.append
+    ledger: list[int] = []
+    shrink = d.shrink
+
+    def measured() -> None:
+        ledger.append(fresh.ledger.total)
+        shrink()
+        ledger.append(fresh.ledger.total)
+
+    monkeypatch.setattr(d, "shrink", measured)
+    prompt = [int(t) for t in rng.integers(0, V, 100)]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    got = _tokens(sp, prompt, params)
+    assert got == _tokens(GpuForward(path, ctx=ctx, ub=ub, kv="f16", gpu=gpu), prompt, params) and sp.drafted > 0
+    (ev,) = sp.fwd.guard.events
+    assert (ev.depth, ev.kind, ev.freed) == (plan.events[0].depth, Kind.DRAFT, plan.events[0].freed)
+    assert ledger[0] - ledger[1] == ev.freed > 0 and fresh.ledger.total <= budget.nbytes
+    assert lines == [ev.line()] and "MTP draft → its smaller quant" in lines[0]
+    assert d.shrunk and not d.can_shrink and d.source == draft.small.name
+    held = usage(sp.fwd)
+    assert sp.fwd.guard.held == 192 and held == next(r for r in plan.rows if r.depth == 192).usage
+    delta = {p: boot.parts[p] - held.parts[p] for p in (Part.DRAFT, Part.COMPUTE, Part.IO)}
+    assert ev.freed == delta[Part.DRAFT] + delta[Part.COMPUTE] and delta[Part.IO] == 0  # the graphs built anew
+    sp.reset()
+    assert not d.shrunk and d.can_shrink and d.source == source and usage(sp.fwd) == boot
+    for name, t in d.d.model.weights.tensors.items():
+        assert np.array_equal(t.buf.read(np.uint8), original[name]), name

@@ -14,11 +14,15 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from fakes import ByteCodec
 from qwen2_tiny import Geometry, write_qwen2
 from vkflash.cli import app
+from vkflash.engine.api import SamplingParams
+from vkflash.engine.generate import generate
 from vkflash.engine.gpu_forward import GpuForward
-from vkflash.engine.guard import GuardConfig
-from vkflash.engine.plan import Part, Usage, make_plan, usage
+from vkflash.engine.guard import GuardConfig, Kind
+from vkflash.engine.plan import DraftFiles, Part, Usage, make_plan, usage
+from vkflash.engine.speculate import Speculator
 from vkflash.formats.gguf_file import GGUFFile
 from vkflash.gpu.budget import Budget
 from vkflash.model.make_model import make_model
@@ -100,3 +104,30 @@ def test_plan_command(rng, tmp_path):
     assert data["fill_fits"] and [row["depth"] for row in data["rows"]] == [0, 1024]
     r = runner.invoke(app, ["plan", str(path), "--ctx", "1024", "--mem", "64K"])
     assert r.exit_code == 0 and "boot-fit: NO" in r.output and "does NOT fit" in r.output
+
+
+def test_plan_with_an_mtp_draft_equals_allocation(gpu, rng, tmp_path):
+    """`make_plan(draft=…)` builds the speculator's forward and the real draft head (the model's own
+    MTP block, MODEL_DRAFT_SMALL its Q8_0 quant) on the planning Gpu. GUARD_DRAFT=64 and GUARD_UB=96
+    with context 512, UB 32: a 130-token prompt (steps of 32: whole ubatches pending when UB halves)
+    then greedy speculation; at boot, after the prompt and after the rounds every part is as
+    planned, the draft's weights its smaller quant's, and the guard took the same steps."""
+    seed = int(rng.integers(1 << 31))
+    path = make_model("qwen4exp", "tiny", "F32", seed, tmp_path / "m.gguf", mtp_block=True)[0]
+    small = make_model("qwen4exp", "tiny", "Q8_0", seed, tmp_path / "q.gguf", mtp_separate=True)[1]
+    cfg = GuardConfig(when={Kind.DRAFT: 64, Kind.KV: "off", Kind.UB: 96}, budget=Budget(0, "none"))
+    plan = make_plan(path, ctx=512, ub=32, kv="f16", guard=cfg, draft=DraftFiles(None, small), depths=(0, 130, 192))
+    sp = Speculator.open(path, None, small, ctx=512, ub=32, kv="f16", gpu=gpu.with_options(gpu.options, own_arena=True),
+                         guard=cfg)
+    sp.fwd.reserve()
+    _close(plan.boot.usage, usage(sp.fwd), "boot")
+    prompt = [int(t) for t in rng.integers(0, 512, 130)]
+    sp.prefill(prompt)
+    assert sp.fwd.guard.held == 192 and [e.kind for e in sp.fwd.guard.events] == [Kind.DRAFT, Kind.UB]
+    row = next(r for r in plan.rows if r.depth == 192)
+    _close(row.usage, usage(sp.fwd), "after the prompt")
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    list(generate(sp, ByteCodec(eog=-1), prompt, params, ubatch=32))
+    assert sp.drafted > 0 and sp.fwd.n_past < 192
+    _close(row.usage, usage(sp.fwd), "after speculation")
+    assert [e.kind for e in plan.events] == [Kind.DRAFT, Kind.UB] and sp.drafter.shrunk

@@ -43,3 +43,32 @@ def test_summary_and_guard_gauges(tiny_model, tmp_path):
         assert 0 < held < 2 << 30
     finally:
         stop_server(s)
+
+
+def test_mtp_plan_is_what_the_server_loads(tmp_path, rng):
+    """MTP=1 with MODEL_DRAFT_SMALL: the startup plan counts the draft head (its boot is the plan
+    with that draft, above the plan without), and the speculator the server loads and reserves holds
+    the planned boot memory, part for part."""
+    from vkflash import settings
+    from vkflash.engine.plan import DraftFiles, make_plan, usage
+    from vkflash.gpu.memory import fmt_bytes
+    from vkflash.model.make_model import make_model
+    from vkflash.server import backend
+
+    seed = int(rng.integers(1 << 31))
+    path = make_model("qwen4exp", "tiny", "F32", seed, tmp_path / "m.gguf", mtp_block=True)[0]
+    small = make_model("qwen4exp", "tiny", "Q8_0", seed, tmp_path / "q.gguf", mtp_separate=True)[1]
+    s = settings.load(env={"MODEL": str(path), "CTX": "256", "UB": "32", "MTP": "1", "MODEL_DRAFT_SMALL": str(small),
+                           "VKFLASH_BACKEND": "gpu", "VKFLASH_MEM_BUDGET": "1G"})
+    old = settings.current()
+    settings.install(s)
+    try:
+        summary = backend.preflight(s)
+        plan = make_plan(path, ctx=256, draft=DraftFiles(None, small))
+        assert f"boot {fmt_bytes(plan.boot.usage.total)} fits" in summary
+        assert plan.boot.usage.total > make_plan(path, ctx=256).boot.usage.total
+        loaded = backend.load(s)
+        assert loaded.info.backend == "vulkan+mtp" and loaded.fwd.drafter.can_shrink  # type: ignore[attr-defined]
+        assert usage(loaded.fwd.fwd) == plan.boot.usage  # type: ignore[attr-defined]
+    finally:
+        settings.install(old)

@@ -77,7 +77,9 @@ class StepHooks(Protocol):
         """The sequence starts over."""
 
     def before(self, p0: int, ids: np.ndarray) -> None:
-        """A step of ids at positions p0… is about to run."""
+        """A step of ids at positions p0… is about to run (said again before the same step does
+        nothing more): before the guard makes room for it, so work on the last step's rows runs
+        with what was in force when that step ran (its ubatch's reserved graphs)."""
 
     def after(self, p0: int, ids: np.ndarray) -> None:
         """That step ran."""
@@ -188,7 +190,7 @@ class GpuForward:
         """Feed ids; the logits after every one of them, (len(ids), V) (teacher forcing, verify)."""
         arr = self._ids(ids)
         out = np.empty((len(arr), self.n_vocab), np.float32)
-        for start, n in self._steps(len(arr), lambda: min(self.model.head.rows, self.ub)):
+        for start, n in self._steps(arr, lambda: min(self.model.head.rows, self.ub)):
             self._run(arr[start:start + n], Head.ALL)
             out[start:start + n] = self.model.head.logits.read(np.float32, n * self.n_vocab).reshape(n, -1)
         return out
@@ -232,13 +234,16 @@ class GpuForward:
     def reserve(self) -> None:
         """Build and place every step graph a run can use (steps of UB and of each smaller power of
         two, with and without the head), so the arena holds from now on what any run needs: the
-        compute buffers the memory plan counts. The guard's steps keep it so."""
+        compute buffers the memory plan counts; with an MTP draft, its graphs and the verify steps
+        too (engine/draft.py). The guard's steps keep it so."""
         self._reserved = True
         sizes = sorted({self.ub} | {1 << k for k in range(self.ub.bit_length()) if 1 << k < self.ub}, reverse=True)
         for n in sizes:
             for head in (Head.NONE, Head.LAST):
                 if (n, head) != (1, Head.NONE):  # a 1-token piece is always the last
                     self.graph(n, head).place()
+        if self.draft is not None:
+            self.draft.reserve()
 
     def graphs(self) -> list[Graph]:
         """The step graphs built so far."""
@@ -279,27 +284,32 @@ class GpuForward:
             raise InvalidRequest(f"token id outside the vocabulary 0..{self.n_vocab - 1}")
         return arr.astype(np.int32)
 
-    def _steps(self, total: int, cap: Callable[[], int]) -> Iterator[tuple[int, int]]:
-        """(start, n) of the steps feeding `total` tokens as in steps(); cap() is read before each
-        one, after the guard has made room for it (a guard step may lower UB)."""
+    def _steps(self, ids: np.ndarray, cap: Callable[[], int]) -> Iterator[tuple[int, int]]:
+        """(start, n) of the steps feeding ids as in steps(); cap() is read before each one, after
+        the guard has made room for it (a guard step may lower UB)."""
         start = 0
-        while start < total:
-            self.guard.before_step(self, self._n + min(cap(), total - start))
-            n = next(pieces(total - start, cap()))
+        while start < len(ids):
+            self._before(ids[start:], min(cap(), len(ids) - start))
+            n = next(pieces(len(ids) - start, cap()))
             yield start, n
             start += n
 
+    def _before(self, ids: np.ndarray, n: int) -> None:
+        """Before a step of n tokens (the first of `ids`): the hooks' work on the last step's rows,
+        then the guard's room for n more positions."""
+        if self.hooks is not None:
+            self.hooks.before(self._n, ids)
+        self.guard.before_step(self, self._n + n)
+
     def _feed(self, ids: np.ndarray) -> None:
         """Run ids in steps of at most UB tokens; only the last step computes logits."""
-        for start, n in self._steps(len(ids), lambda: self.ub):
+        for start, n in self._steps(ids, lambda: self.ub):
             self._run(ids[start:start + n], Head.LAST if start + n == len(ids) else Head.NONE)
 
     def _run(self, ids: np.ndarray, head: Head, g: Graph | None = None) -> None:
         """One replay: params for len(ids) tokens at n_past, then the graph (or `g`, a tapped copy)."""
         n = len(ids)
-        self.guard.before_step(self, self._n + n)
-        if self.hooks is not None:
-            self.hooks.before(self._n, ids)
+        self._before(ids, n)
         emb = self._gather(ids) if self._gather is not None else None
         self.model.params.set(self._n, ids, emb)
         st = self.model.state

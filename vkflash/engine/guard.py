@@ -39,6 +39,7 @@ from vkflash.gpu.ops.requant import requant_q8_0
 
 if TYPE_CHECKING:
     from vkflash.engine.gpu_forward import GpuForward
+    from vkflash.gpu.graph import Graph
 
 NO_LIMIT = Budget(0, "none")
 
@@ -56,17 +57,27 @@ UB_HALVINGS = 2
 
 
 class Draft(Protocol):
-    """What the guard needs of an MTP draft (the MTP engine provides it as `GpuForward.draft`)."""
+    """What the guard, the forward and the memory plan need of an MTP draft (engine/draft.py
+    MtpDrafter, as `GpuForward.draft`)."""
 
     @property
     def can_shrink(self) -> bool:
         """A smaller quant is given and not in use."""
 
     def weights(self) -> list[Buffer]:
-        """The buffers of its weights."""
+        """The buffers of the weights it holds alone."""
+
+    def io(self) -> list[Buffer]:
+        """Its step params and head buffers."""
 
     def fills(self) -> list["Fill"]:
         """Its caches, which grow with the context."""
+
+    def graphs(self) -> list["Graph"]:
+        """Its graphs built so far."""
+
+    def reserve(self) -> None:
+        """Build and place every graph a run can use at the forward's ubatch (GpuForward.reserve)."""
 
     def shrink(self) -> None:
         """Free the weights and load the smaller quant."""

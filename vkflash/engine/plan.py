@@ -12,9 +12,13 @@ Parts: weights (uploaded, also by GGML type; host-gathered tables are mmapped fi
 apart and not counted: the page cache can evict them), kv (attention K/V), indexer (QSA keys and
 summary rows), states (recurrent rows, in the planes a verify step rolls back to), compute (arena and
 graph-owned buffers), io (step params, logits, argmax ids, staging ring), draft and draft kv (the
-MTP draft's weights and K/V cache, from its GGUF header: the draft engine is not built yet, so
-its compute is not counted). Budgeted bytes are everything on UMA (weights host-visible, no
-staging); device-local memory on a discrete GPU.
+MTP draft's weights and its K/V cache). With a draft the forward is the speculator's (mtp=True)
+and the draft head is the real one (engine/draft.py) on the planning Gpu: its weights as uploaded,
+its cache, its step params and head buffers and the target's h_nextn rows (io), its graphs and the
+verify steps placed by `reserve()` (compute); the guard's draft step switches it to
+MODEL_DRAFT_SMALL here as in a run.
+Budgeted bytes are everything on UMA (weights host-visible, no staging); device-local memory on a
+discrete GPU.
 """
 
 from __future__ import annotations
@@ -26,17 +30,17 @@ from enum import Enum
 from pathlib import Path
 
 from vkflash import settings
-from vkflash.engine.caches import IndexerCache, cache_type, growable_cache
+from vkflash.engine.caches import IndexerCache, cache_type
 from vkflash.engine.gpu_forward import GpuForward
-from vkflash.engine.guard import NO_LIMIT, Event, Fill, GuardConfig, indexer_caches
+from vkflash.engine.guard import NO_LIMIT, Event, GuardConfig, indexer_caches
+from vkflash.engine.speculate import Speculator
 from vkflash.engine.state import RecurrentState
-from vkflash.errors import ConfigError, DoesNotFit
-from vkflash.formats.gguf_file import GGUFFile
+from vkflash.errors import DoesNotFit
 from vkflash.gpu.budget import Budget, detect
-from vkflash.gpu.context import Gpu, PlanningGpu
+from vkflash.gpu.context import PlanningGpu
 from vkflash.gpu.device import Capabilities, probe
 from vkflash.gpu.memory import Buffer, fmt_bytes
-from vkflash.gpu.ops.attention import Cache, CacheType
+from vkflash.gpu.ops.attention import CacheType
 from vkflash.gpu.options import GpuOptions
 
 DEPTHS = (0, 32768, 65536, 98304, 131072, 196608)
@@ -78,10 +82,16 @@ def buffers_by_part(fwd: GpuForward) -> dict[Part, list[Buffer]]:
         Part.INDEXER: [b for ic in idx.values() for b in (ic.keys.buf, ic.summary)],
         Part.STATES: _recurrent(rec),
         Part.COMPUTE: list(fwd.gpu.arena.slots) + [b for g in fwd.graphs() for b in g.owned],
-        Part.IO: [m.params.buf, m.head.logits, m.head.ids] + fwd.gpu.staged(),
-        Part.DRAFT: fwd.draft.weights() if fwd.draft is not None else [],
-        Part.DRAFT_KV: [f.buf for f in fwd.draft.fills()] if fwd.draft is not None else [],
+        Part.IO: [m.params.buf, m.head.logits, m.head.ids] + ([m.hidden] if m.hidden is not None else [])
+        + fwd.gpu.staged(),
+        Part.DRAFT: [],
+        Part.DRAFT_KV: [],
     }
+    if fwd.draft is not None:
+        parts[Part.COMPUTE] += [b for g in fwd.draft.graphs() for b in g.owned]
+        parts[Part.IO] += fwd.draft.io()
+        parts[Part.DRAFT] = fwd.draft.weights()
+        parts[Part.DRAFT_KV] = [f.buf for f in fwd.draft.fills()]
     return {p: list({b.id: b for b in bufs}.values()) for p, bufs in parts.items()}
 
 
@@ -103,57 +113,6 @@ def usage(fwd: GpuForward) -> Usage:
     seen = {b.id for bufs in by_part.values() for b in bufs}
     rest = sum(b.committed for b in ledger.buffers() if b.id not in seen)
     return Usage(parts, ledger.total, ledger.host, rest)
-
-
-def draft_bytes(path: str | os.PathLike[str]) -> list[tuple[str, int]]:
-    """(name, bytes) of each tensor of an MTP draft file as uploaded: 1-D tensors as f32, the rest
-    in their stored type (from the header: no data is read)."""
-    gf = GGUFFile(path)
-    return [(n, 4 * t.n_elements if len(t.ne) == 1 else t.nbytes) for n, t in gf.tensors.items()]
-
-
-class DraftMemory:
-    """The memory of an MTP draft, as the plan counts it, until the draft engine exists
-    (engine/guard.py Draft): its weights and a smaller quant to switch to, sized from their GGUF
-    headers (no data read or uploaded), and one dense attention layer's K/V cache that grows with
-    the context like the trunk's (not re-quantized by the guard). On a real Gpu it holds that
-    memory, which is how the tests walk the guard's draft step."""
-
-    def __init__(self, gpu: Gpu, big: Path, small: Path | None, fwd: GpuForward) -> None:
-        self.gpu, self.big, self.small = gpu, big, small
-        self.in_use = big
-        self._weights = self._load(big)
-        hp, kv = fwd.hp, fwd.model.kv.type
-        self.cache = [growable_cache(gpu, fwd.n_ctx, hp.H_kv, hp.Dh, kv, fwd.guard.held, f"mtp.cache_{x}")
-                      for x in "kv"]
-
-    def _load(self, path: Path) -> list[Buffer]:
-        """A buffer per tensor of the draft file, as uploaded."""
-        return [self.gpu.buffer(n, f"mtp.{name}") for name, n in draft_bytes(path)]
-
-    @property
-    def can_shrink(self) -> bool:
-        return self.small is not None and self.in_use is self.big
-
-    def weights(self) -> list[Buffer]:
-        return self._weights
-
-    def fills(self) -> list[Fill]:
-        return [Fill(c.buf, lambda t, c=c: Cache.nbytes(t, c.n_heads, c.dim, c.type)) for c in self.cache]
-
-    def _switch(self, path: Path) -> None:
-        for b in self._weights:
-            self.gpu.free(b)
-        self._weights = self._load(path)
-        self.in_use = path
-
-    def shrink(self) -> None:
-        assert self.small is not None
-        self._switch(self.small)
-
-    def restore(self) -> None:
-        if self.in_use is not self.big:
-            self._switch(self.big)
 
 
 @dataclass(frozen=True)
@@ -251,17 +210,18 @@ class Plan:
 
 @dataclass(frozen=True)
 class DraftFiles:
-    """The MTP draft to count (`--mtp`): its GGUF and an optional smaller quant for the guard."""
+    """The MTP draft to plan with (`--mtp`): an MTP-only GGUF (None: the model's own block) and an
+    optional smaller quant for the guard's draft step."""
 
-    big: Path
+    path: Path | None = None
     small: Path | None = None
 
     @classmethod
     def from_settings(cls, s: settings.Settings | None = None) -> "DraftFiles":
+        """MODEL_DRAFT and MODEL_DRAFT_SMALL."""
         s = s or settings.current()
-        if not s["MODEL_DRAFT"]:
-            raise ConfigError("--mtp needs the draft's GGUF: set MODEL_DRAFT (or --draft)")
-        return cls(Path(s["MODEL_DRAFT"]), Path(s["MODEL_DRAFT_SMALL"]) if s["MODEL_DRAFT_SMALL"] else None)
+        return cls(Path(s["MODEL_DRAFT"]) if s["MODEL_DRAFT"] else None,
+                   Path(s["MODEL_DRAFT_SMALL"]) if s["MODEL_DRAFT_SMALL"] else None)
 
 
 def _row(fwd: GpuForward, depth: int, event: str = "") -> Row:
@@ -298,7 +258,8 @@ def make_plan(model: str | os.PathLike[str], ctx: int | None = None, ub: int | N
               depths: Sequence[int] = DEPTHS) -> Plan:
     """The plan of `model` at `depths` (ctx/ub/kv/guard default to the knobs; the budget to the
     device's or VKFLASH_MEM_BUDGET; uma overrides the device's kind: plan a Strix Halo from another
-    machine). With `suggest`, a plan that does not fit also says which knob change first makes it fit."""
+    machine); with `draft`, of MTP speculation with that draft. With `suggest`, a plan that does not
+    fit also says which knob change first makes it fit."""
     s = settings.current()
     caps = caps or probe(s["VKFLASH_DEVICE"])
     if uma is not None:
@@ -306,10 +267,12 @@ def make_plan(model: str | os.PathLike[str], ctx: int | None = None, ub: int | N
     cfg = guard or GuardConfig.from_settings(s)
     budget = budget or detect(caps, cfg.override)
     gpu = PlanningGpu(caps, GpuOptions.from_settings(s))
-    fwd = GpuForward(model, ctx=ctx, ub=ub, kv=kv, gpu=gpu, guard=replace(cfg, budget=NO_LIMIT))
+    forward: dict = dict(ctx=ctx, ub=ub, kv=kv, gpu=gpu, guard=replace(cfg, budget=NO_LIMIT))
+    if draft is not None:  # the speculator the run opens, its draft head on the planning Gpu
+        fwd = Speculator.open(model, draft.path, draft.small, **forward).fwd
+    else:
+        fwd = GpuForward(model, **forward)
     fwd.guard.out = lambda line: None
-    if draft is not None:
-        fwd.draft = DraftMemory(gpu, draft.big, draft.small, fwd)
     fwd.reserve()
     w = fwd.model.weights
     uploaded: dict[str, int] = {}

@@ -152,19 +152,21 @@ class Speculator:
 
     @classmethod
     def open(cls, model_path: str | os.PathLike[str], draft_path: str | os.PathLike[str] | None = None,
-             **forward: object) -> "Speculator":
+             small_path: str | os.PathLike[str] | None = None, **forward: object) -> "Speculator":
         """A speculator for a qwen4exp GGUF: its own MTP block, or the MTP-only GGUF `draft_path`;
-        `forward` goes to GpuForward (ctx, ub, kv, gpu, progress)."""
+        `small_path` (MODEL_DRAFT_SMALL) the smaller quant the deep-context guard may switch the
+        draft to; `forward` goes to GpuForward (ctx, ub, kv, gpu, progress, guard)."""
         cfg = SpecConfig.from_settings()
         fwd = GpuForward(model_path, mtp=True, **forward)  # type: ignore[arg-type]
-        return cls(fwd, MtpDrafter(fwd, draft_path, n_draft()), cfg)
+        return cls(fwd, MtpDrafter(fwd, draft_path, n_draft(), small_path), cfg)
 
     def describe(self) -> str:
         """One line for startup: what drafts, how many tokens, how verified and rolled back."""
         cfg, d = self.cfg, self.drafter
         cap = cfg.draft or "6 (temperature 0) or 4 (sampling)"
         return (f"MTP: drafting up to {cap} tokens a round ({'adaptive' if cfg.adapt else 'fixed'} length) with "
-                f"{d.source}{'' if d.device_chain else ', embedding gathered on the host'}; "
+                f"{d.source}{'' if d.device_chain else ', embedding gathered on the host'}"
+                f"{f' ({d.small.name} when the deep-context guard needs its memory)' if d.small else ''}; "
                 f"{'rejection sampling' if cfg.stochastic else 'exact-match verification'} at temperature > 0; "
                 f"{'in-place' if self.fwd.model.state.rec.in_place else 'copy'} rollback")
 

@@ -201,9 +201,6 @@ def serve(settings: Settings, options: ServerOptions | None = None,
     settings_mod.install(settings)
     for line in settings.lines():
         print(line, flush=True)
-    planned = settings.planned_in_use()
-    if planned:
-        print(f"note: {', '.join(planned)} set, but what they steer is not built yet: no effect", flush=True)
     summary = backend.preflight(settings)  # refuses a configuration that cannot boot, before any load
     if summary:
         print(summary, flush=True)

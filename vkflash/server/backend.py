@@ -43,7 +43,8 @@ def _forward(settings: Settings, path: Path, hp: HParams, n_ctx: int) -> tuple[F
         from vkflash.engine.gpu_forward import GpuForward
 
         if settings["MTP"]:
-            sp = open_speculator(path, settings["MODEL_DRAFT"] or None, ctx=n_ctx)
+            sp = open_speculator(path, settings["MODEL_DRAFT"] or None, settings["MODEL_DRAFT_SMALL"] or None,
+                                 ctx=n_ctx)
             sp.fwd.reserve()  # the compute buffers of every step now, as the memory plan counts them
             return sp, "vulkan+mtp"
         fwd = GpuForward(path, ctx=n_ctx)
@@ -68,17 +69,18 @@ def uses_gpu(settings: Settings, arch: str) -> bool:
 
 
 def preflight(settings: Settings) -> str:
-    """The memory plan's one-line summary for the model the settings name (empty when it is not
-    served by the GPU forward, or cannot be read: the load then says why); DoesNotFit, before
-    any weight is loaded, when the configuration cannot even boot."""
-    from vkflash.engine.plan import make_plan
+    """The memory plan's one-line summary for the model the settings name, with its MTP draft when
+    MTP=1 (empty when it is not served by the GPU forward, or cannot be read: the load then says
+    why); DoesNotFit, before any weight is loaded, when the configuration cannot even boot."""
+    from vkflash.engine.plan import DraftFiles, make_plan
 
     try:
         path = model_path(settings)
         hp = hparams_from_gguf(path)
         if not uses_gpu(settings, hp.arch) or settings["CTX"] > hp.n_ctx_train:
             return ""
-        plan = make_plan(path, ctx=settings["CTX"] or hp.n_ctx_train)
+        draft = DraftFiles.from_settings(settings) if settings["MTP"] else None
+        plan = make_plan(path, ctx=settings["CTX"] or hp.n_ctx_train, draft=draft)
     except DoesNotFit:
         raise
     except VkflashError:
@@ -88,12 +90,13 @@ def preflight(settings: Settings) -> str:
     return plan.summary()
 
 
-def open_speculator(path: Path, draft: str | None, **forward: object) -> "Speculator":
-    """The MTP speculator of a model (its own MTP block, or the MTP-only GGUF `draft`); says so."""
+def open_speculator(path: Path, draft: str | None, small: str | None = None, **forward: object) -> "Speculator":
+    """The MTP speculator of a model (its own MTP block, or the MTP-only GGUF `draft`; `small`: its
+    smaller quant for the deep-context guard); says so."""
     from vkflash.engine.speculate import Speculator
-    from vkflash.model.default_model import resolve_model
 
-    sp = Speculator.open(path, resolve_model(draft, "MODEL_DRAFT") if draft else None, **forward)
+    sp = Speculator.open(path, resolve_model(draft, "MODEL_DRAFT") if draft else None,
+                         resolve_model(small, "MODEL_DRAFT_SMALL") if small else None, **forward)
     print(sp.describe(), flush=True)
     return sp
 
