@@ -74,10 +74,9 @@ class AppendSpec(SpecConstants):
 
 
 @dataclass(frozen=True)
-class FlashPush(PushConstants):
-    """The flash kernels' push constants (shaders/common/attn.glsl): sizes, the q, gate and output
-    views, params, mask and cell offsets, splits, the score scale, and the query tiles (TQ queries
-    each, params and cell lists p_stride and c_stride apart)."""
+class AttnPush(PushConstants):
+    """The attention kernels' common push constants (shaders/common/attn.glsl): sizes, the q, gate
+    and output views, params, mask and cell offsets, splits and the score scale."""
 
     T: u32
     G: u32
@@ -98,6 +97,13 @@ class FlashPush(PushConstants):
     cell_off: u32
     n_split: u32
     scale: f32
+
+
+@dataclass(frozen=True)
+class FlashPush(AttnPush):
+    """The flash kernels' push constants: AttnPush, then the query tiles (TQ queries each, params and
+    cell lists p_stride and c_stride apart)."""
+
     TQ: u32
     p_stride: u32
     c_stride: u32

@@ -18,9 +18,9 @@ import numpy as np
 
 from vkflash.gpu.device import Capabilities
 from vkflash.gpu.memory import Buffer
-from vkflash.gpu.interface import PushConstants, SpecConstants, f32, u32
-from vkflash.gpu.ops.attention import AttnCombinePush, Cache, CacheType, CellList, CellMask, Heads, check_attention, \
-    partial_bytes
+from vkflash.gpu.interface import SpecConstants, u32
+from vkflash.gpu.ops.attention import (AttnCombinePush, AttnPush, Cache, CacheType, CellList, CellMask, Heads,
+                                       check_attention, partial_bytes)
 from vkflash.gpu.registry import Kernel, kernel
 
 if TYPE_CHECKING:
@@ -28,29 +28,10 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class DecodePush(PushConstants):
-    """attn_decode.comp's push constants (see its header): attn_flash.comp's, then the mode flags
-    (1 gated, 2 masked, 4 gather, 8 split)."""
+class DecodePush(AttnPush):
+    """attn_decode.comp's push constants (see its header): the flash kernels' common ones, then the
+    mode flags (1 gated, 2 masked, 4 gather, 8 split)."""
 
-    T: u32
-    G: u32
-    H_kv: u32
-    kv_rows: u32
-    q_off: u32
-    q_row: u32
-    q_head: u32
-    gate_off: u32
-    gate_row: u32
-    gate_head: u32
-    o_off: u32
-    o_row: u32
-    o_head: u32
-    param_off: u32
-    mask_off: u32
-    mask_stride: u32
-    cell_off: u32
-    n_split: u32
-    scale: f32
     flags: u32
 
 
