@@ -293,7 +293,14 @@ uvec2 slice_runs(uint u) { return uvec2(32u * u, 32u * u + 16u); }
 
 // ---- GEMV slices: raw words (slice_fetch), then Σ W·x (slice_dot) ----------------------------
 vec4 bits4(uint w, uint s, uint mask) {  // fields of `mask` at bit offsets s, s+8, s+16, s+24
+#ifdef QUANT_FAST_CVT
+    // 2^23 + field as f32 bits, minus 2^23: exact, and no int→float conversion (a quarter-rate
+    // instruction on NVIDIA; the GEMV decodes a few elements per byte read)
+    return uintBitsToFloat(uvec4((w >> s) & mask, (w >> (s + 8u)) & mask, (w >> (s + 16u)) & mask,
+                                 (w >> (s + 24u)) & mask) | 0x4B000000u) - 8388608.0;
+#else
     return vec4((w >> s) & mask, (w >> (s + 8u)) & mask, (w >> (s + 16u)) & mask, (w >> (s + 24u)) & mask);
+#endif
 }
 #if QTYPE == GGML_TYPE_F32
 struct Slice { vec4 w[8]; };
@@ -333,8 +340,12 @@ Slice slice_fetch(uint S) {
 }
 float slice_dot(Slice r, vec4 xg[8], vec2 xs) {
     float s = 0.0;
+#ifdef QUANT_FAST_CVT
+    for (uint i = 0u; i < 8u; ++i) s += dot(bits4(r.q[i] ^ 0x80808080u, 0u, 0xFFu) - 128.0, xg[i]);  // q + 128 ≥ 0
+#else
     for (uint i = 0u; i < 8u; ++i)
         s += dot(vec4(int(r.q[i] << 24) >> 24, int(r.q[i] << 16) >> 24, int(r.q[i] << 8) >> 24, int(r.q[i]) >> 24), xg[i]);
+#endif
     return r.d * s;
 }
 
@@ -355,10 +366,16 @@ float slice_dot(Slice r, vec4 xg[8], vec2 xs) {
     float s = 0.0;
     for (uint i = 0u; i < 4u; ++i) {
         uint hl = r.qh >> (4u * i), hh = r.qh >> (4u * i + 16u);
+#if defined(QUANT_FAST_CVT)
+        // 5-bit codes assembled in the integer domain, 4 per word: bit j of a nibble → bit 8j
+        vec4 lo = bits4((r.q[i] & 0x0F0F0F0Fu) | (((hl & 15u) * 0x00204081u & 0x01010101u) << 4), 0u, 0xFFu);
+        vec4 hi = bits4(((r.q[i] >> 4) & 0x0F0F0F0Fu) | (((hh & 15u) * 0x00204081u & 0x01010101u) << 4), 0u, 0xFFu);
+#else
         vec4 lo = bits4(r.q[i], 0u, 15u), hi = bits4(r.q[i], 4u, 15u);
 #if QTYPE == GGML_TYPE_Q5_0
         lo += 16.0 * vec4(hl & 1u, (hl >> 1) & 1u, (hl >> 2) & 1u, (hl >> 3) & 1u);
         hi += 16.0 * vec4(hh & 1u, (hh >> 1) & 1u, (hh >> 2) & 1u, (hh >> 3) & 1u);
+#endif
 #endif
         s += dot(lo, xg[i]) + dot(hi, xg[i + 4u]);
     }
@@ -391,10 +408,15 @@ float slice_dot(Slice r, vec4 xg[8], vec2 xs) {
     vec2 sm0 = k_scale_min(r.hdr.yzw, g0), sm1 = k_scale_min(r.hdr.yzw, g0 + 1u);
     float s0 = 0.0, s1 = 0.0;
     for (uint k = 0u; k < 4u; ++k) {
+#if defined(QUANT_FAST_CVT) && QTYPE == GGML_TYPE_Q5_K
+        vec4 lo = bits4((r.q[k] & 0x0F0F0F0Fu) | (((r.qh[k] >> g0) & 0x01010101u) << 4), 0u, 0xFFu);
+        vec4 hi = bits4(((r.q[k] >> 4) & 0x0F0F0F0Fu) | (((r.qh[k] >> (g0 + 1u)) & 0x01010101u) << 4), 0u, 0xFFu);
+#else
         vec4 lo = bits4(r.q[k], 0u, 15u), hi = bits4(r.q[k], 4u, 15u);
 #if QTYPE == GGML_TYPE_Q5_K
         lo += 16.0 * bits4(r.qh[k], g0, 1u);
         hi += 16.0 * bits4(r.qh[k], g0 + 1u, 1u);
+#endif
 #endif
         s0 += dot(lo, xg[k]);
         s1 += dot(hi, xg[k + 4u]);
@@ -424,8 +446,13 @@ float slice_dot(Slice r, vec4 xg[8], vec2 xs) {
     uint slo2 = 2u * ((r.c & 3u) >> 1), shi2 = slo2 + 4u;
     float s0 = 0.0, s1 = 0.0;
     for (uint k = 0u; k < 4u; ++k) {
+#ifdef QUANT_FAST_CVT
+        s0 += dot(bits4((r.l[k] & 0x0F0F0F0Fu) | (((r.h[k] >> slo2) & 0x03030303u) << 4), 0u, 0xFFu), xg[k]);
+        s1 += dot(bits4(((r.l[k] >> 4) & 0x0F0F0F0Fu) | (((r.h[k] >> shi2) & 0x03030303u) << 4), 0u, 0xFFu), xg[k + 4u]);
+#else
         s0 += dot(bits4(r.l[k], 0u, 15u) + 16.0 * bits4(r.h[k], slo2, 3u), xg[k]);
         s1 += dot(bits4(r.l[k], 4u, 15u) + 16.0 * bits4(r.h[k], shi2, 3u), xg[k + 4u]);
+#endif
     }
     return r.d * (r.sc.x * (s0 - 32.0 * xs.x) + r.sc.y * (s1 - 32.0 * xs.y));
 }
