@@ -5,11 +5,16 @@
 //   w_i = p_{I_i} / max(Σ_{i'} p_{I_{i'}}, 2^-14)   (selected p summed in rank order).
 // z row t is z[z_off + t*z_stride + e], e < E. Buffers: 0 z (f32), 1 ids (int32, T × k),
 // 2 w (f32, T × k). E ≤ MAX_E (constant_id 1) experts are held in shared memory.
+// Selection (constant_id 2 RANK): true: one pass, every expert's rank = #{e' : p_e' > p_e, or
+// p_e' = p_e and e' < e} counted against all E (no rounds, three barriers: the ranks < k are the
+// top-k in order, ties to the lower index); false (VKFLASH_TOPK_WIDE=0): k rounds of a
+// workgroup argmax, each taking the best remaining expert. Both give the same ids and weights.
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"
 #include "common/reduce.glsl"
 
 layout(constant_id = 1) const uint MAX_E = 512;
+layout(constant_id = 2) const bool RANK = true;
 const float DENOM_CLAMP = 6.103515625e-5;  // 2^-14
 
 layout(std430, binding = 0) readonly buffer Z { float z[]; };
@@ -21,6 +26,8 @@ layout(push_constant) uniform P {
 } p;
 
 shared float prob[MAX_E];
+shared uint sel_id[RANK ? MAX_E : 1u];    // RANK: expert of each rank < k
+shared float sel_p[RANK ? MAX_E : 1u];    // and its probability
 
 void main() {
     uint lid = gl_LocalInvocationID.x, wg = gl_WorkGroupSize.x;
@@ -38,6 +45,29 @@ void main() {
         s = wg_sum(s);  // ends with a barrier: every prob[e] is written
         for (uint e = lid; e < p.E; e += wg) prob[e] = prob[e] / s;
         barrier();
+        if (RANK) {
+            for (uint e = lid; e < p.E; e += wg) {
+                const float pe = prob[e];
+                uint rank = 0u;
+                for (uint f = 0u; f < p.E; ++f) {
+                    const float pf = prob[f];  // the same f in every lane: a broadcast read
+                    rank += (pf > pe || (pf == pe && f < e)) ? 1u : 0u;
+                }
+                if (rank < p.k) { sel_id[rank] = e; sel_p[rank] = pe; }
+            }
+            barrier();
+            if (lid == 0) {
+                precise float sum = 0.0;
+                for (uint j = 0; j < p.k; ++j) sum += sel_p[j];  // in rank order, as the rounds below
+                const float denom = max(sum, DENOM_CLAMP);
+                for (uint j = 0; j < p.k; ++j) {
+                    ids[ir + j] = int(sel_id[j]);
+                    w[wr + j] = sel_p[j] / denom;
+                }
+            }
+            barrier();  // prob, sel_* are reused by the next token
+            continue;
+        }
         precise float sel = 0.0;
         for (uint j = 0; j < p.k; ++j) {
             float bv = -1.0;  // below every probability: taken experts are set to it

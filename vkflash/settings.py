@@ -138,6 +138,10 @@ KNOBS: tuple[Knob, ...] = (
     _k("VKFLASH_GEMV_TEAMS", _bool, True,
        "0: the previous decode GEMV (a 64/128-invocation workgroup per few rows) instead of row groups sized "
        "from K with fewer decode instructions per byte (gemv.comp); routed-expert decode GEMVs likewise", "revert"),
+    _k("VKFLASH_TOPK_WIDE", _bool, True,
+       "0: the previous MoE router (k workgroup-argmax rounds) and QSA selection (8 radix passes with serial "
+       "bin scans) instead of one rank-counting pass and a 3-pass radix select over a 1024-wide workgroup",
+       "revert"),
     _k("VKFLASH_DEP_BARRIERS", _bool, True, "0: a barrier before every dispatch instead of only on real dependencies",
        "revert"),
     # backend

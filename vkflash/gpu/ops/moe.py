@@ -1,6 +1,7 @@
 """MoE on the GPU (MODEL.md §5.7 M1–M4): router, routing prepass, routed expert matmuls, combine.
 
-Router: one workgroup per token (shaders/moe_router.comp) turns the logits z = W_r u into expert
+Router: one workgroup per token (shaders/moe_router.comp; every expert's rank counted in one pass,
+or with VKFLASH_TOPK_WIDE=0 k argmax rounds) turns the logits z = W_r u into expert
 ids (int32, T × k, descending probability, ties to the lower index) and weights
 w_i = p_{I_i} / max(Σ p_I, 2⁻¹⁴) (f32, T × k).
 Routed experts: for prefill a one-workgroup prepass (moe_prepass.comp) sorts the T·k (token, slot)
@@ -59,7 +60,15 @@ class MaxExpertsSpec(SpecConstants):
     max_e: u32
 
 
-KERNELS = [Kernel("moe_router", "moe_router.comp", 3, push=RouterPush, spec=MaxExpertsSpec)]
+@dataclass(frozen=True)
+class RouterSpec(SpecConstants):
+    """moe_router.comp's expert capacity and selection: rank counting (one pass) or k argmax rounds."""
+
+    max_e: u32
+    rank: boolean = True
+
+
+KERNELS = [Kernel("moe_router", "moe_router.comp", 3, push=RouterPush, spec=RouterSpec)]
 MAX_GROUPS = 65535  # router: one workgroup per token, more tokens loop; combine: grid-stride
 
 
@@ -77,13 +86,14 @@ def moe_router(g: "Graph", z: Rows, ids: Rows, w: Rows, k: int, name: str = "moe
         raise ValueError(f"{name}: ids and w overlap")
     caps = g.gpu.caps
     wg = kernel("moe_router").workgroup(caps)
-    shared = F32 * (E + 2 * wg)  # probabilities + the reduction slots of common/reduce.glsl
+    rank = g.options.topk_wide
+    shared = F32 * ((3 if rank else 1) * E + 2 * wg)  # probabilities (+ ranked ids, p) + common/reduce.glsl's slots
     if shared > caps.shared_memory:
         raise ValueError(f"{name}: {E} experts need {shared} B of shared memory, the device has {caps.shared_memory}")
     g.dispatch("moe_router", [z.buf, ids.buf, w.buf], [grid(T, 1, MAX_GROUPS)],
                push=RouterPush(E, k, T, z.off, z.stride, ids.off, ids.stride, w.off, w.stride),
-               spec=MaxExpertsSpec(E), writes=[1, 2], name=name, desc=f"T={T} E={E} k={k}",
-               nbytes=F32 * T * (E + 2 * k))
+               spec=RouterSpec(E, rank), writes=[1, 2], name=name,
+               desc=f"T={T} E={E} k={k} {'rank' if rank else 'rounds'}", nbytes=F32 * T * (E + 2 * k))
 
 
 # ---- routed experts (M4) ----------------------------------------------------------------------
