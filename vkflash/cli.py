@@ -215,7 +215,7 @@ def verify_cmd(
 def bench_kernels(as_json: bool = typer.Option(False, "--json"),
                   quick: bool = typer.Option(False, "--quick", help="small sizes (CI, lavapipe)"),
                   only: Optional[str] = typer.Option(None, "--only", help="comma-separated families, e.g. "
-                                                     "gemv,moe_gemv,router,topk (default: all, with replay cost)"),
+                                                     "gemv,moe_gemv,select (default: all, with replay cost)"),
                   sweep: bool = typer.Option(False, "--sweep",
                                              help="also every GEMV team width × rows per team")) -> None:
     """Copy bandwidth, each kernel's GB/s against it (and the issue's goal), and graph replay cost."""
