@@ -74,16 +74,27 @@ class StepParams:
             raise ValueError(f"arch rows must be (1..{self.ub}, {self.extra_dim}), got {rows.shape}")
         self.buf.write(np.asarray(rows, np.float32), 4 * self.extra)
 
+    def _words(self) -> np.ndarray | None:
+        """The buffer's mapped words as int32 (host-visible buffers; cached: the mapping is persistent)."""
+        w = self.__dict__.get("_mapped_words")
+        if w is None and self.buf.host_visible:
+            w = self.__dict__["_mapped_words"] = self.buf.view(np.int32)
+        return w
+
     def set(self, p0: int, ids: np.ndarray, emb: np.ndarray | None = None) -> None:
         """Describe a step of len(ids) tokens at positions p0, p0+1, …"""
         n = len(ids)
         if not 1 <= n <= self.ub:
             raise ValueError(f"a step has 1..{self.ub} tokens, got {n}")
-        head = np.empty(POS + n, np.int32)
-        head[P0], head[N_KV] = p0, p0 + n
-        head[POS:] = p0 + np.arange(n, dtype=np.int32)
-        self.buf.write(head)
-        self.buf.write(np.asarray(ids, np.int32), 4 * self.ids)
+        w = self._words()
+        if w is not None and n == 1:  # decode: four words into the mapping, no temporaries
+            w[P0], w[N_KV], w[POS], w[self.ids] = p0, p0 + 1, p0, ids[0]
+        else:
+            head = np.empty(POS + n, np.int32)
+            head[P0], head[N_KV] = p0, p0 + n
+            head[POS:] = p0 + np.arange(n, dtype=np.int32)
+            self.buf.write(head)
+            self.buf.write(np.asarray(ids, np.int32), 4 * self.ids)
         if self.emb_dim:
             if emb is None or emb.shape != (n, self.emb_dim):
                 raise ValueError(f"host embedding rows must be ({n}, {self.emb_dim})")

@@ -152,6 +152,27 @@ def ple_rows(tokens: np.ndarray, history: np.ndarray, hp: PleHashParams) -> np.n
     return rows.astype(np.int32)
 
 
+def ple_row_one(token: int, history: np.ndarray, hp: PleHashParams) -> list[int]:
+    """ple_rows of one token as Python ints (a decode step's n_p rows without NumPy's per-call cost;
+    the same uint64 arithmetic, so the same rows)."""
+    N, hg = hp.ngram_size, hp.heads_per_ngram
+    hist = [int(t) for t in history[len(history) - min(len(history), N - 1):]] if N > 1 else []
+    ctx, alive = [int(token)], True
+    for s in range(1, N):  # (P1): the token s back, or EOS from the first missing/EOS predecessor on
+        prev = hist[-s] if s <= len(hist) else hp.eos
+        alive = alive and s <= len(hist) and prev != hp.eos
+        ctx.append(prev if alive else hp.eos)
+    m, P, o = hp.multipliers, hp.head_vocab_sizes, hp.head_offsets
+    mu, rows = 0, []
+    for n in range(N):
+        mu ^= (ctx[n] * int(m[n])) & MASK64
+        if n >= 1:
+            for g in range(hg):
+                h = (n - 1) * hg + g
+                rows.append(mu % int(P[h]) + int(o[h]))
+    return rows
+
+
 def next_history(history: np.ndarray, tokens: np.ndarray, hp: PleHashParams) -> np.ndarray:
     """The PLE token history after accepting `tokens`: the last N−1 tokens of the sequence."""
     keep = hp.ngram_size - 1
