@@ -162,15 +162,23 @@ def ple_row_one(token: int, history: np.ndarray, hp: PleHashParams) -> list[int]
         prev = hist[-s] if s <= len(hist) else hp.eos
         alive = alive and s <= len(hist) and prev != hp.eos
         ctx.append(prev if alive else hp.eos)
-    m, P, o = hp.multipliers, hp.head_vocab_sizes, hp.head_offsets
+    c = _CONSTANTS.get(id(hp))
+    if c is None or c[0] is not hp:
+        c = _CONSTANTS[id(hp)] = (hp, [int(v) for v in hp.multipliers[:N]],
+                                  [int(v) for v in hp.head_vocab_sizes[:hp.n_heads]],
+                                  [int(v) for v in hp.head_offsets[:hp.n_heads]])
+    _, m, P, o = c
     mu, rows = 0, []
     for n in range(N):
-        mu ^= (ctx[n] * int(m[n])) & MASK64
+        mu ^= (ctx[n] * m[n]) & MASK64
         if n >= 1:
-            for g in range(hg):
-                h = (n - 1) * hg + g
-                rows.append(mu % int(P[h]) + int(o[h]))
+            for h in range((n - 1) * hg, n * hg):
+                rows.append(mu % P[h] + o[h])
     return rows
+
+
+_CONSTANTS: dict[int, tuple[PleHashParams, list[int], list[int], list[int]]] = {}
+"""ple_row_one's constants as Python ints, per PleHashParams (kept alive with it, checked by identity)."""
 
 
 def next_history(history: np.ndarray, tokens: np.ndarray, hp: PleHashParams) -> np.ndarray:
