@@ -114,11 +114,14 @@ void gemv_reduce() {
 void gemv_row(uint xb, uint K) {
     [[unroll]] for (uint i = 0u; i < NR; ++i) acc[i] = 0.0;
 #ifdef GEMV_Q8
-    quantize_x(xb, K);
     const uint qpr = K / QE;  // slices per row
+    QSlice w[NR];  // all rows' loads first; the first slice's are issued before the quantization's
+    if (g_lane < qpr)  // barriers, so their latency overlaps it
+        [[unroll]] for (uint i = 0u; i < NR; ++i) w[i] = qslice_fetch(gemv_wrow(i) * qpr + g_lane);
+    quantize_x(xb, K);
     for (uint u = g_lane; u < qpr; u += TPR) {
-        QSlice w[NR];  // all rows' loads first
-        [[unroll]] for (uint i = 0u; i < NR; ++i) w[i] = qslice_fetch(gemv_wrow(i) * qpr + u);
+        if (u != g_lane)
+            [[unroll]] for (uint i = 0u; i < NR; ++i) w[i] = qslice_fetch(gemv_wrow(i) * qpr + u);
         [[unroll]] for (uint i = 0u; i < NR; ++i) acc[i] += qslice_dot(w[i], u);
     }
 #else
