@@ -61,12 +61,13 @@ def gemv_paths(gpu: Gpu, q: Q, k: int) -> list[tuple[str, Gpu]]:
     return [(f"{label} (default)" if label == picked else label, gpu.with_options(opts)) for label, opts in paths]
 
 
-def _gemv_row(gpu: Gpu, label: str, q: Q, k: int, n_out: int, n_tok: int, goal: str, quick: bool,
+def _gemv_row(gpu: Gpu, label: str, ws: list[QWeight], n_tok: int, goal: str, quick: bool,
               rng: np.random.Generator, plan: GemvPlan | None = None, serial: bool = False) -> dict:
-    """GB/s of one GEMV path: CALLS dispatches over rotated weights, into distinct outputs (no
-    barriers: throughput) or, serial, one output (a barrier between calls, as in a decode step)."""
-    nbytes = n_out * row_bytes(q, k)
-    ws = _weights(gpu, q, k, n_out, _rotation(nbytes, quick), rng)
+    """GB/s of one GEMV path over the weights ws (one matrix in rotated buffers): CALLS dispatches
+    into distinct outputs (no barriers: throughput) or, serial, one output (a barrier between calls,
+    as in a decode step)."""
+    q, k, n_out = Q(ws[0].qtype), ws[0].k, ws[0].n_out
+    nbytes = ws[0].nbytes
     x = gpu.upload(rng.standard_normal(n_tok * k, dtype=np.float32), "bench.x")
     calls = len(ws) if quick else max(CALLS, len(ws))
     g = gpu.graph(f"bench.gemv.{q.name}")
@@ -87,12 +88,11 @@ def _plan_of(desc: str) -> str:
     return f" {parts[3]}" if len(parts) == 4 else ""
 
 
-def _hc_mix_row(gpu: Gpu, label: str, quick: bool, rng: np.random.Generator) -> dict:
+def _hc_mix_row(gpu: Gpu, label: str, ws: list[QWeight], quick: bool, rng: np.random.Generator) -> dict:
     """GB/s of the fused HC mix GEMV (hc_pre, W_up, hc_mix; Fusion.HC_MIX), serial as in decode."""
-    q, lr, n_out = (Q.Q5_0, 64, HC * 64) if quick else HC_MIX
+    q, lr, n_out = Q(ws[0].qtype), ws[0].k, ws[0].n_out
     d = n_out // HC
-    nbytes = n_out * row_bytes(q, lr)
-    ws = _weights(gpu, q, lr, n_out, _rotation(nbytes, quick), rng)
+    nbytes = ws[0].nbytes
     ell = Rows(gpu.upload(rng.standard_normal(lr, dtype=np.float32), "bench.ell"), 1, lr)
     X = Rows(gpu.upload(rng.standard_normal(n_out, dtype=np.float32), "bench.X"), 1, n_out)
     u = Rows(gpu.buffer(4 * d, "bench.u"), 1, d)
@@ -114,7 +114,8 @@ def gemv_bandwidth(gpu: Gpu, shapes: Iterable[tuple[Q, int, int]] | None = None,
 
     Defaults: every GEMV_TYPES at the dense Flash-Next shape, the Q6_K LM head, the HC down
     projection and the fused HC mix GEMV (both serial, as in a decode step). sweep: also every team
-    width × rows per team of the row-group GEMVs at the dense Q4_K and Q6_K shapes (for tuning gemv_plan).
+    width × rows per team of the row-group GEMVs (f32 and q8) at the dense Q4_K shape and the Q6_K LM
+    head (for tuning gemv_plan). Each matrix is uploaded once and timed on every path.
     """
     rng = np.random.default_rng()
     rows = []
@@ -122,25 +123,43 @@ def gemv_bandwidth(gpu: Gpu, shapes: Iterable[tuple[Q, int, int]] | None = None,
     if shapes is None:
         shapes = [(q, 256, 512) if quick else (q, *DENSE) for q in GEMV_TYPES]
         shapes.append((Q.Q6_K, 256, 1024) if quick else (Q.Q6_K, *LM_HEAD))
+    shapes = list(shapes)
+    swept = (((Q.Q4_K, 256, 512), (Q.Q6_K, 256, 1024)) if quick else ((Q.Q4_K, *DENSE), (Q.Q6_K, *LM_HEAD))) \
+        if sweep else ()
+    widths = [TEAM_TPR_MIN << i for i in range((TEAM_WG // TEAM_TPR_MIN).bit_length())]
+
+    def weights(q: Q, k: int, n_out: int) -> list[QWeight]:  # one matrix per shape, shared by its rows
+        return _weights(gpu, q, k, n_out, _rotation(n_out * row_bytes(q, k), quick), rng)
+
     for i, (q, k, n_out) in enumerate(shapes):
         goal = "head" if default and i == len(GEMV_TYPES) else "dense"
+        ws = weights(q, k, n_out)
         for label, g in (gemv_paths(gpu, q, k) if paths else [("", gpu)]):
-            rows.append(_gemv_row(g, label, q, k, n_out, n_tok, goal, quick, rng))
-    if default:
-        q, k, n_out = (Q.Q4_K, 512, 64) if quick else HC_DOWN
-        for label, g in (gemv_paths(gpu, q, k) if paths else [("", gpu)]):
-            rows.append(_gemv_row(g, label, q, k, n_out, 1, "hc", quick, rng, serial=True))
-        for label, g in (gemv_paths(gpu, HC_MIX[0], HC_MIX[1]) if paths else [("", gpu)]):
-            rows.append(_hc_mix_row(g, label, quick, rng))
-    if sweep:
-        swept = ((Q.Q4_K, 256, 512), (Q.Q6_K, 256, 1024)) if quick else ((Q.Q4_K, *DENSE), (Q.Q6_K, *LM_HEAD))
-        for q, k, n_out in swept:
+            rows.append(_gemv_row(g, label, ws, n_tok, goal, quick, rng))
+        if (q, k, n_out) in swept:  # the sweep on the same weights
             for q8 in (False, True) if q8_possible(gpu.caps, q, k) else (False,):
-                widths = [TEAM_TPR_MIN << i for i in range((TEAM_WG // TEAM_TPR_MIN).bit_length())]
                 for tpr in (widths[0], widths[-1]) if quick else widths:
                     for m in (1, 2) if quick else (1, 2, 4):
                         plan = GemvPlan(tpr, m, q8)
-                        rows.append(_gemv_row(gpu, f"sweep {plan}", q, k, n_out, n_tok, "dense", quick, rng, plan))
+                        rows.append(_gemv_row(gpu, f"sweep {plan}", ws, n_tok, goal, quick, rng, plan))
+        del ws
+    for q, k, n_out in swept:
+        if (q, k, n_out) not in shapes:
+            ws = weights(q, k, n_out)
+            for q8 in (False, True) if q8_possible(gpu.caps, q, k) else (False,):
+                for tpr in (widths[0], widths[-1]) if quick else widths:
+                    for m in (1, 2) if quick else (1, 2, 4):
+                        plan = GemvPlan(tpr, m, q8)
+                        rows.append(_gemv_row(gpu, f"sweep {plan}", ws, n_tok, "dense", quick, rng, plan))
+    if default:
+        q, k, n_out = (Q.Q4_K, 512, 64) if quick else HC_DOWN
+        ws = weights(q, k, n_out)
+        for label, g in (gemv_paths(gpu, q, k) if paths else [("", gpu)]):
+            rows.append(_gemv_row(g, label, ws, 1, "hc", quick, rng, serial=True))
+        q, k, n_out = (Q.Q5_0, 64, HC * 64) if quick else HC_MIX
+        ws = weights(q, k, n_out)
+        for label, g in (gemv_paths(gpu, q, k) if paths else [("", gpu)]):
+            rows.append(_hc_mix_row(g, label, ws, quick, rng))
     return rows
 
 

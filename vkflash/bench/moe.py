@@ -63,9 +63,11 @@ def _routings(gpu: Gpu, T: int, s: Shape, rng: np.random.Generator) -> list[tupl
 
 
 def _routed_graph(gpu: Gpu, name: str, s: Shape, T: int, calls: int, compact: bool | None,
-                  rng: np.random.Generator, coopmat: bool | None = None) -> tuple[Graph, RoutedExperts]:
-    """A graph of `calls` routed-expert passes over one stack set, each with the next rotated routing."""
-    ex = _experts(gpu, s, rng)
+                  rng: np.random.Generator, coopmat: bool | None = None,
+                  ex: RoutedExperts | None = None) -> tuple[Graph, RoutedExperts]:
+    """A graph of `calls` routed-expert passes over one stack set (`ex`, or new random experts), each
+    with the next rotated routing."""
+    ex = ex or _experts(gpu, s, rng)
     x = Rows(gpu.upload(rng.standard_normal((T, s.d), dtype=np.float32), "bench.x"), T, s.d)
     h = Rows(gpu.buffer(4 * T * s.k * s.F, "bench.h"), T * s.k, s.F)
     ys = Rows(gpu.buffer(4 * T * s.k * s.d, "bench.ys"), T * s.k, s.d)
@@ -131,8 +133,9 @@ def expert_gemv_bandwidth(gpu: Gpu, T: int = 1, shape: Shape | None = None, quic
             if not any("(default)" in n for n, _ in variants):  # the options ask for q8: down cannot
                 variants = [(n, g) if n != "teams" else ("teams (default)", g) for n, g in variants]
     rows = []
+    ex = _experts(gpu, s, rng)  # one stack set timed on every path
     for label, gg in variants:
-        g, ex = _routed_graph(gg, "bench.moe_gemv", s, T, calls, None, rng)
+        g, _ = _routed_graph(gg, "bench.moe_gemv", s, T, calls, None, rng, ex=ex)
         # every (token, slot) pair streams its expert's gate, up and down rows
         nbytes = T * s.k * (2 * ex.gate.expert_bytes + ex.down.expert_bytes)
         sec = timed(g, 2 if quick else 20) / calls
