@@ -1,7 +1,8 @@
 // Integer-dot GEMV slices (llama.cpp's MMVQ idea): W's codes against an activation row quantized
 // to 8-bit blocks, 4 products per packed dot instruction (SPIR-V OpSDot, 4×8-bit packed; reached
 // through GL_EXT_spirv_intrinsics, which the PyPI glslang compiles).
-// Include after common/quant.glsl (QTYPE, QUANT_BINDING: the block arrays qw / qw4) once the
+// Include after common/quant.glsl (QTYPE, QUANT_BINDING, QUANT_FAST_CVT: the block arrays qw / qw4
+// and the word loads raw16 … of 2-byte-aligned blocks) once the
 // includer has declared the activation blocks of the row being multiplied:
 //   shared uvec4 xq4[];    xq4[v] = x_q[16v .. 16v+15] as int8, 4 per word (element 16v+4i+b in byte b of word i)
 //   shared uvec2 xmeta[];  xmeta[b] = (d_b as f32 bits, Σ x_q over elements 32b..32b+15 | Σ over 32b+16..32b+31 << 16, as int16)
@@ -72,18 +73,20 @@ float qslice_dot(QSlice r, uint u) {
 // 128n + 32j + l): ql bytes 64n + l (quarters 0, 2: low, high nibble) and 64n + 32 + l (quarters
 // 1, 3), qh bytes 32n + l (bits 2j, 2j+1), scales 8n + 2j + s%2, d.
 struct QSlice { uint la[4]; uint lb[4]; uint h[4]; ivec4 sc; float d; uint s; };
-QSlice qslice_fetch(uint S) {
+QSlice qslice_fetch(uint S) {  // 32-bit loads (common/quant.glsl raw16: the block is 2-byte aligned)
     QSlice r;
-    const uint ib = S >> 2, s = S & 3u, n = s >> 1, o = 8u * (s & 1u);
+    const uint s = S & 3u, n = s >> 1, l0 = 16u * (s & 1u);
+    const uint B = (S >> 2) * 210u;  // ql 0..127, qh 128..191, scales 192..207, d 208
     r.s = s;
+    const uvec4 la = raw16(B + 64u * n + l0), lb = raw16(B + 64u * n + 32u + l0), h = raw16(B + 128u + 32u * n + l0);
+    const uvec2 sw = raw8(B + 192u + 8u * n);  // scales 8n + 2k + s%2, k < 4
     [[unroll]] for (uint k = 0u; k < 4u; ++k) {
-        r.la[k] = uint(qw[ib].ql[32u * n + o + 2u * k]) | (uint(qw[ib].ql[32u * n + o + 2u * k + 1u]) << 16);
-        r.lb[k] = uint(qw[ib].ql[32u * n + 16u + o + 2u * k]) | (uint(qw[ib].ql[32u * n + 16u + o + 2u * k + 1u]) << 16);
-        r.h[k] = uint(qw[ib].qh[16u * n + o + 2u * k]) | (uint(qw[ib].qh[16u * n + o + 2u * k + 1u]) << 16);
-        const uint w = uint(qw[ib].scales[4u * n + k]);  // scales 8n + 2k, 8n + 2k + 1
-        r.sc[k] = (s & 1u) == 0u ? sbyte_lo(w) : sbyte_hi(w);
+        r.la[k] = la[k];
+        r.lb[k] = lb[k];
+        r.h[k] = h[k];
+        r.sc[k] = int(sw[k >> 1] << (24u - 8u * (2u * (k & 1u) + (s & 1u)))) >> 24;
     }
-    r.d = float(qw[ib].d);
+    r.d = unpackHalf2x16(raw_u16(B + 208u)).x;
     return r;
 }
 float qslice_dot(QSlice r, uint u) {
@@ -108,8 +111,10 @@ float qslice_dot(QSlice r, uint u) {
 struct QSlice { float d; uint q[8]; };
 QSlice qslice_fetch(uint S) {
     QSlice r;
-    r.d = float(qw[S].d);
-    [[unroll]] for (uint i = 0u; i < 8u; ++i) r.q[i] = uint(qw[S].qs[2u * i]) | (uint(qw[S].qs[2u * i + 1u]) << 16);
+    const uint b = S * 34u;
+    r.d = unpackHalf2x16(raw_u16(b)).x;
+    const uvec4 a = raw16(b + 2u), c = raw16(b + 18u);
+    [[unroll]] for (uint i = 0u; i < 4u; ++i) { r.q[i] = a[i]; r.q[i + 4u] = c[i]; }
     return r;
 }
 float qslice_dot(QSlice r, uint u) {
@@ -124,13 +129,16 @@ float qslice_dot(QSlice r, uint u) {
 struct QSlice { float d; uint qh; uint q[4]; };
 QSlice qslice_fetch(uint S) {
     QSlice r;
-    r.d = float(qw[S].d);
 #if QTYPE == GGML_TYPE_Q5_0
-    r.qh = uint(qw[S].qh[0]) | (uint(qw[S].qh[1]) << 16);
+    const uint b = S * 22u, qs = b + 6u;
+    r.qh = raw_u32(b + 2u);
 #else
+    const uint b = S * 18u, qs = b + 2u;
     r.qh = 0u;
 #endif
-    [[unroll]] for (uint i = 0u; i < 4u; ++i) r.q[i] = uint(qw[S].qs[2u * i]) | (uint(qw[S].qs[2u * i + 1u]) << 16);
+    r.d = unpackHalf2x16(raw_u16(b)).x;
+    const uvec4 a = raw16(qs);
+    [[unroll]] for (uint i = 0u; i < 4u; ++i) r.q[i] = a[i];
     return r;
 }
 float qslice_dot(QSlice r, uint u) {
