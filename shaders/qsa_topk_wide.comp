@@ -20,6 +20,7 @@
 // Spec: 1 LIST, 2 CELL.
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"
+#extension GL_KHR_shader_subgroup_shuffle : require
 
 layout(constant_id = 1) const uint LIST = 1;
 layout(constant_id = 2) const uint CELL = 0;
@@ -60,10 +61,16 @@ uint wg_exclusive_add(uint v, out uint total) {
     barrier();
     uint base = 0u;
     total = 0u;
-    for (uint s = 0u; s < gl_NumSubgroups; ++s) {
-        const uint x = scan_sg[s];
-        base += s < gl_SubgroupID ? x : 0u;
-        total += x;
+    if (gl_NumSubgroups <= gl_SubgroupSize) {  // one subgroup-wide scan of the totals (GPUs: 32 of 32)
+        const uint x = gl_SubgroupInvocationID < gl_NumSubgroups ? scan_sg[gl_SubgroupInvocationID] : 0u;
+        base = subgroupShuffle(subgroupExclusiveAdd(x), gl_SubgroupID);
+        total = subgroupAdd(x);
+    } else {
+        for (uint s = 0u; s < gl_NumSubgroups; ++s) {
+            const uint x = scan_sg[s];
+            base += s < gl_SubgroupID ? x : 0u;
+            total += x;
+        }
     }
     barrier();  // scan_sg is reused by the next scan
     return base + incl - v;

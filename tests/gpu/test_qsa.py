@@ -275,10 +275,18 @@ def test_gathered_prefill_attention(gpu, rng):
 
 @pytest.mark.parametrize("r,B,n_max", [(4, 16, 300), (4, 2048, 12000), (3, 12, 200)])
 @pytest.mark.parametrize("listing", [True, False])
-def test_select_wide_equals_previous(gpu, rng, r, B, n_max, listing):
+@pytest.mark.parametrize("wg", [0, 64], ids=["wg-device", "wg-64"])
+def test_select_wide_equals_previous(gpu, rng, monkeypatch, r, B, n_max, listing, wg):
     """qsa_topk_wide.comp (default) and qsa_topk.comp (VKFLASH_TOPK_WIDE=0) write the same cells and
-    gather params bit for bit, in both modes, with ties, -0.0 and the Flash-Next budget (B 2048, r 4)."""
+    gather params bit for bit, in both modes, with ties, -0.0 and the Flash-Next budget (B 2048, r 4);
+    also on a 64-invocation workgroup (32 histogram bins per invocation; on lavapipe its 8 subgroups
+    take the subgroup-wide scan of the subgroup totals that 1024-wide workgroups take on GPUs)."""
     from dataclasses import replace
+
+    from vkflash.gpu.registry import table
+
+    if wg:
+        monkeypatch.setitem(table(), "qsa_topk_wide", replace(table()["qsa_topk_wide"], local_size=wg))
 
     W = B + r - 1
     T = int(rng.integers(1, 4))
