@@ -12,6 +12,7 @@
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"
 #include "common/reduce.glsl"
+#extension GL_EXT_control_flow_attributes : require
 
 layout(constant_id = 1) const uint MAX_E = 512;
 layout(constant_id = 2) const bool RANK = true;
@@ -46,14 +47,21 @@ void main() {
         for (uint e = lid; e < p.E; e += wg) prob[e] = prob[e] / s;
         barrier();
         if (RANK) {
-            for (uint e = lid; e < p.E; e += wg) {
-                const float pe = prob[e];
-                uint rank = 0u;
-                for (uint f = 0u; f < p.E; ++f) {
-                    const float pf = prob[f];  // the same f in every lane: a broadcast read
-                    rank += (pf > pe || (pf == pe && f < e)) ? 1u : 0u;
+            for (uint e0 = lid; e0 < p.E; e0 += 2u * wg) {  // up to 2 experts per invocation per pass (E 512: all)
+                float pe[2];
+                uint rank[2];
+                [[unroll]] for (uint j = 0u; j < 2u; ++j) {
+                    pe[j] = e0 + j * wg < p.E ? prob[e0 + j * wg] : 2.0;  // 2: beaten by none, ranks unused
+                    rank[j] = 0u;
                 }
-                if (rank < p.k) { sel_id[rank] = e; sel_p[rank] = pe; }
+                for (uint f = 0u; f < p.E; ++f) {
+                    const float pf = prob[f];  // the same f in every lane: a broadcast read for 2 compares
+                    [[unroll]] for (uint j = 0u; j < 2u; ++j)
+                        rank[j] += (pf > pe[j] || (pf == pe[j] && f < e0 + j * wg)) ? 1u : 0u;
+                }
+                [[unroll]] for (uint j = 0u; j < 2u; ++j) {
+                    if (e0 + j * wg < p.E && rank[j] < p.k) { sel_id[rank[j]] = e0 + j * wg; sel_p[rank[j]] = pe[j]; }
+                }
             }
             barrier();
             if (lid == 0) {
