@@ -1,4 +1,4 @@
-"""Fused GEMV modes of mul_mat_vec.comp, made by the fusion pass, vs float64 NumPy and vs the plain
+"""Fused GEMV modes of the decode GEMVs (gemv.comp; mul_mat_vec.comp with VKFLASH_GEMV_TEAMS=0), made by the fusion pass, vs float64 NumPy and vs the plain
 dispatches they replace.
 
 Fusion.GLU: y = silu(W_gate x) ⊙ (W_up x) of a stacked [gate; up] weight. Fusion.HC_MIX: hc_pre,
