@@ -1,5 +1,5 @@
-"""Fused GEMV modes of the decode GEMVs (gemv.comp; mul_mat_vec.comp with VKFLASH_GEMV_TEAMS=0), made by the fusion pass, vs float64 NumPy and vs the plain
-dispatches they replace.
+"""Fused GEMV modes of the decode GEMVs (gemv.comp; mul_mat_vec.comp with VKFLASH_GEMV_TEAMS=0), made
+by the fusion pass, vs float64 NumPy and vs the plain dispatches they replace.
 
 Fusion.GLU: y = silu(W_gate x) ⊙ (W_up x) of a stacked [gate; up] weight. Fusion.HC_MIX: hc_pre,
 the W_up GEMV and hc_mix in one dispatch. Fusion.MOE_OUT: the shared expert's down GEMV with the
