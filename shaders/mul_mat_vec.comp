@@ -57,8 +57,7 @@ layout(constant_id = 5) const uint SG_MIN = 1;
 layout(constant_id = 6) const uint MODE = 0;
 layout(constant_id = 7) const uint HC = 1;      // MODE 2: hc streams stacked in W_up
 layout(constant_id = 8) const uint TOPK = 1;    // MODE 3: routed slots per token
-const uint MODE_PLAIN = 0u, MODE_GLU = 1u, MODE_HC = 2u, MODE_MOE = 3u;
-const uint NSTACK = MODE == MODE_GLU ? 2u : (MODE == MODE_HC ? HC : 1u);  // weight blocks per output row
+const uint NSTACK = MODE == 1u ? 2u : (MODE == 2u ? HC : 1u);  // weight blocks per output row (GLU: 2, HC: hc)
 const uint M = NDEC / NSTACK;                   // output rows of a workgroup (normal mode)
 
 shared float red[NDEC * (gl_WorkGroupSize.x / SG_MIN)];
@@ -70,29 +69,8 @@ float row_sum(uint i) {
     return s;
 }
 
-// Output (n, r) of the workgroup's output row i (block sums row_sum(c*M + i)), per MODE.
-void store(uint i, uint r, uint n) {
-    if (MODE == MODE_PLAIN) {
-        store_out(row_sum(i), r, n);
-    } else if (MODE == MODE_GLU) {
-        precise float v = silu(row_sum(i));
-        v *= row_sum(M + i);
-        y[p.y_off + n * p.y_stride + r] = v;
-    } else if (MODE == MODE_MOE) {
-        precise float v = 0.0;
-        for (uint j = 0u; j < TOPK; ++j) v += ys[p.ys_off + (n * TOPK + j) * p.y_stride + r];
-        v += sigmoid(gate[p.gate_off + n * p.gate_stride]) * row_sum(i);
-        y[p.y_off + n * p.y_stride + r] = v;
-    } else {
-        const uint xr = p.streams_off + n * p.streams_stride + r;
-        precise float u = 0.0;
-        for (uint c = 0u; c < HC; ++c) {
-            precise float gx = sigmoid(row_sum(c * M + i)) * streams[xr + c * p.n_out];
-            u = c == 0u ? gx : u + gx;
-        }
-        y[p.y_off + n * p.y_stride + r] = u * p.inv_hc;  // mean, not sum
-    }
-}
+#define MV_SUM(c) row_sum((c) * M + i)  // block c of output row i
+#include "common/mv_store.glsl"
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;

@@ -15,15 +15,16 @@ def _mesa_too_old(driver_info: str) -> bool:
 
 @pytest.fixture(scope="session")
 def gpu():
-    """The device, with scalar f32 GEMMs and flash attention: the reference tests hold MODEL.md's f32
-    bounds, which the coopmat kernels' f16 inputs do not; the coopmat tests turn them on themselves
-    (Gpu.with_options, or an explicit kernel choice)."""
+    """The device, with scalar f32 GEMMs, f32-activation GEMVs and the scalar flash kernel: the reference
+    tests hold MODEL.md's f32 bounds, which the coopmat kernels' f16 inputs and the integer-dot GEMVs'
+    8-bit activations (VKFLASH_GEMV_Q8) do not; their own tests turn them on (Gpu.with_options, or an
+    explicit kernel choice)."""
     from dataclasses import replace
 
     from vkflash.gpu.context import Gpu
     from vkflash.gpu.options import GpuOptions
 
-    g = Gpu(options=replace(GpuOptions.from_settings(), coopmat=False, fa_coopmat=False))
+    g = Gpu(options=replace(GpuOptions.from_settings(), coopmat=False, fa_coopmat=False, gemv_q8=False))
     if g.caps.driver == "llvmpipe" and _mesa_too_old(g.caps.driver_info):
         pytest.exit(f"lavapipe from {g.caps.driver_info} truncates shader loops at 65535 iterations and would "
                     "give wrong results; install Mesa from bookworm-backports (launcher/setup does)", returncode=2)

@@ -320,12 +320,17 @@ def verify_cmd(
 
 @bench_app.command("kernels")
 def bench_kernels(as_json: bool = typer.Option(False, "--json"),
-                  quick: bool = typer.Option(False, "--quick", help="small sizes (CI, lavapipe)")) -> None:
-    """Copy bandwidth, each kernel's GB/s against it, and graph replay cost."""
+                  quick: bool = typer.Option(False, "--quick", help="small sizes (CI, lavapipe)"),
+                  only: Optional[str] = typer.Option(None, "--only", help="comma-separated families, e.g. "
+                                                     "gemv,moe_gemv,select (default: all, with replay cost)"),
+                  sweep: bool = typer.Option(False, "--sweep",
+                                             help="also every GEMV team width × rows per team")) -> None:
+    """Copy bandwidth, each kernel's GB/s against it (and the issue's goal), and graph replay cost."""
     try:
         from vkflash.bench.kernels import run
 
-        run(quick=quick, as_json=as_json, console=console)
+        fams = tuple(f.strip() for f in only.split(",") if f.strip()) if only else ()
+        run(quick=quick, as_json=as_json, console=console, only=fams, sweep=sweep)
     except VkflashError as e:
         _fail(e)
 

@@ -161,6 +161,13 @@ KNOBS: tuple[Knob, ...] = (
        "revert"),
     _k("VKFLASH_GDN_MATRIX", _bool, True,
        "0: the scalar chunked GDN delta rule in prefill instead of its matrix form", "revert"),
+    _k("VKFLASH_GEMV_TEAMS", _bool, True,
+       "0: the previous decode GEMV (a 64/128-invocation workgroup per few rows) instead of row groups sized "
+       "from K with fewer decode instructions per byte (gemv.comp); routed-expert decode GEMVs likewise", "revert"),
+    _k("VKFLASH_TOPK_WIDE", _bool, True,
+       "0: the previous MoE router (k workgroup-argmax rounds) and QSA selection (8 radix passes with serial "
+       "bin scans) instead of one rank-counting pass and a 3-pass radix select over a 1024-wide workgroup",
+       "revert"),
     _k("VKFLASH_DEP_BARRIERS", _bool, True, "0: a barrier before every dispatch instead of only on real dependencies",
        "revert"),
     _k("VKFLASH_ATTN_DECODE", _bool, True,
@@ -183,6 +190,11 @@ KNOBS: tuple[Knob, ...] = (
        "`vkflash bench kernels` shows both)",
        "backend",
        "GGML_VK_DISABLE_COOPMAT"),
+    _k("VKFLASH_GEMV_Q8", _bool, False,
+       "1: decode GEMVs of Q4_0/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K weights quantize the activation to 8-bit blocks "
+       "(llama.cpp's q8 rounding, in the workgroup) and use packed integer dot products, where the device has "
+       "them; an accuracy trade: |Δy| ≤ Σ_k |W[r,k]|·amax_b(k)/254, ~1e-2 relative at worst; needs "
+       "VKFLASH_GEMV_TEAMS=1", "backend"),
     _k("VKFLASH_DISABLE_FUSION", _bool, False, "never use fused kernels", "backend", "GGML_VK_DISABLE_FUSION"),
     _k("VKFLASH_SPIN_WAIT", _choice("auto", "0", "1"), "auto",
        "1: poll the fence instead of sleeping in the driver (one core busy while the GPU runs; on the "

@@ -291,9 +291,42 @@ void dequant_group(uint G, out vec4 v[8]) {
 uvec2 slice_runs(uint u) { return uvec2(32u * u, 32u * u + 16u); }
 #endif
 
+#ifdef QUANT_FAST_CVT
+// The raw buffer as 32-bit words, for the block types that are only 2-byte aligned (Q8_0, Q4_0,
+// Q5_0, Q6_K): a run of bytes at an even byte offset b is read with 32-bit loads (one more word and
+// a 16-bit funnel shift where b is 2 mod 4) instead of one 16-bit load per 2 bytes: about half the
+// load instructions, each touching as many cache sectors.
+layout(std430, binding = QUANT_BINDING) readonly buffer QWU { uint qwu[]; };
+uint raw_u16(uint b) { return (qwu[b >> 2] >> (8u * (b & 2u))) & 0xFFFFu; }
+uint raw_u32(uint b) {  // b even
+    const uint w = b >> 2, lo = qwu[w];
+    return (b & 2u) == 0u ? lo : (lo >> 16) | (qwu[w + 1u] << 16);
+}
+uvec2 raw8(uint b) {  // 8 bytes at even b
+    const uint w = b >> 2;
+    const uvec2 lo = uvec2(qwu[w], qwu[w + 1u]);
+    if ((b & 2u) == 0u) return lo;
+    return uvec2((lo.x >> 16) | (lo.y << 16), (lo.y >> 16) | (qwu[w + 2u] << 16));
+}
+uvec4 raw16(uint b) {  // 16 bytes at even b
+    const uint w = b >> 2;
+    const uvec4 lo = uvec4(qwu[w], qwu[w + 1u], qwu[w + 2u], qwu[w + 3u]);
+    if ((b & 2u) == 0u) return lo;
+    return uvec4((lo.x >> 16) | (lo.y << 16), (lo.y >> 16) | (lo.z << 16), (lo.z >> 16) | (lo.w << 16),
+                 (lo.w >> 16) | (qwu[w + 4u] << 16));
+}
+#endif
+
 // ---- GEMV slices: raw words (slice_fetch), then Σ W·x (slice_dot) ----------------------------
 vec4 bits4(uint w, uint s, uint mask) {  // fields of `mask` at bit offsets s, s+8, s+16, s+24
+#ifdef QUANT_FAST_CVT
+    // 2^23 + field as f32 bits, minus 2^23: exact, and no int→float conversion (a quarter-rate
+    // instruction on NVIDIA; the GEMV decodes a few elements per byte read)
+    return uintBitsToFloat(uvec4((w >> s) & mask, (w >> (s + 8u)) & mask, (w >> (s + 16u)) & mask,
+                                 (w >> (s + 24u)) & mask) | 0x4B000000u) - 8388608.0;
+#else
     return vec4((w >> s) & mask, (w >> (s + 8u)) & mask, (w >> (s + 16u)) & mask, (w >> (s + 24u)) & mask);
+#endif
 }
 #if QTYPE == GGML_TYPE_F32
 struct Slice { vec4 w[8]; };
@@ -327,14 +360,25 @@ float slice_dot(Slice r, vec4 xg[8], vec2 xs) {
 struct Slice { float d; uint q[8]; };
 Slice slice_fetch(uint S) {
     Slice r;
+#ifdef QUANT_FAST_CVT
+    const uint b = S * 34u;
+    r.d = unpackHalf2x16(raw_u16(b)).x;
+    const uvec4 a = raw16(b + 2u), c = raw16(b + 18u);
+    for (uint i = 0u; i < 4u; ++i) { r.q[i] = a[i]; r.q[i + 4u] = c[i]; }
+#else
     r.d = float(qw[S].d);
     for (uint i = 0u; i < 8u; ++i) r.q[i] = uint(qw[S].qs[2u * i]) | (uint(qw[S].qs[2u * i + 1u]) << 16);
+#endif
     return r;
 }
 float slice_dot(Slice r, vec4 xg[8], vec2 xs) {
     float s = 0.0;
+#ifdef QUANT_FAST_CVT
+    for (uint i = 0u; i < 8u; ++i) s += dot(bits4(r.q[i] ^ 0x80808080u, 0u, 0xFFu) - 128.0, xg[i]);  // q + 128 ≥ 0
+#else
     for (uint i = 0u; i < 8u; ++i)
         s += dot(vec4(int(r.q[i] << 24) >> 24, int(r.q[i] << 16) >> 24, int(r.q[i] << 8) >> 24, int(r.q[i]) >> 24), xg[i]);
+#endif
     return r.d * s;
 }
 
@@ -342,6 +386,18 @@ float slice_dot(Slice r, vec4 xg[8], vec2 xs) {
 struct Slice { float d; uint qh; uint q[4]; };
 Slice slice_fetch(uint S) {
     Slice r;
+#ifdef QUANT_FAST_CVT
+#if QTYPE == GGML_TYPE_Q5_0
+    const uint b = S * 22u, qs = b + 6u;
+    r.qh = raw_u32(b + 2u);
+#else
+    const uint b = S * 18u, qs = b + 2u;
+    r.qh = 0u;
+#endif
+    r.d = unpackHalf2x16(raw_u16(b)).x;
+    const uvec4 a = raw16(qs);
+    for (uint i = 0u; i < 4u; ++i) r.q[i] = a[i];
+#else
     r.d = float(qw[S].d);
 #if QTYPE == GGML_TYPE_Q5_0
     r.qh = uint(qw[S].qh[0]) | (uint(qw[S].qh[1]) << 16);
@@ -349,16 +405,23 @@ Slice slice_fetch(uint S) {
     r.qh = 0u;
 #endif
     for (uint i = 0u; i < 4u; ++i) r.q[i] = uint(qw[S].qs[2u * i]) | (uint(qw[S].qs[2u * i + 1u]) << 16);
+#endif
     return r;
 }
 float slice_dot(Slice r, vec4 xg[8], vec2 xs) {
     float s = 0.0;
     for (uint i = 0u; i < 4u; ++i) {
         uint hl = r.qh >> (4u * i), hh = r.qh >> (4u * i + 16u);
+#if defined(QUANT_FAST_CVT)
+        // 5-bit codes assembled in the integer domain, 4 per word: bit j of a nibble → bit 8j
+        vec4 lo = bits4((r.q[i] & 0x0F0F0F0Fu) | (((hl & 15u) * 0x00204081u & 0x01010101u) << 4), 0u, 0xFFu);
+        vec4 hi = bits4(((r.q[i] >> 4) & 0x0F0F0F0Fu) | (((hh & 15u) * 0x00204081u & 0x01010101u) << 4), 0u, 0xFFu);
+#else
         vec4 lo = bits4(r.q[i], 0u, 15u), hi = bits4(r.q[i], 4u, 15u);
 #if QTYPE == GGML_TYPE_Q5_0
         lo += 16.0 * vec4(hl & 1u, (hl >> 1) & 1u, (hl >> 2) & 1u, (hl >> 3) & 1u);
         hi += 16.0 * vec4(hh & 1u, (hh >> 1) & 1u, (hh >> 2) & 1u, (hh >> 3) & 1u);
+#endif
 #endif
         s += dot(lo, xg[i]) + dot(hi, xg[i + 4u]);
     }
@@ -391,10 +454,15 @@ float slice_dot(Slice r, vec4 xg[8], vec2 xs) {
     vec2 sm0 = k_scale_min(r.hdr.yzw, g0), sm1 = k_scale_min(r.hdr.yzw, g0 + 1u);
     float s0 = 0.0, s1 = 0.0;
     for (uint k = 0u; k < 4u; ++k) {
+#if defined(QUANT_FAST_CVT) && QTYPE == GGML_TYPE_Q5_K
+        vec4 lo = bits4((r.q[k] & 0x0F0F0F0Fu) | (((r.qh[k] >> g0) & 0x01010101u) << 4), 0u, 0xFFu);
+        vec4 hi = bits4(((r.q[k] >> 4) & 0x0F0F0F0Fu) | (((r.qh[k] >> (g0 + 1u)) & 0x01010101u) << 4), 0u, 0xFFu);
+#else
         vec4 lo = bits4(r.q[k], 0u, 15u), hi = bits4(r.q[k], 4u, 15u);
 #if QTYPE == GGML_TYPE_Q5_K
         lo += 16.0 * bits4(r.qh[k], g0, 1u);
         hi += 16.0 * bits4(r.qh[k], g0 + 1u, 1u);
+#endif
 #endif
         s0 += dot(lo, xg[k]);
         s1 += dot(hi, xg[k + 4u]);
@@ -410,6 +478,15 @@ Slice slice_fetch(uint S) {
     uint ib = S >> 3, c = S & 7u, n = c >> 2, cc = c & 3u;
     r.c = c;
     uint slo = 8u * n + 2u * (cc >> 1) + (cc & 1u), shi = slo + 4u;
+#ifdef QUANT_FAST_CVT
+    const uint B = ib * 210u;  // ql 0..127, qh 128..191, scales 192..207, d 208
+    const uvec2 sw = raw8(B + 192u + 8u * n);  // scales 8n .. 8n+7: slo and shi = slo + 4 are in it
+    const uint ol = slo - 8u * n;
+    r.sc = vec2(int(sw[ol >> 2] << (24u - 8u * (ol & 3u))) >> 24, int(sw[1u] << (24u - 8u * (ol & 3u))) >> 24);
+    r.d = unpackHalf2x16(raw_u16(B + 208u)).x;
+    const uvec4 l = raw16(B + 64u * n + 16u * cc), h = raw16(B + 128u + 32u * n + 16u * (cc & 1u));
+    for (uint k = 0u; k < 4u; ++k) { r.l[k] = l[k]; r.h[k] = h[k]; }
+#else
     uint wlo = uint(qw[ib].scales[slo >> 1]), whi = uint(qw[ib].scales[shi >> 1]);
     r.sc = vec2((slo & 1u) == 0u ? sbyte_lo(wlo) : sbyte_hi(wlo), (shi & 1u) == 0u ? sbyte_lo(whi) : sbyte_hi(whi));
     r.d = float(qw[ib].d);
@@ -418,14 +495,20 @@ Slice slice_fetch(uint S) {
         r.l[k] = uint(qw[ib].ql[lb + 2u * k]) | (uint(qw[ib].ql[lb + 2u * k + 1u]) << 16);
         r.h[k] = uint(qw[ib].qh[hb + 2u * k]) | (uint(qw[ib].qh[hb + 2u * k + 1u]) << 16);
     }
+#endif
     return r;
 }
 float slice_dot(Slice r, vec4 xg[8], vec2 xs) {
     uint slo2 = 2u * ((r.c & 3u) >> 1), shi2 = slo2 + 4u;
     float s0 = 0.0, s1 = 0.0;
     for (uint k = 0u; k < 4u; ++k) {
+#ifdef QUANT_FAST_CVT
+        s0 += dot(bits4((r.l[k] & 0x0F0F0F0Fu) | (((r.h[k] >> slo2) & 0x03030303u) << 4), 0u, 0xFFu), xg[k]);
+        s1 += dot(bits4(((r.l[k] >> 4) & 0x0F0F0F0Fu) | (((r.h[k] >> shi2) & 0x03030303u) << 4), 0u, 0xFFu), xg[k + 4u]);
+#else
         s0 += dot(bits4(r.l[k], 0u, 15u) + 16.0 * bits4(r.h[k], slo2, 3u), xg[k]);
         s1 += dot(bits4(r.l[k], 4u, 15u) + 16.0 * bits4(r.h[k], shi2, 3u), xg[k + 4u]);
+#endif
     }
     return r.d * (r.sc.x * (s0 - 32.0 * xs.x) + r.sc.y * (s1 - 32.0 * xs.y));
 }

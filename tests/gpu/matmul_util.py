@@ -92,3 +92,34 @@ def tolerance(bound: np.ndarray, k: int, f16_inputs: bool) -> np.ndarray:
     A dropped 32-element group moves y by ~√32/k of Σ|W||x| — far above either bound."""
     rel = 2 * (k + 64) * U32 + (2 * U16 if f16_inputs else 0.0)
     return rel * bound + 1e-30
+
+
+def q8_steps(x: np.ndarray) -> np.ndarray:
+    """d of every element's 32-block when x (…, k) is quantized to 8 bits as llama.cpp does (amax/127), in f32."""
+    blocks = x.astype(np.float32).reshape(*x.shape[:-1], -1, 32)
+    d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
+    return np.broadcast_to(d, blocks.shape).reshape(x.shape)
+
+
+def q8_tolerance(p: Problem) -> np.ndarray:
+    """Bound on |gpu − x Wᵀ| for the integer-dot GEMV: the activation rounding Σ_k |W[r,k]|·d_b(k)/2
+    (x_q = roundf(x/d), so |x − d·x_q| ≤ d/2; 1e-3 relative slack for the f32 1/d), plus the f32
+    bound on the products with the rounded x (|d·x_q| ≤ |x| + d/2)."""
+    d = q8_steps(p.x).astype(np.float64)
+    aw = np.abs(p.wd)
+    half = (d / 2) @ aw.T
+    return half * (1 + 1e-3) + tolerance((np.abs(p.x) + d / 2) @ aw.T, p.x.shape[1], False)
+
+
+def q8_quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(x_q, d per element) as ggml's quantize_row_q8_0/q8_1 compute them in f32: d = amax/127,
+    x_q = roundf(x·(1/d)) (half away from zero; 0 where d = 0)."""
+    x = x.astype(np.float32)
+    d = q8_steps(x)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+    v = (x * inv).astype(np.float32)
+    a = np.abs(v)
+    f = np.floor(a)
+    q = np.sign(v) * (f + np.floor(2 * (a - f)))
+    return q.astype(np.float32), d

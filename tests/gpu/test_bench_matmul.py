@@ -4,17 +4,30 @@ from __future__ import annotations
 
 import pytest
 
-from vkflash.bench.matmul import gemm_tflops, gemv_bandwidth
+from vkflash.bench.matmul import GEMV_TYPES, gemm_tflops, gemv_bandwidth
 
 pytestmark = pytest.mark.gpu
 
 
 def test_bench_rows(gpu):
-    rows = gemv_bandwidth(gpu, quick=True) + gemm_tflops(gpu, quick=True)
-    assert [r["name"].split()[0] for r in rows[:6]] == ["gemv"] * 6
-    gemm = [r["name"] for r in rows[6:]]
+    gemv = gemv_bandwidth(gpu, quick=True)
+    rows = gemv + gemm_tflops(gpu, quick=True)
+    names = [r["name"] for r in gemv]
+    assert all(n.startswith("gemv ") for n in names), names
+    for t in ("q4_k", "q5_k", "q6_k", "q8_0", "iq4_xs", "f16", "bf16", "hc_mix q5_0"):
+        assert f"gemv {t} legacy" in names and f"gemv {t} teams (default)" in names, (t, names)
+    assert sum("(default)" in n for n in names) == len(GEMV_TYPES) + 3  # + LM head, HC down, HC mix
+    assert [r["goal"] for r in gemv if r["name"] == "gemv q6_k teams (default)"][1] == 0.75
+    gemm = [r["name"] for r in rows[len(gemv):]]
     assert gemm[0] == "gemm f16 scalar" and "gemm q4_k scalar" in gemm, gemm
     assert all(n.startswith(("gemm f16 ", "gemm q4_k ")) for n in gemm), gemm
     for r in rows:
         rate = r.get("GB/s", r.get("TFLOP/s"))
         assert r["seconds"] > 0 and rate > 0, r
+
+
+def test_gemv_sweep(gpu):
+    """--sweep: every team width × rows per team of the row-group GEMV (q8 too where possible)."""
+    rows = [r for r in gemv_bandwidth(gpu, shapes=[], quick=True, sweep=True)]
+    assert rows and all(r["name"].startswith(("gemv q4_k sweep tpr=", "gemv q6_k sweep tpr=")) for r in rows)
+    assert all(r["GB/s"] > 0 for r in rows)

@@ -1,5 +1,5 @@
-"""Fused GEMV modes of mul_mat_vec.comp, made by the fusion pass, vs float64 NumPy and vs the plain
-dispatches they replace.
+"""Fused GEMV modes of the decode GEMVs (gemv.comp; mul_mat_vec.comp with VKFLASH_GEMV_TEAMS=0), made
+by the fusion pass, vs float64 NumPy and vs the plain dispatches they replace.
 
 Fusion.GLU: y = silu(W_gate x) ⊙ (W_up x) of a stacked [gate; up] weight. Fusion.HC_MIX: hc_pre,
 the W_up GEMV and hc_mix in one dispatch. Fusion.MOE_OUT: the shared expert's down GEMV with the
@@ -179,7 +179,7 @@ def test_hc_mix_gemv(gpu, rng, q, hc):
         hc_mix(g, gpre, xv, u, hc)
         assert len(g.ops) == (1 if fused else 3)
         if fused:
-            assert g.ops[0].kernel.name.startswith("mul_mat_vec_"), "fused HC mix: one GEMV dispatch"
+            assert g.ops[0].kernel.name.startswith(("gemv_", "mul_mat_vec_")), "fused HC mix: one GEMV dispatch"
         g.run()
         out[fused] = read_view(u)
         assert outside_untouched(u), f"fused={fused}: writes outside the output view"
@@ -252,3 +252,68 @@ def test_moe_out(gpu, rng, q):
     bound = (np.abs(h).astype(np.float64) @ np.abs(dequant_rows(raw, q, d, K)).T) * K * U32 * 2 \
         + np.abs(ys).reshape(T, k, d).sum(1) * (k + 2) * U32 + np.abs(acc) * 20 * U32
     assert np.all(np.abs(out[True] - want) <= bound)
+
+
+@pytest.mark.parametrize("teams,q8", [(True, True), (False, False)], ids=["q8", "legacy"])
+def test_fused_modes_other_gemvs(gpu, rng, teams, q8):
+    """The fused modes on the integer-dot GEMV (VKFLASH_GEMV_Q8=1) and on the previous one
+    (VKFLASH_GEMV_TEAMS=0) equal their plain paths bit for bit: GLU (Q4_K), HC mix (Q8_0), MoE out (Q6_K)."""
+    from dataclasses import replace
+
+    from vkflash.gpu.ops.matmul import q8_possible
+    from vkflash.gpu.ops.moe import moe_combine
+
+    if q8 and not q8_possible(gpu.caps, Q.Q4_K, 512):
+        pytest.skip(f"{gpu.caps.name}: no integer dot product")
+
+    def opts(*off: Fusion) -> GpuOptions:
+        return replace(GpuOptions().without(*off), gemv_teams=teams, gemv_q8=q8)
+
+    kern = "gemv_q8_" if q8 else "mul_mat_vec_"
+    T = int(rng.integers(1, GEMV_MAX_COLS + 1))
+    # GLU
+    F, k = 2 * int(rng.integers(1, 20)) + 1, 512
+    p = make_problem(gpu, Q.Q4_K, 2 * F, k, T, rng)
+    ys = {}
+    for fused in (True, False):
+        ys[fused] = _glu_out(gpu, rng, T, F, f"glu{fused}")
+        g = Graph(gpu, "glu", options=opts() if fused else opts(Fusion.GLU, Fusion.EPILOGUE))
+        _glu_ops(g, p.w, p.xv, ys[fused])
+        assert g.ops[0].kernel.name.startswith(kern), g.ops[0].kernel.name
+        g.run()
+    assert np.array_equal(read_view(ys[True]), read_view(ys[False])), "GLU: fused != plain"
+    # HC mix
+    hc, d, lr = 4, int(rng.integers(1, 40)), 320
+    w = QWeight(gpu.upload(random_weight(Q.Q8_0, hc * d, lr, rng), "w_up"), int(Q.Q8_0), lr, hc * d)
+    ev = _place(gpu, rng, (rng.standard_normal((T, lr)) * 6).astype(np.float32), "ell_pre", align=4)
+    xv = _place(gpu, rng, (rng.standard_normal((T, hc * d)) * 2).astype(np.float32), "X")
+    out = {}
+    for fused in (True, False):
+        u = _out(gpu, rng, T, d, f"u.{fused}")
+        g = Graph(gpu, "hc", options=opts() if fused else opts(Fusion.HC_MIX))
+        ell, gpre = g.tensor(T, lr, "ell"), g.tensor(T, hc * d, "gpre")
+        hc_pre(g, ev, ell, hc)
+        matmul(g, w, ell, gpre)
+        hc_mix(g, gpre, xv, u, hc)
+        g.run()
+        out[fused] = read_view(u)
+    assert np.array_equal(out[True], out[False]), "HC mix: fused != plain"
+    # MoE out
+    kk, dd, K = 3, int(rng.integers(1, 40)) * 2 + 1, 512
+    W = QWeight(gpu.upload(random_weight(Q.Q6_K, dd, K, rng), "w_ds"), int(Q.Q6_K), K, dd)
+    hv = _place(gpu, rng, rng.standard_normal((T, K)).astype(np.float32), "h", align=4)
+    gv = _place(gpu, rng, rng.standard_normal((T, 1)).astype(np.float32), "g")
+    stride = dd + int(rng.integers(0, 3))
+    ys_data = rng.standard_normal((T * kk, stride)).astype(np.float32)
+    out = {}
+    for fused in (True, False):
+        f = _out(gpu, rng, T, dd, "f", stride=stride)
+        ysv = Rows(gpu.upload(ys_data, "ys"), T * kk, dd, 0, stride)
+        g = Graph(gpu, "moe", options=opts() if fused else opts(Fusion.MOE_OUT))
+        sh = g.tensor(T, dd, "shared")
+        matmul(g, W, hv, sh)
+        moe_combine(g, ysv, f, kk, shared=sh, gate=gv)
+        assert len(g.ops) == (1 if fused else 2)
+        g.run()
+        out[fused] = read_view(f)
+    assert np.array_equal(out[True], out[False]), "MoE out: fused != plain"

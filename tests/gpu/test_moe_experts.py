@@ -168,3 +168,90 @@ def test_validation(gpu, rng):
     with pytest.raises(ValueError, match="come together"):
         moe_combine(g, ys, Rows(gpu.buffer(4 * T * d), T, d), k, shared=Rows(gpu.buffer(4 * T * d), T, d))
     assert not g.ops
+
+
+def _decode_pass(gpu, rng, mode, ex, x: np.ndarray, ids: np.ndarray, wts: np.ndarray | None, plan=None):
+    """One expert_gemv pass on a fresh poisoned output; returns the output rows (T·k × n_out)."""
+    from vkflash.gpu.ops.moe import expert_gemv
+
+    T, k = ids.shape
+    w = ex.fused.down if mode == Mode.DOWN else ex.fused.gate
+    xv = rows_view(gpu, x, rng, "x")
+    iv = rows_view(gpu, ids, rng, "ids", pad4=False)
+    wv = rows_view(gpu, wts, rng, "wts", pad4=False) if wts is not None else None
+    y = poisoned(gpu, T * k, w.n_out, rng, "y")
+    g = gpu.graph("pass")
+    expert_gemv(g, iv, mode, w, xv, y, wts=wv, w2=ex.fused.up if mode == Mode.GATE_UP else None, plan=plan)
+    g.run()
+    return read_rows(y), g.ops[0].kernel.name
+
+
+def _q8_step(a: np.ndarray) -> np.ndarray:
+    from matmul_util import q8_steps
+
+    return q8_steps(a).astype(np.float64)
+
+
+@pytest.mark.parametrize("q_gu,q_down", [(Q.Q4_K, Q.Q5_0), (Q.Q6_K, Q.Q8_0), (Q.Q5_K, Q.Q4_0)],
+                         ids=lambda q: q.name)
+def test_gemv_q8_passes(gpu, rng, q_gu, q_down):
+    """VKFLASH_GEMV_Q8: the fused gate/up pass and the down pass on 8-bit activations, each within its
+    bound of float64: gate and up move by Σ|W|·d/2 (d = the x block's amax/127), carried through silu
+    (|silu'| ≤ 1.1) and the product; down by w·Σ|W_d|·d_h/2; plus the f32 bounds."""
+    from dataclasses import replace
+
+    from vkflash.gpu.ops.matmul import q8_possible
+
+    E, k, T = 13, 4, int(rng.integers(1, DECODE_MAX_T + 1))
+    d, F = 256, 32 * int(rng.integers(2, 9))
+    if not (q8_possible(gpu.caps, q_gu, d) and q8_possible(gpu.caps, q_down, F)):
+        pytest.skip(f"{gpu.caps.name}: no integer dot product")
+    g8 = gpu.with_options(replace(gpu.options, gemv_teams=True, gemv_q8=True))
+    ex = experts(g8, q_gu, q_down, E, d, F, rng)
+    x = rng.standard_normal((T, d), dtype=np.float32)
+    ids, wts = routing(T, k, E, rng)
+    got, name = _decode_pass(g8, rng, Mode.GATE_UP, ex, x, ids, None)
+    assert name == f"gemv_id_q8_{q_gu.name.lower()}"
+    x64, dx = x.astype(np.float64), _q8_step(x)
+    for a in range(T * k):
+        t, e = a // k, ids[a // k, a % k]
+        g_, u = ex.gate[e] @ x64[t], ex.up[e] @ x64[t]
+        s = g_ / (1 + np.exp(-g_))
+        dg = (np.abs(ex.gate[e]) @ (dx[t] / 2)) * 1.001 + tol(np.abs(ex.gate[e]) @ (np.abs(x64[t]) + dx[t]), d)
+        du = (np.abs(ex.up[e]) @ (dx[t] / 2)) * 1.001 + tol(np.abs(ex.up[e]) @ (np.abs(x64[t]) + dx[t]), d)
+        lim = 1.1 * dg * (np.abs(u) + du) + np.abs(s) * du + tol(np.abs(s * u), 64)
+        _check(got[a], s * u, lim, f"gate_up pair {a}")
+    h = got.astype(np.float32)  # the down pass reads the GPU's h
+    got, name = _decode_pass(g8, rng, Mode.DOWN, ex, h, ids, wts)
+    assert name == f"gemv_id_q8_{q_down.name.lower()}"
+    h64, dh = h.astype(np.float64), _q8_step(h)
+    for a in range(T * k):
+        wt, e = wts[a // k, a % k], ids[a // k, a % k]
+        want = wt * (ex.down[e] @ h64[a])
+        lim = wt * ((np.abs(ex.down[e]) @ (dh[a] / 2)) * 1.001 + tol(np.abs(ex.down[e]) @ (np.abs(h64[a]) + dh[a]), F))
+        _check(got[a], want, lim + 1e-30, f"down pair {a}")
+
+
+@pytest.mark.parametrize("teams", [False, True], ids=["legacy", "teams"])
+def test_gemv_paths(gpu, rng, teams):
+    """The routed decode on mul_mat_id_vec.comp (VKFLASH_GEMV_TEAMS=0) and on gemv_id.comp at explicit
+    team widths (narrower and wider than a subgroup), all vs float64."""
+    from dataclasses import replace
+
+    from vkflash.gpu.ops.matmul import GemvPlan
+
+    E, k, T = 13, 4, int(rng.integers(1, DECODE_MAX_T + 1))
+    d, F = 256, 32 * int(rng.integers(2, 9))
+    gg = gpu.with_options(replace(gpu.options, gemv_teams=teams, gemv_q8=False))
+    ex = experts(gg, Q.Q4_K, Q.Q5_0, E, d, F, rng)
+    x = rng.standard_normal((T, d), dtype=np.float32)
+    ids, wts = routing(T, k, E, rng)
+    want, bound = routed_reference(x, ids, wts, ex)
+    if not teams:
+        _check(_run(gg, rng, ex, ex.fused, x, ids, wts, d, F), want, tol(bound, max(d, F)), "legacy")
+        return
+    for plan in (GemvPlan(8, 1), GemvPlan(16, 2), GemvPlan(128, 1)):
+        h, name = _decode_pass(gg, rng, Mode.GATE_UP, ex, x, ids, None, plan)
+        assert name == "gemv_id_q4_k"
+        got, _ = _decode_pass(gg, rng, Mode.DOWN, ex, h.astype(np.float32), ids, wts, plan)
+        _check(got, want, tol(bound, max(d, F)), f"plan {plan}")

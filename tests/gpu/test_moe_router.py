@@ -96,3 +96,25 @@ def test_validation(gpu):
     with pytest.raises(ValueError, match="overlaps the logits"):
         moe_router(g, Rows(z, 2, 16), Rows(z, 2, 4, 20), Rows(o, 2, 4), 4)
     assert not g.ops
+
+
+@pytest.mark.parametrize("E,k", [(512, 10), (16, 4), (64, 64)])
+def test_rank_and_rounds_agree(gpu, rng, E, k):
+    """The one-pass rank selection (default) and the k argmax rounds (VKFLASH_TOPK_WIDE=0) give the same
+    ids and the same weights bit for bit, ties included."""
+    from dataclasses import replace
+
+    T = int(rng.integers(1, 9))
+    z = _logits(rng, T, E, k)
+    z[0, : E // 2] = z[0, 0]  # a long run of equal logits
+    out = {}
+    for wide in (True, False):
+        g = gpu.with_options(replace(gpu.options, topk_wide=wide)).graph("router")
+        zb, ib, wb = gpu.upload(z), gpu.buffer(4 * T * k), gpu.buffer(4 * T * k)
+        moe_router(g, Rows(zb, T, E), Rows(ib, T, k), Rows(wb, T, k), k)
+        assert g.ops[0].desc.endswith("rank" if wide else "rounds")
+        g.run()
+        out[wide] = (ib.read(np.int32).reshape(T, k), wb.read(np.float32).reshape(T, k))
+    np.testing.assert_array_equal(out[True][0], out[False][0])
+    np.testing.assert_array_equal(out[True][1], out[False][1])
+    np.testing.assert_array_equal(out[True][0], _reference(z, k)[0])

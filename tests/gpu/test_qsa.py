@@ -298,3 +298,50 @@ def test_gathered_prefill_attention(gpu, rng, monkeypatch, path):
     cm = kind is Flash.COOPMAT
     check_out(got["one"], q, Kf[:n], Vf[:n], sel, 1 / np.sqrt(Dh), gate, cm, f"{label} gathered")
     check_out(got["dense"], q, Kf[:n], Vf[:n], sel, 1 / np.sqrt(Dh), gate, cm, f"{label} masked dense")
+
+
+@pytest.mark.parametrize("r,B,n_max", [(4, 16, 300), (4, 2048, 12000), (3, 12, 200)])
+@pytest.mark.parametrize("listing", [True, False])
+@pytest.mark.parametrize("wg", [0, 64], ids=["wg-device", "wg-64"])
+def test_select_wide_equals_previous(gpu, rng, monkeypatch, r, B, n_max, listing, wg):
+    """qsa_topk_wide.comp (default) and qsa_topk.comp (VKFLASH_TOPK_WIDE=0) write the same cells and
+    gather params bit for bit, in both modes, with ties, -0.0 and the Flash-Next budget (B 2048, r 4);
+    also on a 64-invocation workgroup (32 histogram bins per invocation; on lavapipe its 8 subgroups
+    take the subgroup-wide scan of the subgroup totals that 1024-wide workgroups take on GPUs)."""
+    from dataclasses import replace
+
+    from vkflash.gpu.registry import table
+
+    if wg:
+        monkeypatch.setitem(table(), "qsa_topk_wide", replace(table()["qsa_topk_wide"], local_size=wg))
+
+    W = B + r - 1
+    T = int(rng.integers(1, 4))
+    p0 = int(rng.integers(max(0, W - 3 - T), n_max - T))
+    n = p0 + T
+    nb_cap = n // r + 2
+    scores = rng.integers(0, 40, (T, nb_cap)).astype(np.float32) * np.float32(rng.uniform(0.5, 2))
+    scores[rng.random((T, nb_cap)) < 0.2] = -0.0
+    scores[:, : nb_cap // 3] *= np.float32(rng.uniform(0.9, 1.1, nb_cap // 3))  # distinct values too
+    params = gpu.upload(np.array([p0, n], np.int32), "params")
+    sv = Rows(gpu.upload(scores, "s"), T, nb_cap)
+    cols = W + 2 if listing else -(-n // 32) + 1
+    got = {}
+    for mode in ("block", "cell"):
+        for wide in (True, False):
+            obuf, gp = gpu.buffer(4 * T * cols, "sel"), gpu.buffer(4 * (2 * T + 1), "gp")
+            obuf.fill(0xDEADBEEF, np.uint32)
+            g = gpu.with_options(replace(gpu.options, topk_wide=wide)).graph("select")
+            qsa_select(g, params, 0, sv, Rows(obuf, T, cols), r=r, B=B, cell=mode == "cell",
+                       gather_params=gp if listing else None, gp_off=1)
+            assert g.ops[0].kernel.name == ("qsa_topk_wide" if wide else "qsa_topk")
+            g.run()
+            got[mode, wide] = (obuf.read(np.uint32), gp.read(np.int32) if listing else None)
+        a, b = got[mode, True], got[mode, False]
+        assert np.array_equal(a[0], b[0]), f"{mode}: cells differ (p0={p0}, T={T}, nb={n // r})"
+        if listing:
+            assert np.array_equal(a[1], b[1]), f"{mode}: gather params differ"
+        t = T - 1
+        want = select_cells(p0 + t, np.abs(scores[t, : (p0 + t + 1) // r]).astype(np.float64), r, B, mode, "index")
+        if listing:
+            assert np.array_equal(a[0].reshape(T, cols)[t, : len(want)], want), f"{mode}: differs from the reference"

@@ -89,6 +89,12 @@ def test_rows_match_oracle_and_decode_equals_prefill(N, hg, V):
         assert len(hist) == min(N - 1, i + len(seq[i:i + n]))
         i += n
     np.testing.assert_array_equal(np.concatenate(parts), want)
+    # token by token through the decode path's Python-int hash (ple_row_one)
+    hist, one = np.zeros(0, np.int64), []
+    for t in seq:
+        one.append(ph.ple_row_one(int(t), hist, hp))
+        hist = ph.next_history(hist, np.array([t]), hp)
+    np.testing.assert_array_equal(np.array(one, np.int64), want)
 
 
 def test_eos_current_token_does_not_cut_itself():

@@ -33,6 +33,7 @@ class Row:
     rate: float  # GB/s or TFLOP/s
     unit: str
     vs_copy: float | None = None  # rate ÷ copy bandwidth (GB/s rows only)
+    goal: float | None = None  # the issue's goal for vs_copy (on the H200), where it sets one
 
 
 WARMUP_S = 0.2
@@ -139,11 +140,14 @@ def raw_kp(gpu: Gpu, pythonpath: str | None) -> list[dict]:
     return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
 
 
-def kernel_rows(gpu: Gpu, quick: bool) -> list[Row]:
-    """GB/s of each bandwidth-bound kernel family that is registered (filled as families land)."""
+def kernel_rows(gpu: Gpu, quick: bool, only: tuple[str, ...] = (), sweep: bool = False) -> list[Row]:
+    """GB/s of each bandwidth-bound kernel family that is registered (filled as families land);
+    `only`: the families named (KERNEL_BENCHES keys), sweep: the GEMV plan sweep too."""
     rows: list[Row] = []
-    for bench in KERNEL_BENCHES:
-        rows += bench(gpu, quick)
+    for name, bench in KERNEL_BENCHES.items():
+        if only and name not in only:
+            continue
+        rows += bench(gpu, quick, sweep) if name == "gemv" else bench(gpu, quick)
     return rows
 
 
@@ -185,26 +189,37 @@ def elementwise_rows(gpu: Gpu, quick: bool) -> list[Row]:
 
 
 def _rows(results: list[dict], unit: str) -> list[Row]:
-    """Bench result dicts (name, shape, seconds, `unit`) as table rows."""
-    return [Row(r["name"], r["shape"], r["seconds"] * 1e6, r[unit], unit) for r in results]
+    """Bench result dicts (name, shape, seconds, `unit`, optional goal) as table rows."""
+    return [Row(r["name"], r["shape"], r["seconds"] * 1e6, r[unit], unit, goal=r.get("goal")) for r in results]
 
 
-def matmul_rows(gpu: Gpu, quick: bool) -> list[Row]:
-    """Decode GEMV weight GB/s (dense Flash-Next shapes, Q6_K LM head) and prefill GEMM TFLOP/s."""
+def gemv_rows(gpu: Gpu, quick: bool, sweep: bool = False) -> list[Row]:
+    """Decode GEMV weight GB/s on each path (dense Flash-Next shapes, Q6_K LM head, HC down and mix)."""
     from vkflash.bench import matmul
 
     small = quick or gpu.caps.device_type == "cpu"
-    return (_rows(matmul.gemv_bandwidth(gpu, quick=small), "GB/s")
-            + _rows(matmul.gemm_tflops(gpu, quick=small), "TFLOP/s"))
+    return _rows(matmul.gemv_bandwidth(gpu, quick=small, sweep=sweep), "GB/s")
 
 
-def moe_rows(gpu: Gpu, quick: bool) -> list[Row]:
-    """Routed-expert GEMM TFLOP/s (compact vs plain grid) and routed decode GEMV weight GB/s."""
+def gemm_rows(gpu: Gpu, quick: bool) -> list[Row]:
+    """Prefill GEMM TFLOP/s (scalar and coopmat tiles)."""
+    from vkflash.bench import matmul
+
+    return _rows(matmul.gemm_tflops(gpu, quick=quick or gpu.caps.device_type == "cpu"), "TFLOP/s")
+
+
+def moe_gemm_rows(gpu: Gpu, quick: bool) -> list[Row]:
+    """Routed-expert GEMM TFLOP/s (compact vs plain grid)."""
     from vkflash.bench import moe
 
-    small = quick or gpu.caps.device_type == "cpu"
-    return (_rows(moe.expert_gemm_tflops(gpu, quick=small), "TFLOP/s")
-            + _rows(moe.expert_gemv_bandwidth(gpu, quick=small), "GB/s"))
+    return _rows(moe.expert_gemm_tflops(gpu, quick=quick or gpu.caps.device_type == "cpu"), "TFLOP/s")
+
+
+def moe_gemv_rows(gpu: Gpu, quick: bool) -> list[Row]:
+    """Routed decode GEMV weight GB/s on each path."""
+    from vkflash.bench import moe
+
+    return _rows(moe.expert_gemv_bandwidth(gpu, quick=quick or gpu.caps.device_type == "cpu"), "GB/s")
 
 
 def gdn_delta_rows(gpu: Gpu, quick: bool) -> list[Row]:
@@ -258,35 +273,98 @@ def attention_prefill_rows(gpu: Gpu, quick: bool) -> list[Row]:
     return _rows(ap.prefill_tflops(gpu, quick=small) + ap.qsa_prefill(gpu, quick=small), "TFLOP/s")
 
 
-KERNEL_BENCHES: list[Callable[[Gpu, bool], list[Row]]] = [elementwise_rows, matmul_rows, moe_rows, gdn_delta_rows,
-                                                              attention_rows, attention_prefill_rows]
+SELECT_GOAL_US = 15.0  # the issue's goal for the MoE router and the QSA selection per decode token (H200, 32k)
 
 
-def run(quick: bool, as_json: bool, console: Console) -> None:
+def _latency(name: str, shape: str, g: Graph, n_calls: int, reps: int) -> Row:
+    """µs per call of a graph of n_calls dependent calls (one output: a barrier between them, as in decode)."""
+    s = timed(g, reps) / n_calls
+    return Row(name, shape, s * 1e6, s * 1e6, "µs", goal=SELECT_GOAL_US)
+
+
+def selection_rows(gpu: Gpu, quick: bool) -> list[Row]:
+    """The decode token's MoE router (E 512, k 10) and QSA selection (B 2048, r 4 at a 32k context:
+    8192 blocks, kb 512, cell list) on the default and the previous kernels (VKFLASH_TOPK_WIDE), µs per
+    call against the issue's ≤ 15 µs."""
+    from vkflash.gpu.ops.moe import moe_router
+    from vkflash.gpu.ops.qsa import qsa_select
+    from vkflash.gpu.ops.views import Rows
+
+    small = quick or gpu.caps.device_type == "cpu"
+    rng = np.random.default_rng()
+    calls, reps = (4, 2) if small else (64, 20)
+    E, k = 512, 10
+    ctx, r, B = (4096, 4, 256) if small else (32768, 4, 2048)
+    nb = ctx // r
+    out = []
+    for wide in (True, False):
+        gg = gpu.with_options(replace(gpu.options, topk_wide=wide))
+        tag = "" if wide == gpu.options.topk_wide else " (VKFLASH_TOPK_WIDE=" + ("1)" if wide else "0)")
+        zs = [gpu.upload(rng.standard_normal(E).astype(np.float32), f"z{i}") for i in range(3)]
+        ids, w = gpu.buffer(4 * k, "ids"), gpu.buffer(4 * k, "w")
+        g = gg.graph("bench.router")
+        for i in range(calls):
+            moe_router(g, Rows(zs[i % 3], 1, E), Rows(ids, 1, k), Rows(w, 1, k), k)
+        out.append(_latency(f"moe_router{tag}", f"E={E} k={k} T=1 {g.ops[0].desc.split()[-1]} serial", g, calls,
+                            reps))
+        params = gpu.upload(np.array([ctx - 1, ctx], np.int32), "params")
+        ss = [gpu.upload(np.maximum(rng.standard_normal(nb + 1), 0).astype(np.float32), f"s{i}") for i in range(3)]
+        cells, gp = gpu.buffer(4 * (B + r), "cells"), gpu.buffer(8, "gp")
+        g = gg.graph("bench.qsa_select")
+        for i in range(calls):
+            qsa_select(g, params, 0, Rows(ss[i % 3], 1, nb + 1), Rows(cells, 1, B + r - 1), r=r, B=B,
+                       gather_params=gp)
+        out.append(_latency(f"{g.ops[0].kernel.name}{tag}", f"ctx={ctx} r={r} B={B} T=1 list serial", g, calls,
+                            reps))
+    return out
+
+
+KERNEL_BENCHES: dict[str, Callable[..., list[Row]]] = {
+    "eltwise": elementwise_rows, "gemv": gemv_rows, "gemm": gemm_rows, "moe_gemm": moe_gemm_rows,
+    "moe_gemv": moe_gemv_rows, "select": selection_rows, "gdn": gdn_delta_rows, "attn_decode": attention_rows,
+    "attn_prefill": attention_prefill_rows}
+"""Kernel families of `vkflash bench kernels`, by the names --only takes."""
+
+
+def run(quick: bool, as_json: bool, console: Console, only: tuple[str, ...] = (), sweep: bool = False) -> None:
+    unknown = set(only) - set(KERNEL_BENCHES)
+    if unknown:
+        from vkflash.errors import ConfigError
+
+        raise ConfigError(f"--only: unknown families {sorted(unknown)} (have {', '.join(KERNEL_BENCHES)})")
     gpu = Gpu()
     nbytes = (32 << 20) if quick or gpu.caps.device_type == "cpu" else (1 << 30)
     copy = copy_bandwidth(gpu, nbytes, reps=5 if quick else 50)
     rows = [copy]
-    for r in kernel_rows(gpu, quick):
+    for r in kernel_rows(gpu, quick, only, sweep):
         if r.unit == "GB/s":
             r.vs_copy = r.rate / copy.rate
         rows.append(r)
-    for n in (1, 100, 1000):
-        rows += replay_cost(gpu, n)
+    if not only:
+        for n in (1, 100, 1000):
+            rows += replay_cost(gpu, n)
     stock = str(Path(__file__).resolve().parents[2] / "build" / "kp-stock" / "out")  # launcher/build_kp.py --stock
-    raw = {"patched": raw_kp(gpu, None)}
-    if Path(stock).exists():
+    raw = {"patched": raw_kp(gpu, None)} if not only else {}
+    if Path(stock).exists() and not only:
         raw["stock"] = raw_kp(gpu, stock)
     if as_json:
         print(json.dumps({"device": gpu.caps.name, "rows": [asdict(r) for r in rows], "raw_kp": raw}, indent=1))
         return
     t = Table(title=f"vkflash bench kernels — {gpu.caps.name} ({gpu.caps.driver})")
-    for c in ("kernel", "shape", "µs/call", "rate", "unit", "÷ copy"):
+    for c in ("kernel", "shape", "µs/call", "rate", "unit", "÷ copy", "goal"):
         t.add_column(c)
     for r in rows:
+        if r.goal is None:
+            goal = ""
+        elif r.unit == "µs":
+            goal = f"≤ {r.goal:g} µs" + (" ok" if r.us <= r.goal else " above")
+        else:
+            goal = f"≥ {r.goal:.2f}" + ("" if r.vs_copy is None else " ok" if r.vs_copy >= r.goal else " below")
         t.add_row(r.name, r.shape, f"{r.us:.1f}", f"{r.rate:.3g}", r.unit,
-                  "" if r.vs_copy is None else f"{r.vs_copy:.2f}")
+                  "" if r.vs_copy is None else f"{r.vs_copy:.2f}", goal)
     console.print(t)
+    if not raw:
+        return
     k = Table(title="raw Kompute eval() cost (one sequence, replayed)")
     for c in ("kp build", "dispatches", "µs per eval", "µs record+first eval"):
         k.add_column(c)

@@ -8,6 +8,7 @@ dict(name, shape, seconds, <unit>) with seconds per call and unit "GB/s" (weight
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterable
 
 import numpy as np
@@ -17,12 +18,18 @@ from vkflash.bench.kernels import timed
 from vkflash.formats.quant_blocks import row_bytes
 from vkflash.formats.quants import random_blocks
 from vkflash.gpu.context import Gpu
-from vkflash.gpu.ops.matmul import CM_TILES, CmTile, QWeight, cm_shape, cm_tile, coopmat_possible, matmul
+from vkflash.gpu.ops.matmul import (CM_TILES, TEAM_TPR_MIN, TEAM_WG, CmTile, GemvPlan, HcMixGemv, QWeight, cm_shape,
+                                    cm_tile, coopmat_possible, matmul, q8_possible)
 from vkflash.gpu.ops.views import Rows
 
-GEMV_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.F16)
+GEMV_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS, Q.F16, Q.BF16)
 DENSE = (2560, 12288)  # Flash-Next dense projection {in, out}: 9–18 MB at 4–6 bits
 LM_HEAD = (2560, 248320)  # the Q6_K LM head
+HC = 4  # Flash-Next hyper-connection streams
+HC_DOWN = (Q.Q4_K, HC * 2560, 320)  # ℓ_pre = W_dn X: K = hc·d, lr = 320 rows
+HC_MIX = (Q.Q5_0, 320, HC * 2560)  # W_up {lr, hc·d} (K = 320: no K-quant) in the fused HC mix GEMV
+GOALS = {"dense": 0.6, "head": 0.75, "hc": 0.4}
+"""The issue's goals on the H200, as fractions of the measured copy bandwidth."""
 ROTATE_BYTES = 400 << 20  # weight bytes one rotation touches at least (H200 L2 is 50 MB)
 CALLS = 48  # dispatches per recorded graph
 GEMMS = ((Q.F16, 4096, 4096, 4096), (Q.Q4_K, 2560, 12288, 2048))
@@ -41,29 +48,118 @@ def _rotation(nbytes: int, quick: bool) -> int:
     return 3 if quick else max(3, min(32, -(-ROTATE_BYTES // nbytes)))
 
 
-def gemv_bandwidth(gpu: Gpu, shapes: Iterable[tuple[Q, int, int]] | None = None, n_tok: int = 1,
-                   quick: bool = False) -> list[dict]:
-    """Weight bytes per second of the decode GEMV for each (type, in, out).
+def gemv_paths(gpu: Gpu, q: Q, k: int) -> list[tuple[str, Gpu]]:
+    """The decode GEMV paths to compare for weight type q and rows of k: `legacy` (mul_mat_vec.comp,
+    VKFLASH_GEMV_TEAMS=0), `teams` (gemv.comp on f32 x), `q8` (gemv.comp on 8-bit x and integer dots,
+    VKFLASH_GEMV_Q8=1, where possible); the one the Gpu's options pick is marked (default)."""
+    o = gpu.options
+    paths = [("legacy", replace(o, gemv_teams=False, gemv_q8=False)),
+             ("teams", replace(o, gemv_teams=True, gemv_q8=False))]
+    if q8_possible(gpu.caps, q, k):
+        paths.append(("q8", replace(o, gemv_teams=True, gemv_q8=True)))
+    picked = "legacy" if not o.gemv_teams else "q8" if o.gemv_q8 and q8_possible(gpu.caps, q, k) else "teams"
+    return [(f"{label} (default)" if label == picked else label, gpu.with_options(opts)) for label, opts in paths]
 
-    Defaults: every GEMV_TYPES at the dense Flash-Next shape, and the Q6_K LM head.
+
+def _gemv_row(gpu: Gpu, label: str, ws: list[QWeight], n_tok: int, goal: str, quick: bool,
+              rng: np.random.Generator, plan: GemvPlan | None = None, serial: bool = False) -> dict:
+    """GB/s of one GEMV path over the weights ws (one matrix in rotated buffers): CALLS dispatches
+    into distinct outputs (no barriers: throughput) or, serial, one output (a barrier between calls,
+    as in a decode step)."""
+    q, k, n_out = Q(ws[0].qtype), ws[0].k, ws[0].n_out
+    nbytes = ws[0].nbytes
+    x = gpu.upload(rng.standard_normal(n_tok * k, dtype=np.float32), "bench.x")
+    calls = len(ws) if quick else max(CALLS, len(ws))
+    g = gpu.graph(f"bench.gemv.{q.name}")
+    y0 = gpu.buffer(4 * n_tok * n_out, "bench.y")
+    desc = ""
+    for i in range(calls):
+        y = y0 if serial else gpu.buffer(4 * n_tok * n_out, f"bench.y{i}")
+        matmul(g, ws[i % len(ws)], Rows(x, n_tok, k), Rows(y, n_tok, n_out), name=f"gemv{i}", plan=plan)
+        desc = g.ops[-1].desc
+    s = timed(g, 2 if quick else 20) / calls
+    return {"name": f"gemv {q.name.lower()} {label}".strip(), "shape": f"{k}x{n_out} n={n_tok}{_plan_of(desc)}"
+            + (" serial" if serial else ""), "seconds": s, "GB/s": nbytes / s / 1e9, "goal": GOALS.get(goal)}
+
+
+def _plan_of(desc: str) -> str:
+    """What a dispatch description adds after "type KxN n=T" (the row-group plan), with a leading space."""
+    parts = desc.split(" ", 3)
+    return f" {parts[3]}" if len(parts) == 4 else ""
+
+
+def _hc_mix_row(gpu: Gpu, label: str, ws: list[QWeight], quick: bool, rng: np.random.Generator) -> dict:
+    """GB/s of the fused HC mix GEMV (hc_pre, W_up, hc_mix; Fusion.HC_MIX), serial as in decode."""
+    q, lr, n_out = Q(ws[0].qtype), ws[0].k, ws[0].n_out
+    d = n_out // HC
+    nbytes = ws[0].nbytes
+    ell = Rows(gpu.upload(rng.standard_normal(lr, dtype=np.float32), "bench.ell"), 1, lr)
+    X = Rows(gpu.upload(rng.standard_normal(n_out, dtype=np.float32), "bench.X"), 1, n_out)
+    u = Rows(gpu.buffer(4 * d, "bench.u"), 1, d)
+    calls = len(ws) if quick else max(CALLS, len(ws))
+    g = gpu.graph("bench.hc_mix")
+    for i in range(calls):
+        g.add(HcMixGemv(ws[i % len(ws)], ell, X, u, HC, f"hc_mix{i}"))
+    desc = g.ops[-1].desc
+    s = timed(g, 2 if quick else 20) / calls
+    return {"name": f"gemv hc_mix {q.name.lower()} {label}".strip(),
+            "shape": f"{lr}x{n_out} n=1{_plan_of(desc)} serial",
+            "seconds": s, "GB/s": nbytes / s / 1e9, "goal": GOALS["hc"]}
+
+
+def gemv_bandwidth(gpu: Gpu, shapes: Iterable[tuple[Q, int, int]] | None = None, n_tok: int = 1,
+                   quick: bool = False, paths: bool = True, sweep: bool = False) -> list[dict]:
+    """Weight bytes per second of the decode GEMV for each (type, in, out), on every path of
+    gemv_paths (paths=False: the options' own); rows carry the issue's goal (÷ copy).
+
+    Defaults: every GEMV_TYPES at the dense Flash-Next shape, the Q6_K LM head, the HC down
+    projection and the fused HC mix GEMV (both serial, as in a decode step). sweep: also every team
+    width × rows per team of the row-group GEMVs (f32 and q8) at the dense Q4_K shape and the Q6_K LM
+    head (for tuning gemv_plan). Each matrix is uploaded once and timed on every path.
     """
     rng = np.random.default_rng()
+    rows = []
+    default = shapes is None
     if shapes is None:
         shapes = [(q, 256, 512) if quick else (q, *DENSE) for q in GEMV_TYPES]
         shapes.append((Q.Q6_K, 256, 1024) if quick else (Q.Q6_K, *LM_HEAD))
-    rows = []
-    for q, k, n_out in shapes:
-        nbytes = n_out * row_bytes(q, k)
-        ws = _weights(gpu, q, k, n_out, _rotation(nbytes, quick), rng)
-        x = gpu.upload(rng.standard_normal(n_tok * k, dtype=np.float32), "bench.x")
-        calls = len(ws) if quick else max(CALLS, len(ws))
-        g = gpu.graph(f"bench.gemv.{q.name}")
-        for i in range(calls):  # distinct outputs: no barriers between the calls
-            y = gpu.buffer(4 * n_tok * n_out, f"bench.y{i}")
-            matmul(g, ws[i % len(ws)], Rows(x, n_tok, k), Rows(y, n_tok, n_out), name=f"gemv{i}")
-        s = timed(g, 2 if quick else 20) / calls
-        rows.append({"name": f"gemv {q.name.lower()}", "shape": f"{k}x{n_out} n={n_tok}", "seconds": s,
-                     "GB/s": nbytes / s / 1e9})
+    shapes = list(shapes)
+    swept = (((Q.Q4_K, 256, 512), (Q.Q6_K, 256, 1024)) if quick else ((Q.Q4_K, *DENSE), (Q.Q6_K, *LM_HEAD))) \
+        if sweep else ()
+    widths = [TEAM_TPR_MIN << i for i in range((TEAM_WG // TEAM_TPR_MIN).bit_length())]
+
+    def weights(q: Q, k: int, n_out: int) -> list[QWeight]:  # one matrix per shape, shared by its rows
+        return _weights(gpu, q, k, n_out, _rotation(n_out * row_bytes(q, k), quick), rng)
+
+    for i, (q, k, n_out) in enumerate(shapes):
+        goal = "head" if default and i == len(GEMV_TYPES) else "dense"
+        ws = weights(q, k, n_out)
+        for label, g in (gemv_paths(gpu, q, k) if paths else [("", gpu)]):
+            rows.append(_gemv_row(g, label, ws, n_tok, goal, quick, rng))
+        if (q, k, n_out) in swept:  # the sweep on the same weights
+            for q8 in (False, True) if q8_possible(gpu.caps, q, k) else (False,):
+                for tpr in (widths[0], widths[-1]) if quick else widths:
+                    for m in (1, 2) if quick else (1, 2, 4):
+                        plan = GemvPlan(tpr, m, q8)
+                        rows.append(_gemv_row(gpu, f"sweep {plan}", ws, n_tok, goal, quick, rng, plan))
+        del ws
+    for q, k, n_out in swept:
+        if (q, k, n_out) not in shapes:
+            ws = weights(q, k, n_out)
+            for q8 in (False, True) if q8_possible(gpu.caps, q, k) else (False,):
+                for tpr in (widths[0], widths[-1]) if quick else widths:
+                    for m in (1, 2) if quick else (1, 2, 4):
+                        plan = GemvPlan(tpr, m, q8)
+                        rows.append(_gemv_row(gpu, f"sweep {plan}", ws, n_tok, "dense", quick, rng, plan))
+    if default:
+        q, k, n_out = (Q.Q4_K, 512, 64) if quick else HC_DOWN
+        ws = weights(q, k, n_out)
+        for label, g in (gemv_paths(gpu, q, k) if paths else [("", gpu)]):
+            rows.append(_gemv_row(g, label, ws, 1, "hc", quick, rng, serial=True))
+        q, k, n_out = (Q.Q5_0, 64, HC * 64) if quick else HC_MIX
+        ws = weights(q, k, n_out)
+        for label, g in (gemv_paths(gpu, q, k) if paths else [("", gpu)]):
+            rows.append(_hc_mix_row(g, label, ws, quick, rng))
     return rows
 
 

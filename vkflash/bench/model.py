@@ -98,6 +98,7 @@ class DecodeCost:
     barriers: int
     step_us: float
     gpu_us: float
+    host_split_us: dict[str, float] = field(default_factory=dict)  # GpuForward.host_split per step
 
     @property
     def host_us(self) -> float:
@@ -244,9 +245,14 @@ def decode_cost(fwd: GpuForward, token: int, n: int) -> tuple[DecodeCost, int]:
             token = fwd.decode_argmax(token)
             wall.append(time.perf_counter() - t0)
             gpu.append(gpu_ns(g) / 1e9)
-    stamped(g, steps)
+    fwd.host_split = {}
+    try:
+        stamped(g, steps)
+        split = {k: 1e6 * v / n for k, v in fwd.host_split.items()}
+    finally:
+        fwd.host_split = None
     return DecodeCost(stats.dispatches, stats.submissions, stats.barriers, 1e6 * float(np.mean(wall)),
-                      1e6 * float(np.mean(gpu))), token
+                      1e6 * float(np.mean(gpu)), split), token
 
 
 def bench(path: Path, plan: Plan, ub: int | None = None, kv: str | None = None, with_profile: bool = False) -> Result:
@@ -326,6 +332,9 @@ def show(res: Result, console: Console) -> None:
         ("dispatches", str(d.dispatches)), ("submissions", str(d.submissions)), ("barriers", str(d.barriers)),
         ("step µs (wall)", f"{d.step_us:.0f}"), ("GPU µs (timestamps)", f"{d.gpu_us:.0f}"),
         ("host µs (wall − GPU)", f"{d.host_us:.0f}"), ("host share of the step", f"{d.host_share:.1%}"),
+        ("  of it in Python: prepare / submit call / finish",
+         " / ".join(f"{d.host_split_us.get(k, 0.0):.0f}" for k in ("prepare", "submit", "finish"))
+         + " µs (the rest: submission latency and fence wake-up)"),
         ("weight bytes read", f"{res.weight_bytes / 1e6:.2f} MB"),
         ("state bytes touched (depth 1)", f"{res.state_bytes / 1e6:.2f} MB"),
         ("longest prefill submission", f"{res.longest_submission_ms:.1f} ms GPU (budget {res.budget_ms:.0f} ms)"),

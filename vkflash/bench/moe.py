@@ -18,7 +18,7 @@ from vkflash.bench.kernels import timed
 from vkflash.formats.quants import random_blocks
 from vkflash.gpu.context import Gpu
 from vkflash.gpu.graph import Graph
-from vkflash.gpu.ops.matmul import coopmat_possible
+from vkflash.gpu.ops.matmul import coopmat_possible, q8_possible
 from vkflash.gpu.ops.moe import (DECODE_MAX_T, ExpertStack, MoEPlan, RoutedExperts, cm_expert_tile, moe_routed,
                                  plan_words, tile_width)
 from vkflash.gpu.ops.views import Rows
@@ -63,9 +63,11 @@ def _routings(gpu: Gpu, T: int, s: Shape, rng: np.random.Generator) -> list[tupl
 
 
 def _routed_graph(gpu: Gpu, name: str, s: Shape, T: int, calls: int, compact: bool | None,
-                  rng: np.random.Generator, coopmat: bool | None = None) -> tuple[Graph, RoutedExperts]:
-    """A graph of `calls` routed-expert passes over one stack set, each with the next rotated routing."""
-    ex = _experts(gpu, s, rng)
+                  rng: np.random.Generator, coopmat: bool | None = None,
+                  ex: RoutedExperts | None = None) -> tuple[Graph, RoutedExperts]:
+    """A graph of `calls` routed-expert passes over one stack set (`ex`, or new random experts), each
+    with the next rotated routing."""
+    ex = ex or _experts(gpu, s, rng)
     x = Rows(gpu.upload(rng.standard_normal((T, s.d), dtype=np.float32), "bench.x"), T, s.d)
     h = Rows(gpu.buffer(4 * T * s.k * s.F, "bench.h"), T * s.k, s.F)
     ys = Rows(gpu.buffer(4 * T * s.k * s.d, "bench.ys"), T * s.k, s.d)
@@ -108,15 +110,38 @@ def expert_gemm_tflops(gpu: Gpu, T: int | None = None, shape: Shape | None = Non
     return rows
 
 
-def expert_gemv_bandwidth(gpu: Gpu, T: int = 1, shape: Shape | None = None, quick: bool = False) -> list[dict]:
-    """Weight GB/s of the routed decode GEMV (gate + up + down of the distinct selected experts)."""
+GEMV_GOAL = 0.5  # the issue's goal for the routed decode GEMV on the H200 (÷ copy, on the bytes read)
+
+
+def expert_gemv_bandwidth(gpu: Gpu, T: int = 1, shape: Shape | None = None, quick: bool = False,
+                          paths: bool = True) -> list[dict]:
+    """Weight GB/s of the routed decode GEMV (gate + up + down of the distinct selected experts; one
+    routed layer per call, its passes serial as in decode) on each path of bench.matmul.gemv_paths
+    (the integer-dot one where gate/up and down types both have it); paths=False: the options' own."""
+    from vkflash.bench.matmul import gemv_paths
+
     s = shape or (QUICK if quick else FLASH_NEXT)
     if T > DECODE_MAX_T:
         raise ValueError(f"the decode GEMV takes at most {DECODE_MAX_T} tokens")
     rng = np.random.default_rng()
     calls = ROTATE if quick else 48
-    g, ex = _routed_graph(gpu, "bench.moe_gemv", s, T, calls, None, rng)
-    # every (token, slot) pair streams its expert's gate, up and down rows
-    nbytes = T * s.k * (2 * ex.gate.expert_bytes + ex.down.expert_bytes)
-    sec = timed(g, 2 if quick else 20) / calls
-    return [{"name": "moe gemv", "shape": f"{s} T={T}", "seconds": sec, "GB/s": nbytes / sec / 1e9}]
+    variants: list[tuple[str, Gpu]] = [("", gpu)]
+    if paths:
+        variants = gemv_paths(gpu, s.q_gu, s.d)
+        if not q8_possible(gpu.caps, s.q_down, s.F):
+            variants = [(n, g) for n, g in variants if not n.startswith("q8")]
+            if not any("(default)" in n for n, _ in variants):  # the options ask for q8: down cannot
+                variants = [(n, g) if n != "teams" else ("teams (default)", g) for n, g in variants]
+    rows = []
+    ex = _experts(gpu, s, rng)  # one stack set timed on every path
+    for label, gg in variants:
+        g, _ = _routed_graph(gg, "bench.moe_gemv", s, T, calls, None, rng, ex=ex)
+        # every (token, slot) pair streams its expert's gate, up and down rows
+        nbytes = T * s.k * (2 * ex.gate.expert_bytes + ex.down.expert_bytes)
+        sec = timed(g, 2 if quick else 20) / calls
+        plans = sorted({op.desc.split(f"k={s.k}", 1)[-1].strip() for op in g.ops if "gemv" in op.kernel.name
+                        or "mul_mat_id_vec" in op.kernel.name} - {""})
+        shape_s = f"{s} T={T}" + (f" {'/'.join(plans)}" if plans else "")
+        rows.append({"name": f"moe gemv {label}".strip(), "shape": shape_s, "seconds": sec, "GB/s": nbytes / sec / 1e9,
+                     "goal": GEMV_GOAL})
+    return rows

@@ -13,6 +13,7 @@ The caches grow with the context and the deep-context guard keeps them inside th
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,6 +134,10 @@ class GpuForward:
         self._graphs: dict[tuple[int, Head], Graph] = {}
         self._reserved = False
         self.hooks: StepHooks | None = None
+        self.host_split: dict[str, float] | None = None
+        """Set to {} to accumulate host seconds per part of each step (bench model): `prepare` (ids,
+        step params, the arch's host rows), `submit` (the queue submission call), `finish` (after the
+        GPU: state bookkeeping and the argmax read)."""
         self._n = 0
         self._seq: list[int] = []  # the tokens fed (a recurrent model replays a prefix it cannot restore)
         self.guard.start(self)
@@ -179,8 +184,16 @@ class GpuForward:
 
     def prefill_argmax(self, ids: Sequence[int]) -> int:
         """Feed ids; the greedy next token (device argmax, 4 bytes read back)."""
-        self._feed(self._ids(ids))
-        return int(self.model.head.ids.read(np.uint32, 1)[0])
+        t0 = time.perf_counter()
+        arr = self._ids(ids)
+        if self.host_split is not None:
+            self.host_split["prepare"] = self.host_split.get("prepare", 0.0) + time.perf_counter() - t0
+        self._feed(arr)
+        t0 = time.perf_counter()
+        tok = int(self.model.head.ids.read(np.uint32, 1)[0])
+        if self.host_split is not None:
+            self.host_split["finish"] = self.host_split.get("finish", 0.0) + time.perf_counter() - t0
+        return tok
 
     def decode_argmax(self, token: int) -> int:
         """Feed one token; the greedy next token."""
@@ -275,6 +288,12 @@ class GpuForward:
 
     def _ids(self, ids: Sequence[int]) -> np.ndarray:
         """ids as int32, checked: not empty, inside the vocabulary, fitting the context."""
+        if isinstance(ids, list) and len(ids) == 1 and isinstance(ids[0], int):  # decode: no NumPy reductions
+            if self._n + 1 > self.n_ctx:
+                raise InvalidRequest(f"context full: {self._n} + 1 tokens exceed the context of {self.n_ctx}")
+            if not 0 <= ids[0] < self.n_vocab:
+                raise InvalidRequest(f"token id outside the vocabulary 0..{self.n_vocab - 1}")
+            return np.array(ids, np.int32)
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)
         if len(arr) == 0:
             raise InvalidRequest("no tokens to feed")
@@ -308,6 +327,7 @@ class GpuForward:
 
     def _run(self, ids: np.ndarray, head: Head, g: Graph | None = None) -> None:
         """One replay: params for len(ids) tokens at n_past, then the graph (or `g`, a tapped copy)."""
+        t0 = time.perf_counter()
         n = len(ids)
         self._before(ids, n)
         emb = self._gather(ids) if self._gather is not None else None
@@ -315,10 +335,19 @@ class GpuForward:
         st = self.model.state
         if st is not None:
             st.before_step(self.model.params, ids)
-        (g or self.graph(n, head)).run()
+        g = g or self.graph(n, head)
+        t1 = time.perf_counter()
+        g.submit()
+        t2 = time.perf_counter()
+        g.wait()
+        t3 = time.perf_counter()
         if st is not None:
             st.stepped(ids)
         if self.hooks is not None:
             self.hooks.after(self._n, ids)
         self._n += n
-        self._seq.extend(int(t) for t in ids)
+        self._seq.extend(ids.tolist())
+        if self.host_split is not None:
+            h = self.host_split
+            for part, dt in (("prepare", t1 - t0), ("submit", t2 - t1), ("finish", time.perf_counter() - t3)):
+                h[part] = h.get(part, 0.0) + dt

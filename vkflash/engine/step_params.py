@@ -106,6 +106,13 @@ class StepParams(Layout):
             raise ValueError(f"arch rows must be (1..{self.ub}, {self.extra_dim}), got {rows.shape}")
         self.buf.write(np.asarray(rows, np.float32), 4 * self.extra)
 
+    def _words(self) -> np.ndarray | None:
+        """The buffer's mapped words as int32 (host-visible buffers; cached: the mapping is persistent)."""
+        w = self.__dict__.get("_mapped_words")
+        if w is None and self.buf.host_visible:
+            w = self.__dict__["_mapped_words"] = self.buf.view(np.int32)
+        return w
+
     def set(self, p0: int, ids: np.ndarray, emb: np.ndarray | None = None) -> None:
         """Describe a step of len(ids) tokens at positions p0, p0+1, … (cells p − cell_shift)."""
         n = len(ids)
@@ -114,16 +121,23 @@ class StepParams(Layout):
         c0 = p0 - self.cell_shift
         if c0 < 0:
             raise ValueError(f"position {p0} has no cache cell (cells start at position {self.cell_shift})")
-        cells = c0 + np.arange(n, dtype=np.int32)
-        head = np.empty(POS + n, np.int32)
-        head[P0], head[N_KV] = c0, c0 + n
-        head[POS:] = cells
-        self.buf.write(head)
-        self.buf.write(np.asarray(ids, np.int32), 4 * self.ids)
-        if n <= self.row_steps:
-            self.buf.write(np.stack([cells, cells + 1], axis=1), 4 * self.row(0))
-        if self.cell_shift:
-            self.buf.write(cells + self.cell_shift, 4 * self.rope)
+        w = self._words()
+        if w is not None and n == 1:  # decode: a few words into the mapping, no temporaries
+            r = self.row(0)
+            w[P0], w[N_KV], w[POS], w[self.ids], w[r], w[r + 1] = c0, c0 + 1, c0, ids[0], c0, c0 + 1
+            if self.cell_shift:
+                w[self.rope] = p0
+        else:
+            cells = c0 + np.arange(n, dtype=np.int32)
+            head = np.empty(POS + n, np.int32)
+            head[P0], head[N_KV] = c0, c0 + n
+            head[POS:] = cells
+            self.buf.write(head)
+            self.buf.write(np.asarray(ids, np.int32), 4 * self.ids)
+            if n <= self.row_steps:
+                self.buf.write(np.stack([cells, cells + 1], axis=1), 4 * self.row(0))
+            if self.cell_shift:
+                self.buf.write(cells + self.cell_shift, 4 * self.rope)
         if self.emb_dim:
             if emb is None or emb.shape != (n, self.emb_dim):
                 raise ValueError(f"host embedding rows must be ({n}, {self.emb_dim})")

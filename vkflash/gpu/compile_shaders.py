@@ -55,8 +55,9 @@ def _sources(path: Path, seen: set[Path] | None = None) -> list[Path]:
         return []
     seen.add(path)
     out = [path]
-    for inc in _INCLUDE.findall(path.read_text()):
-        out += _sources((path.parent / inc).resolve(), seen)
+    for inc in _INCLUDE.findall(path.read_text()):  # as glslang: next to the includer, else under -I shaders/
+        near = path.parent / inc
+        out += _sources((near if near.exists() else SHADER_DIR / inc).resolve(), seen)
     return out
 
 

@@ -72,6 +72,13 @@ class Buffer:
             raise ValueError(f"buffer {self.name!r} has no memory (a graph intermediate, or freed)")
         return self.tensor
 
+    def view(self, dtype: np.dtype | type = np.uint32) -> np.ndarray:
+        """A live view of a host-visible buffer's mapped memory (writes land without a copy call;
+        valid while the buffer lives): for per-step values the host rewrites every replay."""
+        if not self.host_visible:
+            raise ValueError(f"buffer {self.name!r} is not host-visible")
+        return self._mapped().view(dtype)
+
     def write(self, data: np.ndarray, offset: int = 0) -> None:
         """Copy `data` (any dtype, C-contiguous) into the buffer at byte `offset`."""
         raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)

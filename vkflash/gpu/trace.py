@@ -101,11 +101,13 @@ def submitted(graph: "Graph", sub: "Submission", t0: float) -> None:
 def finished(graph: "Graph", sub: "Submission", t_wait: float) -> None:
     if not sub.timestamps:  # decided when it was recorded, whatever the knobs say now
         return
+    tr = graph.options.tracing
+    if not (tr.job_log or tr.perf_logger or tr.file):
+        return  # `stamps` only: the caller reads the timestamps itself, after its own timing
     ts = sub.seq.get_timestamps()
     period = graph.gpu.caps.timestamp_period_ns
     gpu_ms = (ts[sub.n_recorded] - ts[0]) * period / 1e6
     host_ms = (time.perf_counter() - sub.t_submit) * 1e3  # type: ignore[attr-defined]
-    tr = graph.options.tracing
     if tr.job_log:
         OUT.write(f"job {sub.job_id} {graph.name} ops={len(sub.ops)} barriers={sub.n_recorded - len(sub.ops) - 1} "  # type: ignore[attr-defined]
                   f"gpu={gpu_ms:.3f}ms host={host_ms:.3f}ms\n")

@@ -152,6 +152,35 @@ def ple_rows(tokens: np.ndarray, history: np.ndarray, hp: PleHashParams) -> np.n
     return rows.astype(np.int32)
 
 
+def ple_row_one(token: int, history: np.ndarray, hp: PleHashParams) -> list[int]:
+    """ple_rows of one token as Python ints (a decode step's n_p rows without NumPy's per-call cost;
+    the same uint64 arithmetic, so the same rows)."""
+    N, hg = hp.ngram_size, hp.heads_per_ngram
+    hist = [int(t) for t in history[len(history) - min(len(history), N - 1):]] if N > 1 else []
+    ctx, alive = [int(token)], True
+    for s in range(1, N):  # (P1): the token s back, or EOS from the first missing/EOS predecessor on
+        prev = hist[-s] if s <= len(hist) else hp.eos
+        alive = alive and s <= len(hist) and prev != hp.eos
+        ctx.append(prev if alive else hp.eos)
+    c = _CONSTANTS.get(id(hp))
+    if c is None or c[0] is not hp:
+        c = _CONSTANTS[id(hp)] = (hp, [int(v) for v in hp.multipliers[:N]],
+                                  [int(v) for v in hp.head_vocab_sizes[:hp.n_heads]],
+                                  [int(v) for v in hp.head_offsets[:hp.n_heads]])
+    _, m, P, o = c
+    mu, rows = 0, []
+    for n in range(N):
+        mu ^= (ctx[n] * m[n]) & MASK64
+        if n >= 1:
+            for h in range((n - 1) * hg, n * hg):
+                rows.append(mu % P[h] + o[h])
+    return rows
+
+
+_CONSTANTS: dict[int, tuple[PleHashParams, list[int], list[int], list[int]]] = {}
+"""ple_row_one's constants as Python ints, per PleHashParams (kept alive with it, checked by identity)."""
+
+
 def next_history(history: np.ndarray, tokens: np.ndarray, hp: PleHashParams) -> np.ndarray:
     """The PLE token history after accepting `tokens`: the last N−1 tokens of the sequence."""
     keep = hp.ngram_size - 1

@@ -42,7 +42,7 @@ from vkflash.gpu.ops.norm import grouped_rms_norm
 from vkflash.gpu.ops.ple import ple_gate
 from vkflash.gpu.ops.views import Rows
 from vkflash.model.hparams import HParams
-from vkflash.model.ple_hash import PleHashParams, ple_rows
+from vkflash.model.ple_hash import PleHashParams, ple_row_one, ple_rows
 from vkflash.model.qwen4exp import ple_params
 
 if TYPE_CHECKING:
@@ -123,7 +123,10 @@ class Qwen4State:
         """(P1)–(P4) on the host: hash the n-gram rows of the step's tokens and write the table rows e."""
         if self.ple_hash is None or self.ple_gather is None:
             return
-        rows = ple_rows(np.asarray(ids, np.int64), self.rec.ple_history, self.ple_hash)
+        if len(ids) == 1:  # decode: the hash in Python ints, no NumPy calls
+            rows = np.array(ple_row_one(int(ids[0]), self.rec.ple_history, self.ple_hash), np.int64)
+        else:
+            rows = ple_rows(np.asarray(ids, np.int64), self.rec.ple_history, self.ple_hash)
         params.set_extra(self.ple_gather(rows.reshape(-1)).reshape(len(ids), -1))
 
     def stepped(self, ids: np.ndarray) -> None:

@@ -3,7 +3,10 @@
 W ∈ R^{out×K} is a GGML tensor {K, out} uploaded raw (shaders/common/quant.glsl decodes it);
 x and y are f32 row views (one row per token). `matmul()` picks the kernel from the shapes:
   n_out ≤ 8 and n_tok > 8 → GEMV over the tokens (transposed; the HC inject projection W_inj),
-  n_tok ≤ 8              → GEMV (decode, MTP verify), NDEC weight rows per workgroup,
+  n_tok ≤ 8              → GEMV (decode, MTP verify): the row-group GEMV (shaders/gemv.comp; teams of
+                           gemv_plan's width per few rows, on 8-bit activations and integer dots with
+                           VKFLASH_GEMV_Q8 where the type has them), or with VKFLASH_GEMV_TEAMS=0
+                           mul_mat_vec.comp's NDEC weight rows per workgroup (also the transposed GEMV),
   otherwise              → tiled GEMM: cooperative-matrix (f16 in, f32 accumulate) when the device
                            offers it and VKFLASH_DISABLE_COOPMAT is off, else scalar f32. F32
                            weights always take the scalar GEMM: rounding them (and x) to f16 would
@@ -70,6 +73,17 @@ CM_WG = 256
 CM_BK = 32  # k per pipeline step of the coopmat GEMMs: one 32-element group per weight row
 CM_PITCH = 80  # bytes per shared-memory row of a step: 32 f16 + 8 pad (rows hit distinct 16-B bank groups)
 CM_KERNEL = "mul_mat_cm"  # kernel family of the coopmat GEMM (tests swap in an emulated build)
+
+TEAM_WG = 128  # invocations of a row-group GEMV workgroup (gemv.comp): WG / TPR teams
+TEAM_TPR_MIN = 8
+"""Fewest invocations per team: a team's lanes read ≥ 8 consecutive slices (≥ 256 contiguous bytes per load)."""
+TEAM_THREADS = 1 << 16
+"""Invocations a row-group GEMV should spread over (memory parallelism; gemv_plan trades it against idle lanes)."""
+TEAM_THREADS_CPU = 64  # CPU drivers: speed is moot, this keeps the tests' small GEMVs on varied team widths
+TEAM_STACK_ROWS = 4  # weight rows a team decodes in the fused modes (GLU: 2 output rows, HC: hc blocks of 1)
+Q8_TYPES: tuple[Q, ...] = (Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+"""Weight types with an integer-dot GEMV on 8-bit activations (common/quant_q8.glsl)."""
+Q8_SLICE_64: tuple[Q, ...] = (Q.Q4_K, Q.Q5_K, Q.Q6_K)  # their integer-dot slices hold 64 elements (else 32)
 
 EP_SCALE, EP_BIAS, EP_SIGMOID, EP_SILU, EP_MUL, EP_RES = 1, 2, 4, 8, 16, 32
 GEMV_GLU, GEMV_HC, GEMV_MOE = 1, 2, 3  # fused modes of mul_mat_vec.comp (constant_id 6; 0 = plain)
@@ -142,10 +156,36 @@ class MatVecSpec(MatMulSpec):
     topk: u32 = 1
 
 
+@dataclass(frozen=True)
+class GemvSpec(MatMulSpec):
+    """gemv.comp's: the epilogue, invocations per team, weight rows per team, columns, smallest
+    subgroup size, then the fused mode (GEMV_*; 0 plain) with its hc and top-k."""
+
+    tpr: u32
+    nr: u32
+    nplain: u32
+    sg_min: u32
+    mode: u32 = 0
+    hc: u32 = 1
+    topk: u32 = 1
+
+
+@dataclass(frozen=True)
+class GemvQ8Spec(GemvSpec):
+    """gemv.comp's integer-dot variant (Q8X): GemvSpec's, then the shared x capacity kq (= K)."""
+
+    kq: u32 = 32
+
+
 def _kernels() -> list[Kernel]:
     out = []
     for t in TYPES:
         d = (("QTYPE", int(t)),)
+        out.append(Kernel(f"gemv_{t.name.lower()}", "gemv.comp", 9, d, local_size=TEAM_WG, push=MatVecPush,
+                          spec=GemvSpec))
+        if t in Q8_TYPES:
+            out.append(Kernel(f"gemv_q8_{t.name.lower()}", "gemv.comp", 9, d + (("Q8X", 1),), local_size=TEAM_WG,
+                              needs=frozenset({"int_dot"}), push=MatVecPush, spec=GemvQ8Spec))
         out.append(Kernel(f"mul_mat_vec_{t.name.lower()}", "mul_mat_vec.comp", 9, d,
                           local_size=GEMV_WG_K if t in GEMV_K_QUANTS else GEMV_WG, push=MatVecPush, spec=MatVecSpec))
         out.append(Kernel(f"mul_mat_{t.name.lower()}", "mul_mat.comp", 6, d, local_size=256,
@@ -321,8 +361,9 @@ def _check(w: QWeight, x: Rows, y: Rows, ep: Epilogue) -> None:
 
 
 def gemv_rows(caps: "Capabilities", qtype: int, n_out: int, cpu_rows: int = GEMV_ROWS_CPU) -> int:
-    """Weight rows a GEMV workgroup decodes: per type (cpu_rows on CPU drivers), halved while the
-    n_out output rows would give fewer than GEMV_MIN_GROUPS workgroups."""
+    """Weight rows a mul_mat_vec.comp workgroup decodes (VKFLASH_GEMV_TEAMS=0, transposed GEMV): per
+    type (cpu_rows on CPU drivers), halved while the n_out output rows would give fewer than
+    GEMV_MIN_GROUPS workgroups."""
     if caps.device_type == "cpu":
         return cpu_rows
     t = Q(qtype)
@@ -332,6 +373,90 @@ def gemv_rows(caps: "Capabilities", qtype: int, n_out: int, cpu_rows: int = GEMV
     return rows
 
 
+@dataclass(frozen=True)
+class GemvPlan:
+    """How a row-group GEMV runs: tpr invocations per team, m output rows per team (a team decodes
+    m·n_stack weight rows), on 8-bit activations or not."""
+
+    tpr: int
+    m: int
+    q8: bool = False
+
+    def kernel(self, qtype: int) -> str:
+        return f"gemv_{'q8_' if self.q8 else ''}{Q(qtype).name.lower()}"
+
+    def rows_per_group(self) -> int:
+        """Output rows of one workgroup."""
+        return (TEAM_WG // self.tpr) * self.m
+
+    def __str__(self) -> str:
+        return f"tpr={self.tpr} m={self.m}{' q8' if self.q8 else ''}"
+
+
+def slice_elems(qtype: int, q8: bool) -> int:
+    """Elements of one slice of a row-group GEMV (what one lane reads per step)."""
+    return 64 if q8 and Q(qtype) in Q8_SLICE_64 else 32
+
+
+def team_width(caps: "Capabilities", slices: int, rows: int) -> tuple[int, int]:
+    """(tpr, nr): invocations per team and weight rows per team for rows of `slices` slices, chosen
+    to spread over TEAM_THREADS invocations without idle lanes: the best of util · min(1, threads /
+    TEAM_THREADS) (util = slices / (tpr · steps)), then more rows per team, then narrower teams."""
+    cpu = caps.device_type == "cpu"
+    target = TEAM_THREADS_CPU if cpu else TEAM_THREADS
+    best: tuple[tuple[float, int, int], int, int] | None = None
+    for nr in (2, 1):
+        tpr = TEAM_TPR_MIN
+        while tpr <= TEAM_WG:
+            steps = -(-slices // tpr)
+            util = slices / (tpr * steps)
+            score = util * min(1.0, -(-rows // nr) * tpr / target)
+            key = (round(score, 3), nr, -tpr)
+            if best is None or key > best[0]:
+                best = (key, tpr, nr)
+            tpr *= 2
+    assert best is not None
+    return best[1], best[2]
+
+
+def q8_possible(caps: "Capabilities", qtype: int, k: int) -> bool:
+    """Whether the integer-dot GEMV can take this weight type and row length here: the device's
+    integer dot product, subgroups of ≥ 2 (block halves exchange by shuffle) and shared memory for
+    the quantized row (k + k/4 bytes) beside the team partials."""
+    if Q(qtype) not in Q8_TYPES or k % slice_elems(qtype, True) or caps.subgroup_min < 2:
+        return False
+    if not kernel(f"gemv_q8_{Q(qtype).name.lower()}").usable(caps):
+        return False
+    return k + k // 4 + 4 * (TEAM_WG // max(1, caps.subgroup_min)) * TEAM_STACK_ROWS * 2 <= caps.shared_memory
+
+
+def gemv_plan(g: "Graph", qtype: int, k: int, rows: int, n_stack: int = 1, tpr: int | None = None,
+              m: int | None = None, q8: bool | None = None) -> GemvPlan:
+    """The row-group GEMV plan for weight rows of k elements. `rows` is the row count of the plain
+    GEMV(s) a fused mode replaces (GLU: F, HC: hc·d, MoE: d), so fused and plain pick the same team
+    width and sum in the same order; n_stack weight blocks per output row (1 plain). q8 defaults to
+    the options (VKFLASH_GEMV_Q8) where q8_possible; tpr and m override the choice (benches, tests)."""
+    caps = g.gpu.caps
+    if q8 is None:
+        q8 = g.options.gemv_q8 and q8_possible(caps, qtype, k)
+    elif q8 and not q8_possible(caps, qtype, k):
+        raise ValueError(f"matmul: no integer-dot GEMV for {Q(qtype).name} rows of {k} on {caps.name}")
+    w, nr = team_width(caps, k // slice_elems(qtype, q8), rows)
+    if n_stack > 1:
+        nr = max(1, TEAM_STACK_ROWS // n_stack)
+    plan = GemvPlan(tpr or w, m or nr, q8)
+    if plan.tpr & (plan.tpr - 1) or not 1 <= plan.tpr <= TEAM_WG or plan.m < 1:
+        raise ValueError(f"matmul: GEMV plan {plan} (tpr a power of two ≤ {TEAM_WG})")
+    return plan
+
+
+def _gemv_spec(caps: "Capabilities", plan: GemvPlan, k: int, epilogue: int, n_tok: int, mode: int = 0, hc: int = 1,
+               topk: int = 1) -> GemvSpec:
+    n_stack = 2 if mode == GEMV_GLU else (hc if mode == GEMV_HC else 1)
+    args = (epilogue, plan.tpr, plan.m * n_stack, n_tok, max(1, caps.subgroup_min), mode, hc, topk)
+    return GemvQ8Spec(*args, kq=k) if plan.q8 else GemvSpec(*args)
+
+
 def _grid(caps: "Capabilities", n: int) -> tuple[int, int]:
     """A 2-D grid of at least n workgroups (shaders fold it to x + y·groups_x)."""
     gx = min(n, caps.max_workgroup_count[0])
@@ -339,7 +464,7 @@ def _grid(caps: "Capabilities", n: int) -> tuple[int, int]:
 
 
 def _dispatch(g: "Graph", w: QWeight, x: Rows, y: Rows, ep: Epilogue, coopmat: bool, name: str,
-              tile: CmTile | None = None) -> None:
+              tile: CmTile | None = None, plan: GemvPlan | None = None) -> None:
     caps = g.gpu.caps
     n_tok, t = x.n_rows, w.type_name
     bias, mul, res = ep.bias, ep.mul, ep.res
@@ -348,6 +473,12 @@ def _dispatch(g: "Graph", w: QWeight, x: Rows, y: Rows, ep: Epilogue, coopmat: b
             mul.off if mul else 0, res.off if res else 0, 1.0 if ep.scale is None else ep.scale)
     flops = 2 * w.k * w.n_out * n_tok
     desc = f"{t} {w.k}x{w.n_out} n={n_tok}"
+    if n_tok <= GEMV_MAX_COLS and (g.options.gemv_teams or plan is not None):
+        plan = plan or gemv_plan(g, w.qtype, w.k, w.n_out)
+        g.dispatch(plan.kernel(w.qtype), bufs + [x.buf] * 3, _grid(caps, -(-w.n_out // plan.rows_per_group())),
+                   MatVecPush(*push), _gemv_spec(caps, plan, w.k, ep.flags, n_tok), name=name, writes=[5],
+                   desc=f"{desc} {plan}", nbytes=w.nbytes + 4 * (x.size + y.size), flops=flops)
+        return
     if n_tok <= GEMV_MAX_COLS or w.n_out <= TINY_OUT:
         tr = n_tok > GEMV_MAX_COLS
         rows = gemv_rows(caps, w.qtype, w.n_out)
@@ -404,6 +535,7 @@ class MatMul(Node):
     name: str
     coopmat: bool | None = None
     tile: CmTile | None = None  # a coopmat tile instead of cm_tile's choice
+    plan: GemvPlan | None = None  # a row-group GEMV plan instead of gemv_plan's (≤ GEMV_MAX_COLS tokens)
 
     def __post_init__(self) -> None:
         _check(self.w, self.x, self.y, self.epilogue)
@@ -421,25 +553,26 @@ class MatMul(Node):
         cm = use_coopmat(g.gpu, self.w.qtype) if self.coopmat is None else self.coopmat
         if cm and not kernel(f"mul_mat_cm_{self.w.type_name}").usable(g.gpu.caps):
             raise ValueError(f"matmul: {g.gpu.caps.name} offers no f16 cooperative matrix")
-        _dispatch(g, self.w, self.x, self.y, self.epilogue, cm, self.name, self.tile)
+        _dispatch(g, self.w, self.x, self.y, self.epilogue, cm, self.name, self.tile, self.plan)
 
 
 def matmul(g: "Graph", w: QWeight, x: Rows, y: Rows, epilogue: Epilogue = PLAIN, name: str = "mul_mat",
-           coopmat: bool | None = None, tile: CmTile | None = None) -> None:
+           coopmat: bool | None = None, tile: CmTile | None = None, plan: GemvPlan | None = None) -> None:
     """y[n, r] = epilogue(Σ_k W[r, k]·x[n, k]) for every token row n of x.
 
     coopmat defaults to the device and options (use_coopmat); tests pass it to compare the paths.
-    tile overrides cm_tile's choice for a coopmat GEMM (benchmarks and tests of other tiles).
+    tile overrides cm_tile's choice for a coopmat GEMM (benchmarks and tests of other tiles); plan
+    gemv_plan's for a decode GEMV (a row-group GEMV even with VKFLASH_GEMV_TEAMS=0).
     An epilogue with Fusion.EPILOGUE off runs as eltwise ops after a plain matmul.
     """
     if epilogue.flags == 0 or g.options.fuses(Fusion.EPILOGUE):
-        g.add(MatMul(w, x, y, epilogue, name, coopmat, tile))
+        g.add(MatMul(w, x, y, epilogue, name, coopmat, tile, plan))
         return
     _check(w, x, y, epilogue)
     # plain path: matmul into y, or into a scratch view when an epilogue input aliases y
     aliased = any(v is not None and v.buf is y.buf and v.overlaps(y) for v in (epilogue.mul, epilogue.res))
     tmp = g.tensor(y.n_rows, y.n_cols, f"{name}.tmp") if aliased else y
-    g.add(MatMul(w, x, tmp, PLAIN, name, coopmat, tile))
+    g.add(MatMul(w, x, tmp, PLAIN, name, coopmat, tile, plan))
     _plain_epilogue(g, tmp, y, epilogue, name)
 
 
@@ -454,16 +587,23 @@ def stacked_gemv(g: "Graph", w: QWeight, x: Rows, y: Rows, mode: int, name: str,
     caps = g.gpu.caps
     n, n_tok = y.n_cols, x.n_rows
     n_stack = 2 if mode == GEMV_GLU else (hc if mode == GEMV_HC else 1)  # the shader's NSTACK
-    rows = gemv_rows(caps, w.qtype, n * n_stack, GEMV_STACK_ROWS_CPU)
-    m = max(1, rows // n_stack)  # output rows per workgroup
     streams = X or x  # buffer 6 (GEMV_HC; any buffer otherwise)
     ys, gate, k = moe or (x, x, 1)  # buffers 7, 8 (GEMV_MOE; any buffers otherwise)
     push = MatVecPush(w.k, n, n_tok, w.row0, x.off, x.stride, y.off, y.stride, 0, 0, 0, 1.0,
                       streams.off, streams.stride, 1.0 / hc, ys.off, gate.off, gate.stride)  # 1/hc as hc.comp's
-    spec = MatVecSpec(0, n_stack * m, n_tok, False, max(1, caps.subgroup_min), mode, hc, k)
     tag = {GEMV_GLU: "glu", GEMV_HC: f"hc={hc}", GEMV_MOE: f"moe k={k}"}[mode]
-    g.dispatch(f"mul_mat_vec_{w.type_name}", [w.buf, x.buf, x.buf, x.buf, x.buf, y.buf, streams.buf, ys.buf, gate.buf],
-               _grid(caps, -(-n // m)), push, spec, writes=[5], name=name,
+    bufs = [w.buf, x.buf, x.buf, x.buf, x.buf, y.buf, streams.buf, ys.buf, gate.buf]
+    if g.options.gemv_teams:
+        plan = gemv_plan(g, w.qtype, w.k, n * n_stack if mode == GEMV_HC else n, n_stack)
+        g.dispatch(plan.kernel(w.qtype), bufs, _grid(caps, -(-n // plan.rows_per_group())), push,
+                   _gemv_spec(caps, plan, w.k, 0, n_tok, mode, hc, k), writes=[5], name=name,
+                   desc=f"{w.type_name} {w.k}x{w.n_out} n={n_tok} {tag} {plan}",
+                   nbytes=nbytes, flops=2 * w.k * w.n_out * n_tok)
+        return
+    rows = gemv_rows(caps, w.qtype, n * n_stack, GEMV_STACK_ROWS_CPU)
+    m = max(1, rows // n_stack)  # output rows per workgroup
+    spec = MatVecSpec(0, n_stack * m, n_tok, False, max(1, caps.subgroup_min), mode, hc, k)
+    g.dispatch(f"mul_mat_vec_{w.type_name}", bufs, _grid(caps, -(-n // m)), push, spec, writes=[5], name=name,
                desc=f"{w.type_name} {w.k}x{w.n_out} n={n_tok} {tag}",
                nbytes=nbytes, flops=2 * w.k * w.n_out * n_tok)
 

@@ -1,6 +1,7 @@
 """MoE on the GPU (MODEL.md §5.7 M1–M4): router, routing prepass, routed expert matmuls, combine.
 
-Router: one workgroup per token (shaders/moe_router.comp) turns the logits z = W_r u into expert
+Router: one workgroup per token (shaders/moe_router.comp; every expert's rank counted in one pass,
+or with VKFLASH_TOPK_WIDE=0 k argmax rounds) turns the logits z = W_r u into expert
 ids (int32, T × k, descending probability, ties to the lower index) and weights
 w_i = p_{I_i} / max(Σ p_I, 2⁻¹⁴) (f32, T × k).
 Routed experts: for prefill a one-workgroup prepass (moe_prepass.comp) sorts the T·k (token, slot)
@@ -8,7 +9,9 @@ rows by expert into a plan (counts, offsets, rows, live (expert, row-tile) pairs
 tiled expert GEMM (mul_mat_id.comp, scalar f32; or mul_mat_id_cm.comp on cooperative matrices where
 matmul.use_coopmat says so, the dense coopmat GEMM's core) then launches a fixed grid of live_cap()
 slots whose dead workgroups exit at once (VKFLASH_MMID_COMPACT=0: every expert × max tiles instead). Decode
-(T ≤ 8) skips the plan: the expert GEMV (mul_mat_id_vec.comp) reads the ids itself. Each
+(T ≤ 8) skips the plan: the expert GEMV reads the ids itself, one dispatch per pass over (row tile ×
+(token, slot) pair) (gemv_id.comp's row groups, on 8-bit activations with VKFLASH_GEMV_Q8; with
+VKFLASH_GEMV_TEAMS=0 mul_mat_id_vec.comp). Each
 (token, slot) result w_j·down(h) gets its own row t·k + j; moe_combine sums the k slots in slot
 order (deterministic, no atomics) and adds the σ-gated shared expert; the fusion pass folds the
 shared expert's down projection into that sum for decode (`MoeOutGemv`, Fusion.MOE_OUT).
@@ -26,8 +29,8 @@ from vkflash.formats.quant_blocks import row_bytes
 from vkflash.gpu.graph import Node
 from vkflash.gpu.interface import PushConstants, SpecConstants, boolean, u32
 from vkflash.gpu.memory import Buffer
-from vkflash.gpu.ops.matmul import (CM_WG, COOPMAT_TYPES, GEMV_MAX_COLS, GEMV_MOE, TYPES, CmTile, QWeight, cm_shape,
-                                    cm_spec, stacked_gemv, use_coopmat)
+from vkflash.gpu.ops.matmul import (CM_WG, COOPMAT_TYPES, GEMV_MAX_COLS, GEMV_MOE, Q8_TYPES, TEAM_WG, TYPES, CmTile,
+                                    GemvPlan, QWeight, cm_shape, cm_spec, gemv_plan, stacked_gemv, use_coopmat)
 from vkflash.gpu.ops.views import F32, Rows, grid
 from vkflash.gpu.registry import Kernel, kernel
 
@@ -57,7 +60,15 @@ class MaxExpertsSpec(SpecConstants):
     max_e: u32
 
 
-KERNELS = [Kernel("moe_router", "moe_router.comp", 3, push=RouterPush, spec=MaxExpertsSpec)]
+@dataclass(frozen=True)
+class RouterSpec(SpecConstants):
+    """moe_router.comp's expert capacity and selection: rank counting (one pass) or k argmax rounds."""
+
+    max_e: u32
+    rank: boolean = True
+
+
+KERNELS = [Kernel("moe_router", "moe_router.comp", 3, push=RouterPush, spec=RouterSpec)]
 MAX_GROUPS = 65535  # router: one workgroup per token, more tokens loop; combine: grid-stride
 
 
@@ -75,13 +86,14 @@ def moe_router(g: "Graph", z: Rows, ids: Rows, w: Rows, k: int, name: str = "moe
         raise ValueError(f"{name}: ids and w overlap")
     caps = g.gpu.caps
     wg = kernel("moe_router").workgroup(caps)
-    shared = F32 * (E + 2 * wg)  # probabilities + the reduction slots of common/reduce.glsl
+    rank = g.options.topk_wide
+    shared = F32 * ((3 if rank else 1) * E + 2 * wg)  # probabilities (+ ranked ids, p) + common/reduce.glsl's slots
     if shared > caps.shared_memory:
         raise ValueError(f"{name}: {E} experts need {shared} B of shared memory, the device has {caps.shared_memory}")
     g.dispatch("moe_router", [z.buf, ids.buf, w.buf], [grid(T, 1, MAX_GROUPS)],
                push=RouterPush(E, k, T, z.off, z.stride, ids.off, ids.stride, w.off, w.stride),
-               spec=MaxExpertsSpec(E), writes=[1, 2], name=name, desc=f"T={T} E={E} k={k}",
-               nbytes=F32 * T * (E + 2 * k))
+               spec=RouterSpec(E, rank), writes=[1, 2], name=name,
+               desc=f"T={T} E={E} k={k} {'rank' if rank else 'rounds'}", nbytes=F32 * T * (E + 2 * k))
 
 
 # ---- routed experts (M4) ----------------------------------------------------------------------
@@ -181,6 +193,23 @@ class ExpertGemvSpec(SpecConstants):
 
 
 @dataclass(frozen=True)
+class ExpertTeamSpec(SpecConstants):
+    """gemv_id.comp's store (Mode), invocations per team, weight rows per team, smallest subgroup size."""
+
+    mode: u32
+    tpr: u32
+    nr: u32
+    sg_min: u32
+
+
+@dataclass(frozen=True)
+class ExpertTeamQ8Spec(ExpertTeamSpec):
+    """gemv_id.comp's integer-dot variant (Q8X): ExpertTeamSpec's, then the shared x capacity kq (= K)."""
+
+    kq: u32 = 32
+
+
+@dataclass(frozen=True)
 class MoeCombinePush(PushConstants):
     """moe_combine.comp's push constants: tokens, d, k, then the ys, shared, gate and f views."""
 
@@ -228,6 +257,11 @@ def _expert_kernels() -> list[Kernel]:
                           push=ExpertGemmPush, spec=ExpertGemmSpec))
         out.append(Kernel(f"mul_mat_id_vec_{t.name.lower()}", "mul_mat_id_vec.comp", 5, d, local_size=GEMV_WG,
                           push=ExpertGemvPush, spec=ExpertGemvSpec))
+        out.append(Kernel(f"gemv_id_{t.name.lower()}", "gemv_id.comp", 5, d, local_size=TEAM_WG,
+                          push=ExpertGemvPush, spec=ExpertTeamSpec))
+        if t in Q8_TYPES:
+            out.append(Kernel(f"gemv_id_q8_{t.name.lower()}", "gemv_id.comp", 5, d + (("Q8X", 1),), local_size=TEAM_WG,
+                              needs=frozenset({"int_dot"}), push=ExpertGemvPush, spec=ExpertTeamQ8Spec))
         if t in COOPMAT_TYPES:
             out.append(Kernel(f"mul_mat_id_cm_{t.name.lower()}", "mul_mat_id_cm.comp", 5, d, local_size=CM_WG,
                               needs=frozenset({"coopmat_f16"}), push=ExpertGemmPush, spec=ExpertGemmCmSpec))
@@ -454,22 +488,34 @@ def expert_gemm(g: "Graph", plan: MoEPlan, mode: Mode, w: ExpertStack, x: Rows, 
 
 
 def expert_gemv(g: "Graph", ids: Rows, mode: Mode, w: ExpertStack, x: Rows, y: Rows, wts: Rows | None = None,
-                w2: ExpertStack | None = None, name: str = "mul_mat_id_vec") -> None:
-    """One decode expert pass over the selected experts only (rows of h and y are pairs t·k + j)."""
+                w2: ExpertStack | None = None, name: str = "mul_mat_id_vec", plan: GemvPlan | None = None) -> None:
+    """One decode expert pass over the selected experts only (rows of h and y are pairs t·k + j).
+
+    With VKFLASH_GEMV_TEAMS (or a plan) one row-group GEMV (gemv_id.comp) over (row tile × pair),
+    on 8-bit activations with VKFLASH_GEMV_Q8 (matmul.gemv_plan over the T·k pairs' rows), else
+    mul_mat_id_vec.comp."""
     T, k = ids.n_rows, ids.n_cols
     _check_pass(name, mode, w, w2, wts, x, y, T, k, w.n_exp)
     caps = g.gpu.caps
     if T * k > caps.max_workgroup_count[1]:
         raise ValueError(f"{name}: {T}x{k} pairs exceed the grid")
     nb = 2 if w2 is not None else 1
-    g.dispatch(f"mul_mat_id_vec_{w.type_name}", [w.buf, x.buf, ids.buf, (wts or x).buf, y.buf],
-               [-(-w.n_out // GEMV_ROWS), T * k],
-               push=ExpertGemvPush(w.k, w.n_out, w.n_exp, k, w.row0, (w2 or w).row0, w.expert_rows, x.off, x.stride,
-                                   y.off, y.stride, ids.off, ids.stride, wts.off if wts else 0,
-                                   wts.stride if wts else 0),
-               spec=ExpertGemvSpec(mode, GEMV_ROWS, max(1, caps.subgroup_min)), name=name,
-               desc=f"{w.type_name} {w.k}x{w.n_out} T={T} k={k}",
-               nbytes=nb * T * k * w.expert_bytes + 4 * (x.size + y.size), flops=2 * nb * w.k * w.n_out * T * k)
+    bufs = [w.buf, x.buf, ids.buf, (wts or x).buf, y.buf]
+    push = ExpertGemvPush(w.k, w.n_out, w.n_exp, k, w.row0, (w2 or w).row0, w.expert_rows, x.off, x.stride,
+                          y.off, y.stride, ids.off, ids.stride, wts.off if wts else 0, wts.stride if wts else 0)
+    desc = f"{w.type_name} {w.k}x{w.n_out} T={T} k={k}"
+    nbytes, flops = nb * T * k * w.expert_bytes + 4 * (x.size + y.size), 2 * nb * w.k * w.n_out * T * k
+    if plan is not None or g.options.gemv_teams:
+        plan = plan or gemv_plan(g, w.qtype, w.k, w.n_out * T * k, nb)
+        args = (mode, plan.tpr, plan.m * nb, max(1, caps.subgroup_min))
+        spec = ExpertTeamQ8Spec(*args, kq=w.k) if plan.q8 else ExpertTeamSpec(*args)
+        g.dispatch(f"gemv_id_{'q8_' if plan.q8 else ''}{w.type_name}", bufs,
+                   [-(-w.n_out // plan.rows_per_group()), T * k], push=push, spec=spec, name=name,
+                   desc=f"{desc} {plan}", nbytes=nbytes, flops=flops)
+        return
+    g.dispatch(f"mul_mat_id_vec_{w.type_name}", bufs, [-(-w.n_out // GEMV_ROWS), T * k], push=push,
+               spec=ExpertGemvSpec(mode, GEMV_ROWS, max(1, caps.subgroup_min)), name=name, desc=desc,
+               nbytes=nbytes, flops=flops)
 
 
 @dataclass(frozen=True)

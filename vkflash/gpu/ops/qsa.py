@@ -4,7 +4,9 @@ the per-tile union of a gathered prefill.
 The raw indexer keys are written with attention.kv_append (one head of D_I). `qsa_pool` fills the
 summary rows of blocks an ubatch completes (or re-pools every complete block); `qsa_scores`
 computes s_{t,b}; `qsa_select` runs an exact top-k over blocks (ties to the lower index, any kb) in
-`block` or `cell` mode and emits either the sorted cell list + gather params of a gathered decode
+`block` or `cell` mode (one 1024-wide workgroup per query, 3 radix passes and workgroup scans:
+qsa_topk_wide.comp; VKFLASH_TOPK_WIDE=0: qsa_topk.comp's 8 passes) and emits either the sorted cell
+list + gather params of a gathered decode
 attention, or per-query bit rows for masked prefill attention; `qsa_union` turns those bit rows into
 one sorted cell list per query tile with per-query slot rows (gathered prefill, S1–S3).
 Positions and lengths come from the params buffer ([p0, n] at param_off), as for attention.
@@ -119,6 +121,7 @@ KERNELS = (
             push=PoolPush, spec=HeadDimSpec) for c in CacheType]
     + [Kernel("qsa_scores", "qsa_scores.comp", 4, local_size=64, push=ScoresPush, spec=ScoresSpec),
        Kernel("qsa_topk", "qsa_topk.comp", 5, local_size=256, push=TopkPush, spec=TopkSpec),
+       Kernel("qsa_topk_wide", "qsa_topk_wide.comp", 5, local_size=1024, push=TopkPush, spec=TopkSpec),
        Kernel("qsa_union", "qsa_union.comp", 5, local_size=256, push=UnionPush, spec=UnionSpec)]
 )
 SCORE_GROUPS = 64  # workgroups per query striding over blocks (grid-stride: any depth)
@@ -174,7 +177,8 @@ def qsa_select(g: "Graph", params: Buffer, param_off: int, scores: Rows, out: Ro
     if listing and (out.n_cols < W or gather_params.nbytes < 4 * (gp_off + 2 * T)):
         raise ValueError(f"{name}: cell lists need {W} columns and {2 * T} gather-params words")
     cells, bits = (out, None) if listing else (None, out)
-    g.dispatch("qsa_topk", [params, scores.buf, gather_params if listing else params, cells.buf if cells else params,
+    kname = "qsa_topk_wide" if g.options.topk_wide else "qsa_topk"
+    g.dispatch(kname, [params, scores.buf, gather_params if listing else params, cells.buf if cells else params,
                             bits.buf if bits else params], [T],
                push=TopkPush(param_off, r, B // r, W, scores.off, scores.stride, cells.off if cells else 0,
                              cells.stride if cells else 0, gp_off, bits.off if bits else 0, bits.stride if bits else 0),

@@ -1,0 +1,174 @@
+"""The row-group decode GEMV (shaders/gemv.comp) beyond test_matmul's sweep: every team width and
+rows-per-team (both reductions: shuffle-xor within a subgroup, shared slots across subgroups), the
+integer-dot variant on 8-bit activations (VKFLASH_GEMV_Q8) against its stated bound and llama.cpp's
+rounding, the revert knob (VKFLASH_GEMV_TEAMS=0: mul_mat_vec.comp) agreeing with the new path, and
+the plan's choices at the model's shapes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from matmul_util import (make_problem, outside_untouched, q8_quantize, q8_tolerance, read_view, reference,
+                         tolerance)
+from vkflash.gpu.graph import Graph
+from vkflash.gpu.ops.matmul import (GEMV_MAX_COLS, Q8_TYPES, TEAM_WG, GemvPlan, QWeight, gemv_plan, matmul,
+                                    q8_possible, team_width)
+from vkflash.gpu.ops.views import Rows
+from vkflash.gpu.options import GpuOptions
+
+pytestmark = pytest.mark.gpu
+
+BLOCK256 = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)
+
+
+def _k(q: Q, rng, lo: int = 256, hi: int = 2600) -> int:
+    step = 256 if q in BLOCK256 else 32
+    return step * int(rng.integers(max(1, lo // step), max(2, hi // step + 1)))
+
+
+def _opts(gpu, **kw) -> GpuOptions:
+    return replace(gpu.options, **kw)
+
+
+def _run(gpu, p, opts: GpuOptions | None = None, plan: GemvPlan | None = None) -> tuple[np.ndarray, str]:
+    g = Graph(gpu, "gemv", options=opts or gpu.options)
+    matmul(g, p.w, p.xv, p.yv, plan=plan)
+    g.run()
+    return read_view(p.yv), g.ops[0].kernel.name
+
+
+def _check(tag: str, got: np.ndarray, ref: np.ndarray, tol: np.ndarray) -> None:
+    err = np.abs(got - ref)
+    worst = np.unravel_index(np.argmax(err / tol), err.shape)
+    assert np.isfinite(got).all(), f"{tag}: non-finite outputs (unwritten?)"
+    assert (err <= tol).all(), (f"{tag}: worst (n,r)={worst} got {got[worst]!r} ref {ref[worst]!r} "
+                                f"err {err[worst]:.3g} tol {tol[worst]:.3g} ({(err > tol).sum()} outside)")
+
+
+@pytest.mark.parametrize("q", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.F16], ids=lambda q: q.name)
+def test_team_widths(gpu, rng, q):
+    """Explicit plans: teams narrower and wider than a subgroup, 1 or 2 rows per team, ragged rows."""
+    for tpr, m in ((8, 2), (16, 1), (TEAM_WG, 2)):
+        n_tok = int(rng.integers(1, GEMV_MAX_COLS + 1))
+        p = make_problem(gpu, q, 2 * int(rng.integers(1, 40)) + 1, _k(q, rng), n_tok, rng)
+        got, name = _run(gpu, p, plan=GemvPlan(tpr, m))
+        ref, bound = reference(p)
+        _check(f"{q.name} {p.w.n_out}x{p.w.k} n={n_tok} tpr={tpr} m={m}", got, ref,
+               tolerance(bound, p.w.k, False))
+        assert name == f"gemv_{q.name.lower()}"
+        assert outside_untouched(p.yv), "writes outside the output view"
+
+
+def _q8_gpu(gpu, q: Q, k: int):
+    if not q8_possible(gpu.caps, q, k):
+        pytest.skip(f"{gpu.caps.name}: no integer-dot GEMV for {q.name} (integer dot product / shared memory)")
+    return gpu.with_options(_opts(gpu, gemv_q8=True))
+
+
+@pytest.mark.parametrize("q", Q8_TYPES, ids=lambda q: q.name)
+def test_gemv_q8(gpu, rng, q):
+    """The integer-dot GEMV within Σ|W|·d/2 (+ f32) of float64, 1..8 columns, strided views, expert rows;
+    the knob picks it for every Q8_TYPES weight."""
+    k = _k(q, rng)
+    g8 = _q8_gpu(gpu, q, k)
+    for n_tok in (1, int(rng.integers(2, GEMV_MAX_COLS + 1))):
+        p = make_problem(g8, q, 2 * int(rng.integers(1, 40)) + 1, k, n_tok, rng, expert=int(rng.integers(0, 2)))
+        p.x *= rng.uniform(0.01, 10, size=(n_tok, k // 32, 1)).repeat(32, axis=2).reshape(n_tok, k).astype(np.float32)
+        p = _reupload(g8, p)
+        got, name = _run(g8, p)
+        assert name == f"gemv_q8_{q.name.lower()}"
+        ref, _ = reference(p)
+        _check(f"{q.name} {p.w.n_out}x{k} n={n_tok} q8", got, ref, q8_tolerance(p))
+        assert outside_untouched(p.yv)
+
+
+def _reupload(gpu, p):
+    """The problem with its (changed) x written to its view again."""
+    buf = p.xv.buf
+    for n in range(p.xv.n_rows):
+        buf.write(p.x[n].astype(np.float32), 4 * (p.xv.off + n * p.xv.stride))
+    return p
+
+
+def test_q8_rounding(gpu, rng):
+    """The activation blocks are llama.cpp's (d = amax/127, x_q = roundf(x·(1/d)), half away from zero):
+    a Q8_0 weight of one-hot rows (d = 1) returns d·x_q of each element, bit for bit on drivers with
+    correctly rounded division, within one step otherwise. Ties (x = (j + ½)·d) and zero blocks included."""
+    k = 256
+    g8 = _q8_gpu(gpu, Q.Q8_0, k)
+    raw = np.zeros((k, k // 32, 34), np.uint8)
+    raw[:, :, 0:2] = np.frombuffer(np.float16(1).tobytes(), np.uint8)
+    for r in range(k):
+        raw[r, r // 32, 2 + r % 32] = 1
+    w = QWeight(g8.upload(raw.reshape(-1), "onehot"), int(Q.Q8_0), k, k)
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    x[0, :32] = 0  # a zero block
+    amax = np.abs(x[1, 32:64]).max()
+    x[1, 32:64] = np.sign(x[1, 32:64]) * np.round(np.abs(x[1, 32:64]) / amax * 127) * amax / 127  # near-exact codes
+    x[1, 40] = np.float32(amax / 127 * 3.5)  # a tie (as far as f32 allows)
+    xb, yb = g8.upload(x, "x"), g8.buffer(4 * 2 * k, "y")
+    g = g8.graph("q8")
+    matmul(g, w, Rows(xb, 2, k), Rows(yb, 2, k))
+    g.run()
+    got = yb.read(np.float32).reshape(2, k)
+    q, d = q8_quantize(x)
+    want = (d * q).astype(np.float32)
+    if gpu.caps.device_type == "cpu":
+        bad = np.flatnonzero(got != want)
+        assert bad.size == 0, f"{bad.size} elements differ from ggml's rounding, first at {bad[0]}: " \
+                              f"x {x.flat[bad[0]]!r} got {got.flat[bad[0]]!r} want {want.flat[bad[0]]!r}"
+    else:
+        assert np.all(np.abs(got - want) <= d * 1.001) and np.mean(got == want) > 0.99
+
+
+@pytest.mark.parametrize("q", [Q.Q4_K, Q.Q8_0], ids=lambda q: q.name)
+def test_revert_knob_agrees(gpu, rng, q):
+    """VKFLASH_GEMV_TEAMS=0 runs mul_mat_vec.comp, =1 gemv.comp: both within the f32 bound of float64
+    (so within twice it of each other); VKFLASH_GEMV_Q8=1 within its own bound of both."""
+    k, n_tok = _k(q, rng), int(rng.integers(1, GEMV_MAX_COLS + 1))
+    p = make_problem(gpu, q, 2 * int(rng.integers(1, 40)) + 1, k, n_tok, rng)
+    ref, bound = reference(p)
+    tol = tolerance(bound, k, False)
+    old, o_name = _run(gpu, p, GpuOptions.from_knobs(VKFLASH_GEMV_TEAMS="0", VKFLASH_GEMV_Q8="0"))
+    new, n_name = _run(gpu, p, GpuOptions.from_knobs(VKFLASH_GEMV_TEAMS="1", VKFLASH_GEMV_Q8="0"))
+    t = q.name.lower()
+    assert (o_name, n_name) == (f"mul_mat_vec_{t}", f"gemv_{t}")
+    _check("teams=0", old, ref, tol)
+    _check("teams=1", new, ref, tol)
+    assert np.all(np.abs(old - new) <= 2 * tol)
+    if q8_possible(gpu.caps, q, k):
+        q8, q_name = _run(gpu, p, GpuOptions.from_knobs(VKFLASH_GEMV_TEAMS="1", VKFLASH_GEMV_Q8="1"))
+        assert q_name == f"gemv_q8_{t}"
+        _check("q8=1", q8, ref, q8_tolerance(p))
+
+
+def test_q8_skips_what_it_cannot_take(gpu, rng):
+    """With the knob on, float and IQ4_XS weights keep the f32 row-group GEMV."""
+    g8 = gpu.with_options(_opts(gpu, gemv_q8=True))
+    for q in (Q.F16, Q.F32, Q.IQ4_XS):
+        p = make_problem(g8, q, 5, 256, 1, rng)
+        _, name = _run(g8, p)
+        assert name == f"gemv_{q.name.lower()}"
+
+
+def test_plan_at_model_shapes(gpu):
+    """On a GPU (caps faked): every lane busy at the dense and LM-head shapes, wide teams for the HC
+    down projection's 320 rows of K = 10240, narrow ones for the HC mix's K = 320; fused and plain
+    GEMVs of the same rows pick the same width (so they sum alike)."""
+    caps = replace(gpu.caps, device_type="discrete")
+    assert team_width(caps, 2560 // 32, 248320) == (8, 2)
+    tpr, _ = team_width(caps, 10240 // 32, 320)
+    assert tpr >= 64
+    tpr, _ = team_width(caps, 320 // 32, 10240)
+    assert tpr in (8, 16)
+    for slices, rows in ((80, 12288), (40, 12288), (10, 10240), (320, 320)):
+        tpr, nr = team_width(caps, slices, rows)
+        assert tpr & (tpr - 1) == 0 and 8 <= tpr <= TEAM_WG and nr in (1, 2)
+    g = Graph(gpu, "plan")
+    assert gemv_plan(g, Q.Q4_K, 2560, 12288, tpr=32, m=1) == GemvPlan(32, 1)
+    with pytest.raises(ValueError, match="power of two"):
+        gemv_plan(g, Q.Q4_K, 2560, 12288, tpr=24)
