@@ -97,7 +97,8 @@ def _reupload(gpu, p):
 def test_q8_rounding(gpu, rng):
     """The activation blocks are llama.cpp's (d = amax/127, x_q = roundf(x·(1/d)), half away from zero):
     a Q8_0 weight of one-hot rows (d = 1) returns d·x_q of each element, bit for bit on drivers with
-    correctly rounded division, within one step otherwise. Ties (x = (j + ½)·d) and zero blocks included."""
+    correctly rounded division, otherwise d within an ulp and the codes within one step. Ties
+    (x = (j + ½)·d) and zero blocks included."""
     k = 256
     g8 = _q8_gpu(gpu, Q.Q8_0, k)
     raw = np.zeros((k, k // 32, 34), np.uint8)
@@ -121,8 +122,10 @@ def test_q8_rounding(gpu, rng):
         bad = np.flatnonzero(got != want)
         assert bad.size == 0, f"{bad.size} elements differ from ggml's rounding, first at {bad[0]}: " \
                               f"x {x.flat[bad[0]]!r} got {got.flat[bad[0]]!r} want {want.flat[bad[0]]!r}"
-    else:
-        assert np.all(np.abs(got - want) <= d * 1.001) and np.mean(got == want) > 0.99
+    else:  # an inexact amax/127 moves a whole block's d by an ulp: compare the codes, not the products
+        codes = np.round(got / np.where(d > 0, d, 1))
+        assert np.all(np.abs(got - want) <= d * 1.001) and np.all(np.abs(codes - q) <= 1)
+        assert np.mean(codes == q) > 0.99, f"{np.mean(codes != q):.1%} of the codes differ from ggml's rounding"
 
 
 @pytest.mark.parametrize("q", [Q.Q4_K, Q.Q8_0], ids=lambda q: q.name)
