@@ -7,7 +7,7 @@
 // 2 w (f32, T × k). E ≤ MAX_E (constant_id 1) experts are held in shared memory.
 // Selection (constant_id 2 RANK): true: one pass, every expert's rank = #{e' : p_e' > p_e, or
 // p_e' = p_e and e' < e} counted against all E (no rounds, three barriers: the ranks < k are the
-// top-k in order, ties to the lower index); false (VKFLASH_TOPK_WIDE=0): k rounds of a
+// top-k in order, ties to the lower index; VKFLASH_ROUTER_RANK=1); false (default): k rounds of a
 // workgroup argmax, each taking the best remaining expert. Both give the same ids and weights.
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"

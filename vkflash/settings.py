@@ -165,9 +165,11 @@ KNOBS: tuple[Knob, ...] = (
        "0: the previous decode GEMV (a 64/128-invocation workgroup per few rows) instead of row groups sized "
        "from K with fewer decode instructions per byte (gemv.comp); routed-expert decode GEMVs likewise", "revert"),
     _k("VKFLASH_TOPK_WIDE", _bool, True,
-       "0: the previous MoE router (k workgroup-argmax rounds) and QSA selection (8 radix passes with serial "
-       "bin scans) instead of one rank-counting pass and a 3-pass radix select over a 1024-wide workgroup",
-       "revert"),
+       "0: the previous QSA selection (8 radix passes with serial bin scans) instead of a 3-pass radix select "
+       "over a 1024-wide workgroup (H200, 32k: 66 vs 16 µs)", "revert"),
+    _k("VKFLASH_ROUTER_RANK", _bool, False,
+       "1: the MoE router counts every expert's rank in one pass instead of k workgroup-argmax rounds "
+       "(same ids and weights; H200, E 512 k 10: 15.5 vs 9.7 µs, so off)", "backend"),
     _k("VKFLASH_DEP_BARRIERS", _bool, True, "0: a barrier before every dispatch instead of only on real dependencies",
        "revert"),
     _k("VKFLASH_ATTN_DECODE", _bool, True,

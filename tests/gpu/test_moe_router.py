@@ -100,7 +100,7 @@ def test_validation(gpu):
 
 @pytest.mark.parametrize("E,k", [(512, 10), (16, 4), (64, 64)])
 def test_rank_and_rounds_agree(gpu, rng, E, k):
-    """The one-pass rank selection (default) and the k argmax rounds (VKFLASH_TOPK_WIDE=0) give the same
+    """The one-pass rank selection (VKFLASH_ROUTER_RANK=1) and the k argmax rounds (default) give the same
     ids and the same weights bit for bit, ties included."""
     from dataclasses import replace
 
@@ -109,7 +109,7 @@ def test_rank_and_rounds_agree(gpu, rng, E, k):
     z[0, : E // 2] = z[0, 0]  # a long run of equal logits
     out = {}
     for wide in (True, False):
-        g = gpu.with_options(replace(gpu.options, topk_wide=wide)).graph("router")
+        g = gpu.with_options(replace(gpu.options, router_rank=wide)).graph("router")
         zb, ib, wb = gpu.upload(z), gpu.buffer(4 * T * k), gpu.buffer(4 * T * k)
         moe_router(g, Rows(zb, T, E), Rows(ib, T, k), Rows(wb, T, k), k)
         assert g.ops[0].desc.endswith("rank" if wide else "rounds")

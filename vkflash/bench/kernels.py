@@ -284,8 +284,8 @@ def _latency(name: str, shape: str, g: Graph, n_calls: int, reps: int) -> Row:
 
 def selection_rows(gpu: Gpu, quick: bool) -> list[Row]:
     """The decode token's MoE router (E 512, k 10) and QSA selection (B 2048, r 4 at a 32k context:
-    8192 blocks, kb 512, cell list) on the default and the previous kernels (VKFLASH_TOPK_WIDE), µs per
-    call against the issue's ≤ 15 µs."""
+    8192 blocks, kb 512, cell list), each on the default kernel and the other one (VKFLASH_ROUTER_RANK,
+    VKFLASH_TOPK_WIDE), µs per call against the issue's ≤ 15 µs."""
     from vkflash.gpu.ops.moe import moe_router
     from vkflash.gpu.ops.qsa import qsa_select
     from vkflash.gpu.ops.views import Rows
@@ -297,9 +297,9 @@ def selection_rows(gpu: Gpu, quick: bool) -> list[Row]:
     ctx, r, B = (4096, 4, 256) if small else (32768, 4, 2048)
     nb = ctx // r
     out = []
-    for wide in (True, False):
-        gg = gpu.with_options(replace(gpu.options, topk_wide=wide))
-        tag = "" if wide == gpu.options.topk_wide else " (VKFLASH_TOPK_WIDE=" + ("1)" if wide else "0)")
+    for rank in (gpu.options.router_rank, not gpu.options.router_rank):
+        gg = gpu.with_options(replace(gpu.options, router_rank=rank))
+        tag = "" if rank == gpu.options.router_rank else f" (VKFLASH_ROUTER_RANK={int(rank)})"
         zs = [gpu.upload(rng.standard_normal(E).astype(np.float32), f"z{i}") for i in range(3)]
         ids, w = gpu.buffer(4 * k, "ids"), gpu.buffer(4 * k, "w")
         g = gg.graph("bench.router")
@@ -307,6 +307,9 @@ def selection_rows(gpu: Gpu, quick: bool) -> list[Row]:
             moe_router(g, Rows(zs[i % 3], 1, E), Rows(ids, 1, k), Rows(w, 1, k), k)
         out.append(_latency(f"moe_router{tag}", f"E={E} k={k} T=1 {g.ops[0].desc.split()[-1]} serial", g, calls,
                             reps))
+    for wide in (gpu.options.topk_wide, not gpu.options.topk_wide):
+        gg = gpu.with_options(replace(gpu.options, topk_wide=wide))
+        tag = "" if wide == gpu.options.topk_wide else f" (VKFLASH_TOPK_WIDE={int(wide)})"
         params = gpu.upload(np.array([ctx - 1, ctx], np.int32), "params")
         ss = [gpu.upload(np.maximum(rng.standard_normal(nb + 1), 0).astype(np.float32), f"s{i}") for i in range(3)]
         cells, gp = gpu.buffer(4 * (B + r), "cells"), gpu.buffer(8, "gp")

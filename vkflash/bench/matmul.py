@@ -18,8 +18,8 @@ from vkflash.bench.kernels import timed
 from vkflash.formats.quant_blocks import row_bytes
 from vkflash.formats.quants import random_blocks
 from vkflash.gpu.context import Gpu
-from vkflash.gpu.ops.matmul import (CM_TILES, TEAM_TPR_MIN, TEAM_WG, CmTile, GemvPlan, HcMixGemv, QWeight, cm_shape,
-                                    cm_tile, coopmat_possible, matmul, q8_possible)
+from vkflash.gpu.ops.matmul import (CM_TILES, TEAM_TPR_MIN, TEAM_WG, TEAMS_SLOWER, CmTile, GemvPlan, HcMixGemv,
+                                    QWeight, cm_shape, cm_tile, coopmat_possible, matmul, q8_possible)
 from vkflash.gpu.ops.views import Rows
 
 GEMV_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS, Q.F16, Q.BF16)
@@ -51,13 +51,16 @@ def _rotation(nbytes: int, quick: bool) -> int:
 def gemv_paths(gpu: Gpu, q: Q, k: int) -> list[tuple[str, Gpu]]:
     """The decode GEMV paths to compare for weight type q and rows of k: `legacy` (mul_mat_vec.comp,
     VKFLASH_GEMV_TEAMS=0), `teams` (gemv.comp on f32 x), `q8` (gemv.comp on 8-bit x and integer dots,
-    VKFLASH_GEMV_Q8=1, where possible); the one the Gpu's options pick is marked (default)."""
+    VKFLASH_GEMV_Q8=1, where possible; not for the TEAMS_SLOWER types, whose f32 GEMV stays on
+    mul_mat_vec.comp); the one the Gpu's options pick is marked (default)."""
     o = gpu.options
-    paths = [("legacy", replace(o, gemv_teams=False, gemv_q8=False)),
-             ("teams", replace(o, gemv_teams=True, gemv_q8=False))]
+    paths = [("legacy", replace(o, gemv_teams=False, gemv_q8=False))]
+    if q not in TEAMS_SLOWER:
+        paths.append(("teams", replace(o, gemv_teams=True, gemv_q8=False)))
     if q8_possible(gpu.caps, q, k):
         paths.append(("q8", replace(o, gemv_teams=True, gemv_q8=True)))
-    picked = "legacy" if not o.gemv_teams else "q8" if o.gemv_q8 and q8_possible(gpu.caps, q, k) else "teams"
+    picked = "legacy" if not o.gemv_teams else "q8" if o.gemv_q8 and q8_possible(gpu.caps, q, k) else \
+        "legacy" if q in TEAMS_SLOWER else "teams"
     return [(f"{label} (default)" if label == picked else label, gpu.with_options(opts)) for label, opts in paths]
 
 

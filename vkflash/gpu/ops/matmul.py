@@ -430,6 +430,20 @@ def q8_possible(caps: "Capabilities", qtype: int, k: int) -> bool:
     return k + k // 4 + 4 * (TEAM_WG // max(1, caps.subgroup_min)) * TEAM_STACK_ROWS * 2 <= caps.shared_memory
 
 
+TEAMS_SLOWER: frozenset[Q] = frozenset({Q.F16, Q.BF16, Q.Q8_0})
+"""Types whose f32-activation decode GEMV reads faster on mul_mat_vec.comp than in row groups (H200,
+2560x12288: F16/BF16 0.88 vs 0.67 of copy, Q8_0 0.57 vs 0.44); their integer-dot GEMV
+(VKFLASH_GEMV_Q8, Q8_0 0.95) runs in row groups."""
+
+
+def use_teams(g: "Graph", qtype: int, k: int) -> bool:
+    """Whether a decode GEMV of this weight runs on the row-group kernel (VKFLASH_GEMV_TEAMS, and the
+    faster of the two kernels for the type)."""
+    if not g.options.gemv_teams:
+        return False
+    return Q(qtype) not in TEAMS_SLOWER or (g.options.gemv_q8 and q8_possible(g.gpu.caps, qtype, k))
+
+
 def gemv_plan(g: "Graph", qtype: int, k: int, rows: int, n_stack: int = 1, tpr: int | None = None,
               m: int | None = None, q8: bool | None = None) -> GemvPlan:
     """The row-group GEMV plan for weight rows of k elements. `rows` is the row count of the plain
@@ -473,7 +487,7 @@ def _dispatch(g: "Graph", w: QWeight, x: Rows, y: Rows, ep: Epilogue, coopmat: b
             mul.off if mul else 0, res.off if res else 0, 1.0 if ep.scale is None else ep.scale)
     flops = 2 * w.k * w.n_out * n_tok
     desc = f"{t} {w.k}x{w.n_out} n={n_tok}"
-    if n_tok <= GEMV_MAX_COLS and (g.options.gemv_teams or plan is not None):
+    if n_tok <= GEMV_MAX_COLS and (plan is not None or use_teams(g, w.qtype, w.k)):
         plan = plan or gemv_plan(g, w.qtype, w.k, w.n_out)
         g.dispatch(plan.kernel(w.qtype), bufs + [x.buf] * 3, _grid(caps, -(-w.n_out // plan.rows_per_group())),
                    MatVecPush(*push), _gemv_spec(caps, plan, w.k, ep.flags, n_tok), name=name, writes=[5],
@@ -593,7 +607,7 @@ def stacked_gemv(g: "Graph", w: QWeight, x: Rows, y: Rows, mode: int, name: str,
                       streams.off, streams.stride, 1.0 / hc, ys.off, gate.off, gate.stride)  # 1/hc as hc.comp's
     tag = {GEMV_GLU: "glu", GEMV_HC: f"hc={hc}", GEMV_MOE: f"moe k={k}"}[mode]
     bufs = [w.buf, x.buf, x.buf, x.buf, x.buf, y.buf, streams.buf, ys.buf, gate.buf]
-    if g.options.gemv_teams:
+    if use_teams(g, w.qtype, w.k):
         plan = gemv_plan(g, w.qtype, w.k, n * n_stack if mode == GEMV_HC else n, n_stack)
         g.dispatch(plan.kernel(w.qtype), bufs, _grid(caps, -(-n // plan.rows_per_group())), push,
                    _gemv_spec(caps, plan, w.k, 0, n_tok, mode, hc, k), writes=[5], name=name,

@@ -1,7 +1,7 @@
 """MoE on the GPU (MODEL.md §5.7 M1–M4): router, routing prepass, routed expert matmuls, combine.
 
-Router: one workgroup per token (shaders/moe_router.comp; every expert's rank counted in one pass,
-or with VKFLASH_TOPK_WIDE=0 k argmax rounds) turns the logits z = W_r u into expert
+Router: one workgroup per token (shaders/moe_router.comp; k argmax rounds, or with
+VKFLASH_ROUTER_RANK=1 every expert's rank counted in one pass) turns the logits z = W_r u into expert
 ids (int32, T × k, descending probability, ties to the lower index) and weights
 w_i = p_{I_i} / max(Σ p_I, 2⁻¹⁴) (f32, T × k).
 Routed experts: for prefill a one-workgroup prepass (moe_prepass.comp) sorts the T·k (token, slot)
@@ -30,7 +30,8 @@ from vkflash.gpu.graph import Node
 from vkflash.gpu.interface import PushConstants, SpecConstants, boolean, u32
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops.matmul import (CM_WG, COOPMAT_TYPES, GEMV_MAX_COLS, GEMV_MOE, Q8_TYPES, TEAM_WG, TYPES, CmTile,
-                                    GemvPlan, QWeight, cm_shape, cm_spec, gemv_plan, stacked_gemv, use_coopmat)
+                                    GemvPlan, QWeight, cm_shape, cm_spec, gemv_plan, stacked_gemv, use_coopmat,
+                                    use_teams)
 from vkflash.gpu.ops.views import F32, Rows, grid
 from vkflash.gpu.registry import Kernel, kernel
 
@@ -86,7 +87,7 @@ def moe_router(g: "Graph", z: Rows, ids: Rows, w: Rows, k: int, name: str = "moe
         raise ValueError(f"{name}: ids and w overlap")
     caps = g.gpu.caps
     wg = kernel("moe_router").workgroup(caps)
-    rank = g.options.topk_wide
+    rank = g.options.router_rank
     shared = F32 * ((3 if rank else 1) * E + 2 * wg)  # probabilities (+ ranked ids, p) + common/reduce.glsl's slots
     if shared > caps.shared_memory:
         raise ValueError(f"{name}: {E} experts need {shared} B of shared memory, the device has {caps.shared_memory}")
@@ -505,7 +506,7 @@ def expert_gemv(g: "Graph", ids: Rows, mode: Mode, w: ExpertStack, x: Rows, y: R
                           y.off, y.stride, ids.off, ids.stride, wts.off if wts else 0, wts.stride if wts else 0)
     desc = f"{w.type_name} {w.k}x{w.n_out} T={T} k={k}"
     nbytes, flops = nb * T * k * w.expert_bytes + 4 * (x.size + y.size), 2 * nb * w.k * w.n_out * T * k
-    if plan is not None or g.options.gemv_teams:
+    if plan is not None or use_teams(g, w.qtype, w.k):
         plan = plan or gemv_plan(g, w.qtype, w.k, w.n_out * T * k, nb)
         args = (mode, plan.tpr, plan.m * nb, max(1, caps.subgroup_min))
         spec = ExpertTeamQ8Spec(*args, kq=w.k) if plan.q8 else ExpertTeamSpec(*args)
