@@ -71,7 +71,7 @@ def infill_prompt(tok: Tokenizer, req: InfillRequest, n_batch: int, n_ctx: int, 
         extra += enc(chunk.text)
     if "sep" in fim:
         extra += [fim["sep"], *enc("filename\n")]
-    prompt = enc(req.prompt)
+    prompt = tok.encode(req.prompt, add_special=True, parse_special=True)  # as llama-server tokenizes prompts
     prefix, suffix = enc(req.input_prefix), enc(req.input_suffix)
     n_prefix = min(len(prefix), 3 * (n_batch // 4))
     n_suffix = min(len(suffix), max(0, n_batch // 4 - (2 + len(prompt))))
