@@ -27,9 +27,10 @@ def oracle(tiny_model):
     p.n_ctx, p.n_batch, p.n_parallel, p.warmup = N_CTX, N_BATCH, 1, False
     p.cpuparams.n_threads = 2
     server = xlc.Server(p)
+    base = server.listening_address
 
     def post(path: str, body: dict) -> dict:
-        req = urllib.request.Request(server.listening_address + path, data=json.dumps(body).encode(),
+        req = urllib.request.Request(base + path, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         try:
             return json.loads(urllib.request.urlopen(req, timeout=120).read())

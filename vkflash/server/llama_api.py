@@ -194,7 +194,9 @@ def make_router(state: ServerState) -> APIRouter:
             "model_alias": i.model_id, "arch": i.arch, "backend": i.backend, "n_ctx": i.n_ctx, "n_vocab": i.n_vocab,
             "n_ctx_train": i.n_ctx_train, "chat_template": i.chat_template, "chat_template_caps": caps,
             "bos_token": text(tok.bos_id), "eos_token": text(tok.eos_id), "reasoning": s["REASONING"] or "default",
-            "build_info": f"vkflash {vkflash.__version__}", "modalities": {"vision": False, "audio": False},
+            "build_info": f"vkflash {vkflash.__version__}", "modalities": {"vision": False, "video": False,
+                                                                          "audio": False},
+            "endpoint_slots": True, "endpoint_props": False, "endpoint_metrics": True,
             "infill": bool({"pre", "suf", "mid"} <= fim_tokens(tok).keys())})
 
     @router.get("/slots", summary="The generation slot: its state and the running job's parameters (read-only)")
