@@ -105,7 +105,7 @@ def after_reasoning(tok: Tokenizer, source: str) -> str:
     """The grammar `source` preceded by free reasoning text and `</think>` (a prompt that opened <think>)."""
     body = _grammars(source)
     body[0] = dict(body[0], name="body")
-    top = f'start: REASON {_lit(tok, "</think>")} /[ \\t\\r\\n]*/ @body\n{_REASON}\n'
+    top = f'start: REASON {_lit(tok, "</think>")} /[ \\r\\n]{{0,4}}/ @body\n{_REASON}\n'
     return json.dumps({"grammars": [{"lark_grammar": top}, *body]})
 
 
