@@ -138,6 +138,9 @@ KNOBS: tuple[Knob, ...] = (
        "first step frees the draft's weights and switches to it (empty: no draft step)", "launcher"),
     _k("API_KEY", _text, "", "require this bearer token on every request (empty: none)", "launcher"),
     _k("QUEUE", _int_range(0, 1024), 8, "requests that may wait for the generation slot (more get 503)", "launcher"),
+    _k("SSE_KEEPALIVE", _float_range(0.0, 3600.0), 5.0, "seconds a streamed response may go without an event "
+       "(a long prefill) before it sends an SSE comment `: keep-alive` so proxies keep it open (0: never)",
+       "launcher"),
     # revert knobs: each 0 restores the plain path so an optimisation can be A/B-tested
     _k("SPEC_STOCH", _bool, True, "0: exact-match verification instead of rejection sampling when sampling",
        "revert"),

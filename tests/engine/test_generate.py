@@ -192,3 +192,32 @@ def test_timings_are_consistent(rng):
     assert t.prompt_n == 4 and t.predicted_n == 6 and t.prompt_ms > 0 and t.predicted_ms > 0
     assert j["prompt_per_second"] == pytest.approx(4000 / t.prompt_ms)
     assert j["predicted_per_token_ms"] == pytest.approx(t.predicted_ms / 6)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=1.0, repetition_penalty=1.3)])
+def test_constraint_masks_every_draw(rng, params):
+    """With a grammar the output matches it, greedy included: the device argmax (blind to the mask)
+    is never used, and generation ends as soon as the grammar is complete."""
+    from vkflash.engine.grammar import Grammar
+    from vkflash.model.tokenizer import Tokenizer
+    from vkflash.model.vocab_build import tiny_vocab
+
+    vm = tiny_vocab(512)
+    tok = Tokenizer(vm.tokens, vm.token_types, vm.merges, vm.pre, vm.eos_id, vm.bos_id)
+    table = rng.standard_normal((512, 512)).astype(np.float32)
+    words = [str(int(x)) for x in rng.integers(0, 1000, size=3)]
+    class Blind(ArgmaxTableForward):
+        """An argmax fast path that must not be taken."""
+
+        def prefill_argmax(self, ids):
+            raise AssertionError("device argmax under a constraint")
+
+        decode_argmax = prefill_argmax
+
+    fwd = Blind(table, n_ctx=300)
+    grammar = Grammar.compile("gbnf", "root ::= (" + " | ".join(f'"{w}"' for w in words) + ") \"!\"", tok, 512, "g")
+    events = list(generate(fwd, tok, list(rng.integers(0, 400, size=5)), params, constraint=grammar.constraint()))
+    fin = events[-1]
+    text = "".join(e.text for e in events if isinstance(e, TokenEvent)) + fin.text
+    assert fin.reason == "stop" and text in {w + "!" for w in words}, (fin, text)
+    assert fwd.calls.count("decode") == fin.completion_tokens - 1  # no step after the grammar's end

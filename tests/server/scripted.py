@@ -86,12 +86,14 @@ class ArgmaxScripted(ScriptedForward):
         return self._target()
 
 
-def serve_scripted(in_process: list, tiny_model, tokenizer, fwd: ScriptedForward, template: str | None = None) -> str:
-    """Serve `fwd` in this process with the tiny model's tokenizer; the base URL once healthy."""
+def serve_scripted(in_process: list, tiny_model, tokenizer, fwd: ScriptedForward, template: str | None = None,
+                   env: dict[str, str] | None = None) -> str:
+    """Serve `fwd` in this process with the tiny model's tokenizer (and knobs `env`); the base URL once healthy."""
     tpl = template or read_tokenizer_meta(tiny_model)["tokenizer.chat_template"]
     info = EngineInfo("scripted", str(tiny_model), "qwen4exp", "scripted", fwd.n_ctx, fwd.n_ctx,
                       tokenizer.vocab_size, tpl)
-    state = ServerState(settings.load(env={}), ServerOptions(queue_depth=1), lambda s: Loaded(fwd, tokenizer, info))
+    state = ServerState(settings.load(env=env or {}), ServerOptions(queue_depth=1),
+                        lambda s: Loaded(fwd, tokenizer, info))
     p = start_in_process(state)
     in_process.append(p)
     wait_health(p.base, 200)

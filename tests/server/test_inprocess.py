@@ -121,6 +121,7 @@ def test_speculation_timings_and_metrics(in_process, tiny_model, tokenizer):
     assert '"draft_n"' in last and '"draft_n_accepted"' in last
     m = call(base, "GET", "/metrics").body
     sample = {line.split()[0]: line.split()[1] for line in m.splitlines() if not line.startswith("#")}
-    drafted, accepted = int(sample["vkflash_draft_tokens_total"]), int(sample["vkflash_draft_accepted_total"])
+    drafted, accepted = float(sample["vkflash_draft_tokens_total"]), float(sample["vkflash_draft_accepted_total"])
     assert drafted >= 2 * t["draft_n"] and 0 < accepted < drafted
-    assert f"vkflash_draft_acceptance_ratio {accepted / drafted:.6g}" in m
+    assert float(sample["vkflash_draft_acceptance_ratio"]) == pytest.approx(accepted / drafted)
+    assert float(sample["llamacpp:spec_decode_num_draft_tokens_total"]) == drafted

@@ -367,3 +367,20 @@ def test_logprobs_match_the_reference(client, model_id, tiny_model, tokenizer, r
         assert lp.top_logprobs[i].keys() == top.keys(), (i, lp)
         assert list(lp.top_logprobs[i].values()) == pytest.approx(list(top.values()), abs=1e-4)
         z = fwd.decode(t)
+
+
+def test_structured_output_on_the_model(client, model_id, rng):
+    """The tiny model's output is noise; sampled under a schema or a grammar it always complies."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["pick", "n"],
+              "properties": {"pick": {"enum": ["fib", "range", "value"]}, "n": {"type": "integer", "minimum": -9,
+                                                                               "maximum": 99}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    for _ in range(2):
+        r = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": _words(rng, 3)}],
+                                           response_format=fmt, temperature=1.0, max_tokens=48)
+        obj = json.loads(r.choices[0].message.content)
+        assert r.choices[0].finish_reason == "stop" and set(obj) == {"pick", "n"}
+        assert obj["pick"] in ("fib", "range", "value") and isinstance(obj["n"], int) and -9 <= obj["n"] <= 99
+    r = client.completions.create(model=model_id, prompt=_words(rng, 3), temperature=1.0, max_tokens=8,
+                                  extra_body={"grammar": 'root ::= ("yes" | "no")'})
+    assert r.choices[0].text in ("yes", "no") and r.choices[0].finish_reason == "stop"

@@ -14,8 +14,11 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from vkflash.engine.api import ArgmaxForward, Finish, Forward, InvalidRequest, SamplingParams, SpeculativeForward, \
     TextCodec, Timings, TokenEvent
+from vkflash.engine.grammar import Constraint
 from vkflash.engine.sampling import Sampler
 
 
@@ -65,18 +68,21 @@ def check_prompt(n_prompt: int, n_ctx: int) -> None:
 
 def generate(fwd: Forward, codec: TextCodec, prompt: Sequence[int], params: SamplingParams,
              cancel: threading.Event | None = None, ubatch: int = 2048,
-             clock: Callable[[], float] = time.perf_counter) -> Iterator[TokenEvent | Finish]:
+             clock: Callable[[], float] = time.perf_counter,
+             constraint: Constraint | None = None) -> Iterator[TokenEvent | Finish]:
     """Yield one TokenEvent per generated token, then exactly one Finish.
 
     Backend exceptions end the stream with Finish(reason="error", error=exc); a set `cancel` event
-    ends it with "cancelled" within one token (or one ubatch of prefill).
+    ends it with "cancelled" within one token (or one ubatch of prefill). With a `constraint` every
+    token is drawn from the logits it masks (no device argmax, no speculation), and the output
+    stops once the grammar is complete.
     """
     cancel = cancel or threading.Event()
     prompt = [int(t) for t in prompt]
     check_prompt(len(prompt), fwd.n_ctx)
     sampler = Sampler(params)
-    fast = sampler.plain_greedy and isinstance(fwd, ArgmaxForward)
-    spec = fwd if isinstance(fwd, SpeculativeForward) else None
+    fast = sampler.plain_greedy and isinstance(fwd, ArgmaxForward) and constraint is None
+    spec = fwd if isinstance(fwd, SpeculativeForward) and constraint is None else None
     ahead: deque[int] = deque()  # tokens a speculation round produced that are not out yet
     detok = codec.streamer()
     stops = StopMatcher(params.stop)
@@ -86,6 +92,10 @@ def generate(fwd: Forward, codec: TextCodec, prompt: Sequence[int], params: Samp
     history = list(prompt)
     n_out, t0 = 0, clock()
     t_prefill_end = t0
+
+    def pick(logits: np.ndarray) -> int:
+        """The next token from logits (masked by the constraint, if any)."""
+        return sampler.sample(logits if constraint is None else constraint.mask(logits), history)
 
     def finish(reason: str, tail: str = "", error: BaseException | None = None) -> Finish:
         t_end = clock()
@@ -109,7 +119,7 @@ def generate(fwd: Forward, codec: TextCodec, prompt: Sequence[int], params: Samp
             if last and fast:
                 nxt = fwd.prefill_argmax(chunk)  # type: ignore[attr-defined]
             elif last:
-                nxt = sampler.sample(fwd.prefill(chunk), history)
+                nxt = pick(fwd.prefill(chunk))
             else:
                 fwd.prefill(chunk)
         t_prefill_end = clock()
@@ -121,6 +131,8 @@ def generate(fwd: Forward, codec: TextCodec, prompt: Sequence[int], params: Samp
             token = nxt
             n_out += 1
             history.append(token)
+            if constraint is not None:
+                constraint.accept(token)
             if codec.is_eog(token) and not params.ignore_eos:
                 n_out -= 1  # the end token is not output text; llama-server does not count it either
                 text, _ = stops.push(detok.flush())
@@ -129,6 +141,10 @@ def generate(fwd: Forward, codec: TextCodec, prompt: Sequence[int], params: Samp
             text, hit = stops.push(detok.push(token))
             if hit:
                 yield TokenEvent(token, text)
+                yield finish("stop")
+                return
+            if constraint is not None and constraint.done:  # the grammar is complete: nothing may follow
+                yield TokenEvent(token, text + stops.push(detok.flush())[0] + stops.flush())
                 yield finish("stop")
                 return
             yield TokenEvent(token, text)
@@ -140,6 +156,6 @@ def generate(fwd: Forward, codec: TextCodec, prompt: Sequence[int], params: Samp
                     ahead.extend(spec.speculate(token, sampler, history, budget - n_out))
                 nxt = ahead.popleft()
             else:
-                nxt = fwd.decode_argmax(token) if fast else sampler.sample(fwd.decode(token), history)  # type: ignore[attr-defined]
+                nxt = fwd.decode_argmax(token) if fast else pick(fwd.decode(token))  # type: ignore[attr-defined]
     except Exception as e:  # noqa: BLE001 — any backend failure ends this request, reported to the caller
         yield finish("error", error=e)

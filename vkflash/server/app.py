@@ -1,5 +1,6 @@
 """The HTTP server: FastAPI app on uvicorn (OpenAPI schema at /openapi.json), the API-key gate,
-request counting, llama-server's /health /metrics /props /tokenize /detokenize, and `serve`.
+request counting, /health and /detokenize, and `serve`; llama-server's other endpoints are in
+vkflash.server.llama_api.
 
 `serve(settings)` prints one line per knob with its source, binds HOST:PORT (a bind failure
 stops startup with a ConfigError), loads the model in the background and serves until stopped.
@@ -16,8 +17,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
-from starlette.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -25,16 +25,17 @@ import vkflash
 from vkflash import settings as settings_mod
 from vkflash.engine.api import InvalidRequest
 from vkflash.errors import ConfigError
-from vkflash.server import backend
+from vkflash.server import backend, llama_api
 from vkflash.server.errors import ApiError, validation_error
 from vkflash.server.openai_api import make_router
-from vkflash.server.schemas import DetokenizeRequest, TokenizeRequest
+from vkflash.server.schemas import DetokenizeRequest
 from vkflash.server.state import ServerOptions, ServerState
 from vkflash.settings import Settings
 
-PUBLIC_PATHS = frozenset({"/health", "/openapi.json", "/docs"})
-KNOWN_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/props",
-                         "/tokenize", "/detokenize", "/openapi.json", "/docs"})
+PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/openapi.json", "/docs"})
+KNOWN_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/v1/health", "/metrics",
+                         "/props", "/slots", "/tokenize", "/detokenize", "/apply-template", "/infill", "/openapi.json",
+                         "/docs"})
 
 
 def as_json(scope: Scope) -> Scope:
@@ -108,7 +109,9 @@ def create_app(state: ServerState) -> ASGIApp:
         return ApiError(exc.status_code, str(exc.detail)).response()
 
     app.include_router(make_router(state))
+    app.include_router(llama_api.make_router(state))
 
+    @app.get("/v1/health", summary="Alias of /health (llama-server)")
     @app.get("/health", summary="200 when ready; 503 while loading or after a failed load / lost device")
     async def health() -> JSONResponse:
         h = state.health
@@ -125,25 +128,6 @@ def create_app(state: ServerState) -> ASGIApp:
             "id": i.model_id, "object": "model", "created": started, "owned_by": "vkflash",
             "meta": {"arch": i.arch, "n_ctx": i.n_ctx, "n_ctx_train": i.n_ctx_train, "n_vocab": i.n_vocab}}]})
 
-    @app.get("/props", summary="Server and model properties (llama-server style)")
-    async def props() -> JSONResponse:
-        i = state.ready().info
-        s = state.settings
-        return JSONResponse({
-            "default_generation_settings": {"n_ctx": i.n_ctx, "params": {"temperature": s["TEMP"]}},
-            "total_slots": 1, "queue_depth": state.options.queue_depth, "model_path": i.model_path,
-            "model_alias": i.model_id, "arch": i.arch, "backend": i.backend, "n_vocab": i.n_vocab,
-            "n_ctx_train": i.n_ctx_train, "chat_template": i.chat_template, "reasoning": s["REASONING"] or "default",
-            "build_info": f"vkflash {vkflash.__version__}", "modalities": {"vision": False, "audio": False}})
-
-    @app.post("/tokenize", summary="Text → token ids (special tokens in the text are parsed)")
-    async def tokenize(req: TokenizeRequest) -> JSONResponse:
-        tok = state.ready().tokenizer
-        ids = await run_in_threadpool(tok.encode, req.content, req.add_special, True)
-        if req.with_pieces:
-            return JSONResponse({"tokens": [{"id": t, "piece": tok.decode([t], special=True)} for t in ids]})
-        return JSONResponse({"tokens": ids})
-
     @app.post("/detokenize", summary="Token ids → text")
     async def detokenize(req: DetokenizeRequest) -> JSONResponse:
         loaded = state.ready()
@@ -153,32 +137,7 @@ def create_app(state: ServerState) -> ASGIApp:
                            param="tokens")
         return JSONResponse({"content": loaded.tokenizer.decode(req.tokens, special=True)})
 
-    @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
-    async def metrics() -> PlainTextResponse:
-        slot = state.slot
-        fwd = state.loaded.fwd if state.loaded else None
-        gauges = {
-            "healthy": ("1 when the server can generate", float(state.health.status == "ok")),
-            "queue_depth": ("requests waiting for the slot", float(slot.waiting if slot else 0)),
-            "queue_capacity": ("requests that may wait", float(state.options.queue_depth)),
-            "slot_busy": ("1 while a generation runs", float(slot.busy if slot else 0)),
-            "kv_fill_ratio": ("fraction of the context in use", slot.kv_fill() if slot else 0.0),
-            "guard_tier": ("deep-context guard steps in force (0: none)", float(getattr(fwd, "guard_tier", 0))),
-            **_memory_gauges(fwd),
-        }
-        return PlainTextResponse(state.metrics.render(gauges), media_type="text/plain; version=0.0.4")
-
     return Gate(app, state)
-
-
-def _memory_gauges(fwd: Any) -> dict[str, tuple[str, float]]:
-    """Memory held against the budget and what the guard's steps returned (GPU forward only)."""
-    guard = getattr(fwd, "guard", None)
-    if guard is None:
-        return {}
-    return {"guard_freed_bytes": ("bytes the deep-context guard's steps returned", float(guard.freed)),
-            "memory_bytes": ("bytes held against the memory budget", float(fwd.gpu.ledger.total)),
-            "memory_budget_bytes": ("the memory budget", float(guard.budget.nbytes))}
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 
 from vkflash.engine.api import Finish, InvalidRequest, SamplingParams, TokenEvent
 from vkflash.engine.generate import check_prompt
+from vkflash.engine.grammar import Grammar
 from vkflash.errors import DeviceError, VkflashError
 from vkflash.model.chat import ReasoningParser, prompt_opens_think, render_chat
 from vkflash.server.backend import Loaded
@@ -30,16 +31,19 @@ from vkflash.server.logprobs import Piece, ScoredToken, chat_entries, completion
 from vkflash.server.schemas import ChatMessage, ChatRequest, CompletionRequest, SamplingFields
 from vkflash.server.slot import Job, QueueFull, Started
 from vkflash.server.state import ServerState
+from vkflash.server.structured import request_grammar
 from vkflash.server.tools import ToolCallParser, split_tool_calls
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class JobStream(StreamingResponse):
-    """An SSE response that cancels its job however the response ends (even before it starts)."""
+    """An SSE response that cancels its job however the response ends (even before it starts), and
+    sends an SSE comment after every `keepalive_s` without an event (0: never) so proxies keep it open."""
 
-    def __init__(self, job: Job, content: AsyncIterator[str]) -> None:
-        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+    def __init__(self, job: Job, content: AsyncIterator[str], keepalive_s: float = 0.0) -> None:
+        super().__init__(with_keepalive(content, keepalive_s) if keepalive_s > 0 else content,
+                         media_type="text/event-stream", headers=SSE_HEADERS)
         self.job = job
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -47,6 +51,33 @@ class JobStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.job.cancel.set()
+
+
+KEEPALIVE = ": keep-alive\n\n"
+
+
+async def with_keepalive(content: AsyncIterator[str], every_s: float) -> AsyncIterator[str]:
+    """The events of `content`, with a keep-alive comment whenever none came for `every_s` seconds
+    (a long prefill sends nothing until its first token)."""
+    it = aiter(content)
+    nxt: asyncio.Task[str] | None = None
+    try:
+        while True:
+            if nxt is None:
+                nxt = asyncio.ensure_future(anext(it))
+            done, _ = await asyncio.wait({nxt}, timeout=every_s)
+            if not done:
+                yield KEEPALIVE
+                continue
+            try:
+                ev = nxt.result()
+            except StopAsyncIteration:
+                return
+            nxt = None
+            yield ev
+    finally:
+        if nxt is not None:
+            nxt.cancel()
 
 
 def sse(obj: dict[str, Any] | str) -> str:
@@ -95,10 +126,24 @@ def message_dict(m: ChatMessage) -> dict[str, Any]:
     return d
 
 
+def render_request(req: ChatRequest, state: ServerState, loaded: Loaded) -> str:
+    """The prompt text a chat request renders to (its messages and tools through the chat template)."""
+    messages = [message_dict(m) for m in req.messages]
+    kwargs = dict(req.chat_template_kwargs or {})
+    effort = req.reasoning_effort or state.settings["REASONING"] or None
+    try:
+        return render_chat(loaded.info.chat_template, messages, tools=req.tools,
+                           enable_thinking=kwargs.pop("enable_thinking", None), reasoning_effort=effort,
+                           tplfix=bool(state.settings["TPLFIX"]), **kwargs)
+    except VkflashError as e:
+        raise ApiError(400, str(e), param="messages") from None
+
+
 @dataclass
 class Prepared:
     """A validated request ready for the slot, and how its output is shaped: reasoning split
-    (`split`, `in_think` when the prompt opened <think>), tool-call parsing, log-probabilities."""
+    (`split`, `in_think` when the prompt opened <think>), tool-call parsing, log-probabilities, and
+    the grammar the output must match (structured output)."""
 
     ids: list[int]
     params: SamplingParams
@@ -106,6 +151,7 @@ class Prepared:
     split: bool = False
     tools: bool = False
     top_logprobs: int | None = None
+    grammar: Grammar | None = None
 
 
 def piece_of(loaded: Loaded) -> Piece:
@@ -131,7 +177,7 @@ def admit(state: ServerState, prep: Prepared) -> Job:
         raise ApiError(400, str(e), param=e.param, code="context_length_exceeded") from None
     assert state.slot is not None
     try:
-        return state.slot.submit(prep.ids, prep.params, prep.top_logprobs)
+        return state.slot.submit(prep.ids, prep.params, prep.top_logprobs, prep.grammar)
     except QueueFull:
         state.metrics.reject()
         raise ApiError(503, f"the server is busy: 1 generation running and {state.slot.depth} waiting",
@@ -211,24 +257,19 @@ def make_router(state: ServerState) -> APIRouter:
             raise ApiError(400, "messages must hold at least one message", param="messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params(req, state, max_tokens)
-        messages = [message_dict(m) for m in req.messages]
-        kwargs = dict(req.chat_template_kwargs or {})
-        effort = req.reasoning_effort or state.settings["REASONING"] or None
-        try:
-            text = render_chat(loaded.info.chat_template, messages, tools=req.tools,
-                               enable_thinking=kwargs.pop("enable_thinking", None), reasoning_effort=effort,
-                               tplfix=bool(state.settings["TPLFIX"]), **kwargs)
-        except VkflashError as e:
-            raise ApiError(400, str(e), param="messages") from None
+        text = render_request(req, state, loaded)
         ids = await run_in_threadpool(loaded.tokenizer.encode, text, True, True)
         split = req.reasoning_format == "auto"
+        grammar = await run_in_threadpool(request_grammar, req, loaded.tokenizer, loaded.info.n_vocab, req.tools,
+                                          req.tool_choice, prompt_opens_think(text))
         prep = Prepared(ids, params, split and prompt_opens_think(text), split,
-                        bool(req.tools) and req.tool_choice != "none", chat_top_logprobs(req))
+                        bool(req.tools) and req.tool_choice != "none", chat_top_logprobs(req), grammar)
         job = admit(state, prep)
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), loaded.info.model_id
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return JobStream(job, chat_stream(job, cid, created, model, prep, include_usage, piece_of(loaded)))
+            return JobStream(job, chat_stream(job, cid, created, model, prep, include_usage, piece_of(loaded)),
+                             state.settings["SSE_KEEPALIVE"])
         out, fin, scored = await collect(job, request)
         raise_for(fin)
         msg: dict[str, Any] = {"role": "assistant", "content": out}
@@ -268,12 +309,14 @@ def make_router(state: ServerState) -> APIRouter:
             if bad:
                 raise ApiError(400, f"token id {bad[0]} is outside the vocabulary 0..{loaded.info.n_vocab - 1}",
                                param="prompt")
-        job = admit(state, Prepared(ids, params, top_logprobs=req.logprobs))
+        grammar = await run_in_threadpool(request_grammar, req, loaded.tokenizer, loaded.info.n_vocab)
+        job = admit(state, Prepared(ids, params, top_logprobs=req.logprobs, grammar=grammar))
         cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), loaded.info.model_id
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return JobStream(job, text_stream(job, cid, created, model, include_usage,
-                                              piece_of(loaded) if req.logprobs is not None else None))
+                                              piece_of(loaded) if req.logprobs is not None else None),
+                             state.settings["SSE_KEEPALIVE"])
         out, fin, scored = await collect(job, request)
         raise_for(fin)
         logprobs = None if req.logprobs is None else completion_logprobs(scored, piece_of(loaded))

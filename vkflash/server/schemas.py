@@ -56,6 +56,12 @@ class SamplingFields(_Strict):
     frequency_penalty: float = 0.0
     repeat_last_n: int = 64
     ignore_eos: bool = False
+    response_format: dict[str, Any] | None = Field(
+        default=None, description='{"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": …}}: '
+        "the output matches it")
+    grammar: str | None = Field(default=None, description="llama-server: a GBNF grammar the output matches")
+    json_schema: dict[str, Any] | None = Field(default=None,
+                                               description="llama-server: a JSON schema the output matches")
 
 
 class ChatRequest(SamplingFields):
@@ -84,11 +90,29 @@ class CompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(_Strict):
-    """POST /tokenize."""
+    """POST /tokenize (llama-server's fields)."""
 
     content: str
     add_special: bool = False
+    parse_special: bool = Field(default=True, description="false: special-token text is tokenized as plain text")
     with_pieces: bool = False
+
+
+class ExtraChunk(_Strict):
+    """One `input_extra` entry of /infill: another file's text as context."""
+
+    text: str = ""
+    filename: str = "tmp"
+
+
+class InfillRequest(SamplingFields):
+    """POST /infill (llama-server): fill in between input_prefix and input_suffix."""
+
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[ExtraChunk] = Field(default_factory=list)
+    prompt: str = Field(default="", description="text appended to the prefix, right before the cursor")
+    n_predict: int | None = Field(default=None, description="llama-server name of max_tokens (-1: no cap)")
 
 
 class DetokenizeRequest(_Strict):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from vkflash.engine.api import Finish, Forward, SamplingParams, TextCodec, TokenEvent
 from vkflash.engine.generate import generate
+from vkflash.engine.grammar import Grammar
 from vkflash.errors import DeviceError
 from vkflash.server.logprobs import LogitsTap, scored
 
@@ -37,18 +38,23 @@ class Job:
     """One admitted request: its prompt and parameters, cancel flag and event channel.
 
     top_logprobs: None, or how many alternatives each token reports (its TokenEvents are then
-    ScoredTokens, computed from full logits).
+    ScoredTokens, computed from full logits). grammar: None, or the grammar the output must match.
+    n_decoded: tokens delivered so far (/slots).
     """
 
     prompt: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     top_logprobs: int | None = None
+    grammar: Grammar | None = None
+    n_decoded: int = 0
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
 
     def deliver(self, ev: Event) -> None:
         """From the worker thread: hand an event to the asyncio side (dropped if the loop is gone)."""
+        if isinstance(ev, TokenEvent):
+            self.n_decoded += 1
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
         except RuntimeError:
@@ -77,12 +83,14 @@ class Slot:
         self._lock = threading.Lock()
         self.waiting = 0
         self.busy = False
+        self.current: Job | None = None
         self._thread = threading.Thread(target=self._run, name="vkflash-slot", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams, top_logprobs: int | None = None) -> Job:
+    def submit(self, prompt: Sequence[int], params: SamplingParams, top_logprobs: int | None = None,
+               grammar: Grammar | None = None) -> Job:
         """Admit a job or raise QueueFull (call from the event loop)."""
-        job = Job(list(prompt), params, asyncio.get_running_loop(), top_logprobs)
+        job = Job(list(prompt), params, asyncio.get_running_loop(), top_logprobs, grammar)
         with self._lock:
             if self.waiting + int(self.busy) >= 1 + self.depth:
                 raise QueueFull
@@ -103,11 +111,13 @@ class Slot:
             with self._lock:
                 self.waiting -= 1
                 self.busy = True
+                self.current = job
             try:
                 self._serve(job)
             finally:
                 with self._lock:
                     self.busy = False
+                    self.current = None
 
     def _serve(self, job: Job) -> None:
         """Run one job to its Finish (always delivered exactly once)."""
@@ -118,7 +128,9 @@ class Slot:
             fin = Finish("error", error=RuntimeError("generation ended without a finish"))
             tap = LogitsTap(self.fwd) if job.top_logprobs is not None else None
             try:
-                for ev in generate(tap or self.fwd, self.codec, job.prompt, job.params, job.cancel, self.ubatch):
+                constraint = job.grammar.constraint() if job.grammar is not None else None
+                for ev in generate(tap or self.fwd, self.codec, job.prompt, job.params, job.cancel, self.ubatch,
+                                   constraint=constraint):
                     if isinstance(ev, Finish):
                         fin = ev
                         break

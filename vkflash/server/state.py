@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from vkflash.engine.api import Finish
+from vkflash.engine.grammar import ll_tokenizer
 from vkflash.errors import VkflashError
 from vkflash.server.backend import Loaded
 from vkflash.server.errors import ApiError
@@ -63,6 +64,10 @@ class ServerState:
             return
         self.slot = Slot(loaded.fwd, loaded.tokenizer, self.options.queue_depth, loaded.info.ubatch,
                          self.on_finish, self.options.token_delay_s)
+        self.metrics.ubatch = loaded.info.ubatch
+        # structured output's view of the vocabulary takes seconds on a real one: build it now
+        threading.Thread(target=ll_tokenizer, args=(loaded.tokenizer, loaded.info.n_vocab), name="vkflash-llg",
+                         daemon=True).start()
         self.loaded = loaded
         self.health = Health("ok")
         i = loaded.info
