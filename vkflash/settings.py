@@ -138,6 +138,8 @@ KNOBS: tuple[Knob, ...] = (
        "first step frees the draft's weights and switches to it (empty: no draft step)", "launcher"),
     _k("API_KEY", _text, "", "require this bearer token on every request (empty: none)", "launcher"),
     _k("QUEUE", _int_range(0, 1024), 8, "requests that may wait for the generation slot (more get 503)", "launcher"),
+    _k("MAX_BODY", _bytes, 8 << 20, "largest request body the server reads, in bytes, e.g. 8M (more get 413)",
+       "launcher"),
     # revert knobs: each 0 restores the plain path so an optimisation can be A/B-tested
     _k("SPEC_STOCH", _bool, True, "0: exact-match verification instead of rejection sampling when sampling",
        "revert"),
