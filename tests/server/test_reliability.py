@@ -118,12 +118,18 @@ def test_template_kwargs_that_collide_are_a_400(server, key, rng):
     assert key in r.body["error"]["message"]
 
 
-def test_reasoning_effort_in_template_kwargs_is_the_effort(server, rng):
+def test_reasoning_effort_in_template_kwargs_is_the_effort(in_process, tiny_model, tokenizer, rng):
+    """chat_template_kwargs.reasoning_effort reaches the template as the effort (it was a 500)."""
+    template = "{{ messages[0].content }}|{{ reasoning_effort }}"
+    fwd = ScriptedForward(tokenizer.encode("fib"), tokenizer.eos_id, tokenizer.vocab_size, 256)
+    base = serve_scripted(in_process, tiny_model, tokenizer, fwd, template)
     effort = str(rng.choice(["low", "medium", "high"]))
-    r = call(server.base, "POST", "/v1/chat/completions", _chat(chat_template_kwargs={"reasoning_effort": effort}))
-    assert r.status == 200, r.body
-    r = call(server.base, "POST", "/v1/chat/completions", _chat(chat_template_kwargs={"reasoning_effort": 3}))
-    _assert_error(r, 400, "chat_template_kwargs", "invalid_value")
+    r = openai_client(base).chat.completions.create(model="scripted", messages=USER, max_tokens=1,
+                                                    extra_body={"chat_template_kwargs": {"reasoning_effort": effort}})
+    assert r.usage.prompt_tokens == len(tokenizer.encode(f"hello|{effort}", True, True))
+    for bad in (3, "lots"):
+        r = call(base, "POST", "/v1/chat/completions", _chat(chat_template_kwargs={"reasoning_effort": bad}))
+        _assert_error(r, 400, "chat_template_kwargs", "invalid_value")
 
 
 @pytest.mark.parametrize("call_", [

@@ -26,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from vkflash.engine.api import Finish, InvalidRequest, SamplingParams, TokenEvent
 from vkflash.engine.generate import check_prompt
 from vkflash.errors import DeviceError, VkflashError
-from vkflash.model.chat import ReasoningParser, prompt_opens_think, render_chat
+from vkflash.model.chat import EFFORTS, ReasoningParser, prompt_opens_think, render_chat
 from vkflash.server.backend import Loaded
 from vkflash.server.errors import ApiError
 from vkflash.server.logprobs import Piece, ScoredToken, chat_entries, completion_logprobs
@@ -182,10 +182,11 @@ def render(req: ChatRequest, state: ServerState, loaded: Loaded, tools: list[dic
         if k in kwargs:
             raise ApiError(400, f"chat_template_kwargs.{k}: set by the request itself, not a template option",
                            param="chat_template_kwargs", code="invalid_value")
-    effort = req.reasoning_effort or kwargs.pop("reasoning_effort", None) or state.settings["REASONING"] or None
-    if effort is not None and not isinstance(effort, str):
-        raise ApiError(400, f"chat_template_kwargs.reasoning_effort must be text (got {effort!r})",
-                       param="chat_template_kwargs", code="invalid_value")
+    asked = kwargs.pop("reasoning_effort", None)
+    if asked is not None and asked not in EFFORTS:
+        raise ApiError(400, f"chat_template_kwargs.reasoning_effort must be one of {'|'.join(EFFORTS)} "
+                       f"(got {asked!r})", param="chat_template_kwargs", code="invalid_value")
+    effort = req.reasoning_effort or asked or state.settings["REASONING"] or None
     try:
         return render_chat(loaded.info.chat_template, messages, tools=tools,
                            enable_thinking=kwargs.pop("enable_thinking", None), reasoning_effort=effort,

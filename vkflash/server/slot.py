@@ -41,7 +41,7 @@ class Started:
 Event = Started | TokenEvent | Finish
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: the queue finds and removes it by identity
 class Job:
     """One admitted request: its prompt and parameters, cancel flag and event channel.
 
