@@ -126,14 +126,16 @@ class Gate:
             await send(msg)
 
         limit = self.state.settings["MAX_BODY"]
-        length = dict(scope.get("headers") or []).get(b"content-length", b"0")
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length", b"0")
         try:
             if not self._authorized(scope):
                 err = ApiError(401, "invalid or missing API key (send `Authorization: Bearer <API_KEY>`)",
                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 await err.response()(scope, receive, counting_send)
             elif length.isdigit() and int(length) > limit:
-                await drain(receive)
+                if b"100-continue" not in headers.get(b"expect", b"").lower():  # else the body never comes
+                    await drain(receive)
                 await too_large(BodyTooLarge(limit)).response()(scope, receive, counting_send)
             else:
                 await self.app(as_json(scope) if scope["method"] == "POST" else scope, limited(receive, limit),
