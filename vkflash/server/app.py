@@ -46,6 +46,7 @@ KNOWN_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"
                          "/tokenize", "/detokenize", "/openapi.json", "/docs"})
 
 
+STOP_WAIT_S = 20.0  # how long a stop waits for the engine's thread (systemd's TimeoutStopSec is 30 s)
 DRAIN_S = 2.0  # how long a refused body is read on (and dropped) so the client sees the 413, not a reset
 
 
@@ -311,7 +312,7 @@ def serve(settings: Settings, options: ServerOptions | None = None,
     finally:
         sock.close()
         state.stop()
-        if not state.close():
+        if not state.close(STOP_WAIT_S):
             print("warning: the engine thread did not stop in time", file=sys.stderr, flush=True)
     if failure:
         raise LoadFailed(failure[0])
@@ -335,5 +336,9 @@ class Server(uvicorn.Server):
         self._captured_signals.clear()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        self.state.stop()  # streams end with an error event and [DONE]; waiting requests get 503
+        # streams end with an error event and [DONE], waiting requests get 503: wait for the engine
+        # to stop (a prefill only checks between ubatches) before uvicorn's short grace period
+        self.state.stop()
+        if self.state.slot is not None:
+            await asyncio.to_thread(self.state.slot.join, STOP_WAIT_S)
         await super().shutdown(sockets)
