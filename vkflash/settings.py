@@ -141,6 +141,8 @@ KNOBS: tuple[Knob, ...] = (
     _k("SSE_KEEPALIVE", _float_range(0.0, 3600.0), 5.0, "seconds a streamed response may go without an event "
        "(a long prefill) before it sends an SSE comment `: keep-alive` so proxies keep it open (0: never)",
        "launcher"),
+    _k("MAX_BODY", _bytes, 8 << 20, "largest request body the server reads, in bytes, e.g. 8M (more get 413)",
+       "launcher"),
     # revert knobs: each 0 restores the plain path so an optimisation can be A/B-tested
     _k("SPEC_STOCH", _bool, True, "0: exact-match verification instead of rejection sampling when sampling",
        "revert"),

@@ -97,3 +97,25 @@ def test_out_of_range_values_are_refused(field, value):
     with pytest.raises(InvalidRequest) as e:
         SamplingParams(**{field: value})
     assert e.value.param == field and field in str(e.value)
+
+
+def test_logit_bias_shifts_and_bans(rng):
+    """logit_bias adds to the logits after the penalties; -inf never comes out; the argmax fast path is off."""
+    V = int(rng.integers(50, 300))
+    z = _logits(rng, V)
+    ids = rng.choice(V, size=int(rng.integers(1, 10)), replace=False)
+    bias = [float(rng.uniform(-5, 5)) for _ in ids]
+    banned = int(np.argmax(z))
+    pairs = tuple(zip((int(t) for t in ids if t != banned), bias)) + ((banned, float("-inf")),)
+    greedy = Sampler(SamplingParams(temperature=0.0, logit_bias=pairs))
+    want = z.astype(np.float32).copy()
+    for t, b in pairs:
+        want[t] += np.float32(b)
+    assert not greedy.plain_greedy and Sampler(SamplingParams(temperature=0.0)).plain_greedy
+    assert greedy.sample(z, []) == int(np.argmax(want)) != banned
+    hot = Sampler(SamplingParams(temperature=float(rng.uniform(0.5, 2.0)), logit_bias=pairs))
+    p = hot.probs(z, [])
+    assert p[banned] == 0.0 and abs(p.sum() - 1) < 1e-9
+    assert banned not in {hot.sample(z, []) for _ in range(200)}
+    with pytest.raises(InvalidRequest):
+        SamplingParams(logit_bias=((-1, 1.0),))

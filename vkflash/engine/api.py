@@ -49,6 +49,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     penalty_last_n: int = 64
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit; -inf bans)
 
     def __post_init__(self) -> None:
         checks: list[tuple[str, bool, str]] = [
@@ -66,6 +67,8 @@ class SamplingParams:
         for name, ok, accepted in checks:
             if not ok:
                 raise InvalidRequest(f"{name}={getattr(self, name)!r} is out of range; accepted: {accepted}", name)
+        if any(t < 0 or b != b for t, b in self.logit_bias):
+            raise InvalidRequest("logit_bias: token ids ≥ 0 and numeric biases", "logit_bias")
         if len(self.stop) > 16 or any(not s for s in self.stop):
             raise InvalidRequest("stop: at most 16 non-empty strings", "stop")
 
@@ -73,6 +76,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Temperature 0: always the most likely token."""
         return self.temperature <= 0.0
+
+    @property
+    def adjusted(self) -> bool:
+        """Penalties or a logit bias change the logits (the device's argmax alone cannot pick)."""
+        return self.penalized or bool(self.logit_bias)
 
     @property
     def penalized(self) -> bool:

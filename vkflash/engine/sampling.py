@@ -1,8 +1,9 @@
-"""Host-side token selection from logits: penalties, then temperature, top-k, top-p, min-p, then a
-draw from a per-request seeded generator (same seed + same logits → same tokens).
+"""Host-side token selection from logits: penalties and logit bias, then temperature, top-k, top-p,
+min-p, then a draw from a per-request seeded generator (same seed + same logits → same tokens).
 
-Order: penalties on raw logits → z/T → keep top-k → keep the smallest set with mass ≥ top_p →
-drop tokens with p < min_p·p_max → renormalise and draw. Greedy (T = 0) is argmax after penalties.
+Order: penalties on raw logits → + logit bias → z/T → keep top-k → keep the smallest set with mass
+≥ top_p → drop tokens with p < min_p·p_max → renormalise and draw. Greedy (T = 0) is argmax after
+penalties and bias.
 """
 
 from __future__ import annotations
@@ -28,6 +29,16 @@ def apply_penalties(logits: np.ndarray, window: Sequence[int], p: SamplingParams
         zi = np.where(zi > 0, zi / p.repetition_penalty, zi * p.repetition_penalty)
     zi = zi - p.presence_penalty - p.frequency_penalty * c
     z[ids] = zi
+    return z
+
+
+def apply_bias(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """The logits plus the request's logit_bias (llama.cpp's logit-bias sampler; -inf bans a token)."""
+    if not p.logit_bias:
+        return logits
+    z = logits.astype(np.float32, copy=True)
+    ids = np.fromiter((t for t, _ in p.logit_bias), dtype=np.int64, count=len(p.logit_bias))
+    z[ids] += np.fromiter((b for _, b in p.logit_bias), dtype=np.float32, count=len(p.logit_bias))
     return z
 
 
@@ -65,8 +76,8 @@ class Sampler:
 
     @property
     def plain_greedy(self) -> bool:
-        """Greedy with no penalty: the backend's argmax alone decides (device fast path)."""
-        return self.params.greedy and not self.params.penalized
+        """Greedy with no penalty nor bias: the backend's argmax alone decides (device fast path)."""
+        return self.params.greedy and not self.params.adjusted
 
     def sample(self, logits: np.ndarray, history: Sequence[int]) -> int:
         """Next token from logits (float32[V]) given the tokens so far (prompt + output)."""
@@ -75,9 +86,9 @@ class Sampler:
         return self.draw(self.probs(logits, history))
 
     def penalized(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
-        """The logits after the penalties over the window of `history`."""
+        """The logits after the penalties over the window of `history` and the logit bias."""
         p = self.params
-        return apply_penalties(logits, history[-p.penalty_last_n:] if p.penalty_last_n else (), p)
+        return apply_bias(apply_penalties(logits, history[-p.penalty_last_n:] if p.penalty_last_n else (), p), p)
 
     def probs(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         """The distribution a stochastic draw after `history` uses (float64[V]; temperature > 0)."""

@@ -164,7 +164,8 @@ class Tokenizer:
             if isinstance(p, int):
                 ids.append(p)
             else:
-                ids.extend(self._hf.encode(p, add_special_tokens=False).ids)
+                # encode_batch releases the GIL (encode holds it: a long prompt froze the server's event loop)
+                ids.extend(self._hf.encode_batch([p], add_special_tokens=False)[0].ids)
         return ids
 
     def token_bytes(self, token_id: int, special: bool = False) -> bytes:

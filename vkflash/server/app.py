@@ -1,15 +1,21 @@
 """The HTTP server: FastAPI app on uvicorn (OpenAPI schema at /openapi.json), the API-key gate,
-request counting, /health and /detokenize, and `serve`; llama-server's other endpoints are in
-vkflash.server.llama_api.
+the body-size limit (MAX_BODY), request counting, /health and /detokenize, and `serve`; llama-server's
+other endpoints are in vkflash.server.llama_api.
 
 `serve(settings)` prints one line per knob with its source, binds HOST:PORT (a bind failure
-stops startup with a ConfigError), loads the model in the background and serves until stopped.
+stops startup with a ConfigError), loads the model in the background and serves until stopped:
+a failed load stops it with the reason (exit status 1, for systemd's Restart=on-failure);
+SIGINT/SIGTERM end the running and waiting generations with an error, join the engine's thread
+and return (exit status 0).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
 import socket
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,18 +30,62 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import vkflash
 from vkflash import settings as settings_mod
 from vkflash.engine.api import InvalidRequest
-from vkflash.errors import ConfigError
+from vkflash.errors import ConfigError, VkflashError
 from vkflash.server import backend, llama_api
-from vkflash.server.errors import ApiError, validation_error
+from vkflash.server.errors import ApiError, document_errors, validation_error
 from vkflash.server.openai_api import make_router
 from vkflash.server.schemas import DetokenizeRequest
 from vkflash.server.state import ServerOptions, ServerState
 from vkflash.settings import Settings
 
+log = logging.getLogger("vkflash.server")
+
 PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/openapi.json", "/docs"})
 KNOWN_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/v1/health", "/metrics",
                          "/props", "/slots", "/tokenize", "/detokenize", "/apply-template", "/infill", "/openapi.json",
                          "/docs"})
+
+
+STOP_WAIT_S = 20.0  # how long a stop waits for the engine's thread (systemd's TimeoutStopSec is 30 s)
+DRAIN_S = 2.0  # how long a refused body is read on (and dropped) so the client sees the 413, not a reset
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """The request body is larger than MAX_BODY (raised from the body stream, answered as a 413)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is larger than MAX_BODY={limit} bytes")
+
+
+async def drain(receive: Receive, more: bool = True) -> None:
+    """Read and drop the rest of a request body (bounded by DRAIN_S), so the answer reaches the client."""
+    async def rest() -> None:
+        nonlocal more
+        while more:
+            msg = await receive()
+            more = msg["type"] == "http.request" and msg.get("more_body", False)
+
+    try:
+        await asyncio.wait_for(rest(), DRAIN_S)
+    except asyncio.TimeoutError:
+        pass
+
+
+def limited(receive: Receive, limit: int) -> Receive:
+    """`receive` that raises BodyTooLarge once the body passes `limit` bytes (the rest is drained)."""
+    seen = 0
+
+    async def receive_limited() -> Message:
+        nonlocal seen
+        msg = await receive()
+        if msg["type"] == "http.request":
+            seen += len(msg.get("body", b""))
+            if seen > limit:
+                await drain(receive, msg.get("more_body", False))
+                raise BodyTooLarge(limit)
+        return msg
+
+    return receive_limited
 
 
 def as_json(scope: Scope) -> Scope:
@@ -45,7 +95,9 @@ def as_json(scope: Scope) -> Scope:
 
 
 class Gate:
-    """ASGI middleware: the optional bearer API key (401 otherwise), JSON bodies, per-path request counts.
+    """ASGI middleware: the optional bearer API key (401 otherwise), JSON bodies, the body limit
+    (413), per-path request counts, and the last resort: an exception nothing else handled is
+    logged once and answered as a JSON 500, never a plain-text one.
 
     Pure ASGI (not BaseHTTPMiddleware) so streamed responses pass through unbuffered and a
     client disconnect still reaches the endpoint.
@@ -66,7 +118,7 @@ class Gate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 500
+        status = 0
 
         async def counting_send(msg: Message) -> None:
             nonlocal status
@@ -74,16 +126,34 @@ class Gate:
                 status = msg["status"]
             await send(msg)
 
+        limit = self.state.settings["MAX_BODY"]
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length", b"0")
         try:
-            if self._authorized(scope):
-                await self.app(as_json(scope) if scope["method"] == "POST" else scope, receive, counting_send)
-            else:
+            if not self._authorized(scope):
                 err = ApiError(401, "invalid or missing API key (send `Authorization: Bearer <API_KEY>`)",
                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 await err.response()(scope, receive, counting_send)
+            elif length.isdigit() and int(length) > limit:
+                if b"100-continue" not in headers.get(b"expect", b"").lower():  # else the body never comes
+                    await drain(receive)
+                await too_large(BodyTooLarge(limit)).response()(scope, receive, counting_send)
+            else:
+                await self.app(as_json(scope) if scope["method"] == "POST" else scope, limited(receive, limit),
+                               counting_send)
+        except Exception:  # noqa: BLE001 — the catch-all: one log line with the traceback, a JSON 500
+            log.exception("unhandled error in %s %s", scope["method"], scope["path"])
+            if not status:
+                await ApiError(500, "internal server error (logged on the server)",
+                               code="internal_error").response()(scope, receive, counting_send)
         finally:
             path = scope["path"] if scope["path"] in KNOWN_PATHS else "other"
-            self.state.metrics.request(path, status)
+            self.state.metrics.request(path, status or 500)
+
+
+def too_large(exc: BodyTooLarge) -> ApiError:
+    """The 413 error object."""
+    return ApiError(413, str(exc.detail), code="request_too_large")
 
 
 def create_app(state: ServerState) -> ASGIApp:
@@ -106,10 +176,25 @@ def create_app(state: ServerState) -> ASGIApp:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req: Any, exc: StarletteHTTPException) -> JSONResponse:
-        return ApiError(exc.status_code, str(exc.detail)).response()
+        if isinstance(exc, BodyTooLarge):
+            return too_large(exc).response()
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return ApiError(exc.status_code, str(exc.detail), code=code, headers=dict(exc.headers or {})).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_req: Any, _exc: Exception) -> JSONResponse:
+        # Starlette's last handler: the answer; it re-raises, and the Gate logs it once
+        return ApiError(500, "internal server error (logged on the server)", code="internal_error").response()
 
     app.include_router(make_router(state))
     app.include_router(llama_api.make_router(state))
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = document_errors(FastAPI.openapi(app))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.get("/v1/health", summary="Alias of /health (llama-server)")
     @app.get("/health", summary="200 when ready; 503 while loading or after a failed load / lost device")
@@ -165,12 +250,51 @@ def serve(settings: Settings, options: ServerOptions | None = None,
         print(summary, flush=True)
     sock = bind(settings["HOST"], settings["PORT"])
     state = ServerState(settings, options or ServerOptions(), loader)
-    app = create_app(state)
+    config = uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=2)
+    server = Server(config, state)
+    failure: list[str] = []
+
+    def load_failed(reason: str) -> None:
+        failure.append(reason)
+        server.should_exit = True
+
+    state.on_load_failure = load_failed
     state.start_loading()
     host, port = sock.getsockname()[:2]
     print(f"vkflash serve: listening on http://{host}:{port} (OpenAPI: /docs); loading the model", flush=True)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         sock.close()
+        state.stop()
+        if not state.close(STOP_WAIT_S):
+            print("warning: the engine thread did not stop in time", file=sys.stderr, flush=True)
+    if failure:
+        raise LoadFailed(failure[0])
+
+
+class LoadFailed(VkflashError):
+    """The model could not be loaded: the server stops (exit status 1) instead of answering 503 forever."""
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server that ends the generations before closing connections, and treats SIGINT /
+    SIGTERM as a requested stop (uvicorn would raise the signal again after shutting down: a
+    KeyboardInterrupt traceback or death by SIGTERM instead of exit status 0)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # streams end with an error event and [DONE], waiting requests get 503: wait for the engine
+        # to stop (a prefill only checks between ubatches) before uvicorn's short grace period
+        self.state.stop()
+        if self.state.slot is not None:
+            await asyncio.to_thread(self.state.slot.join, STOP_WAIT_S)
+        await super().shutdown(sockets)

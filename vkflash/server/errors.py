@@ -7,8 +7,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-         413: "invalid_request_error", 500: "server_error", 503: "unavailable_error"}
+TYPES = {401: "authentication_error", 503: "unavailable_error"}  # other 4xx: invalid_request_error, 5xx: server_error
 
 
 class ApiError(Exception):
@@ -22,7 +21,8 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         """The JSON error object."""
-        return {"error": {"message": self.message, "type": TYPES.get(self.status, "server_error"),
+        kind = TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        return {"error": {"message": self.message, "type": kind,
                           "param": self.param, "code": self.code if self.code is not None else self.status}}
 
     def response(self) -> JSONResponse:
@@ -46,3 +46,25 @@ def validation_error(errors: list[dict[str, Any]]) -> ApiError:
         shown = shown[:57] + "..."
     msg = f"{field}: {e.get('msg', 'invalid')}" + ("" if e.get("type") == "missing" else f" (got {shown})")
     return ApiError(400, msg, param=loc[0] if loc else None, code="invalid_value")
+
+
+ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "integer", "null"]}}}}}
+
+
+def document_errors(schema: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAPI schema as the server answers: a bad body is a 400 with an error object (FastAPI's
+    generated 422 and its validation schemas never happen here)."""
+    comps = schema.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        comps.pop(name, None)
+    comps["ErrorResponse"] = ERROR_SCHEMA
+    ref = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    for ops in schema.get("paths", {}).values():
+        for op in ops.values():
+            responses = op.get("responses", {})
+            if responses.pop("422", None) is not None:
+                responses["400"] = {"description": "Invalid request", **ref}
+    return schema

@@ -23,8 +23,8 @@ from vkflash.model.tokenizer import Tokenizer
 from vkflash.server.backend import Loaded
 from vkflash.server.errors import ApiError
 from vkflash.server.metrics import Live
-from vkflash.server.openai_api import JobStream, Prepared, admit, check_model, collect, error_event, raise_for, \
-    render_request, sampling_params, sse
+from vkflash.server.openai_api import JobStream, Prepared, admit, check_model, check_text, chosen_tools, collect, \
+    error_event, raise_for, render, sampling_params_of, sse
 from vkflash.server.schemas import ChatRequest, InfillRequest, TokenizeRequest
 from vkflash.server.slot import Job, Started
 from vkflash.server.state import ServerState
@@ -210,9 +210,11 @@ def make_router(state: ServerState) -> APIRouter:
     @router.post("/tokenize", summary="Text → token ids (parse_special: special-token text becomes its token)")
     async def tokenize(req: TokenizeRequest) -> JSONResponse:
         tok = state.ready().tokenizer
+        check_text(req)
         ids = await run_in_threadpool(tok.encode, req.content, req.add_special, req.parse_special)
         if req.with_pieces:
-            return JSONResponse({"tokens": [{"id": t, "piece": _piece(tok, t)} for t in ids]})
+            pieces = await run_in_threadpool(lambda: [{"id": t, "piece": _piece(tok, t)} for t in ids])
+            return JSONResponse({"tokens": pieces})
         return JSONResponse({"tokens": ids})
 
     @router.post("/apply-template", summary="Chat messages → the prompt the chat template renders")
@@ -220,14 +222,16 @@ def make_router(state: ServerState) -> APIRouter:
         loaded = state.ready()
         if not req.messages:
             raise ApiError(400, "messages must hold at least one message", param="messages")
-        return JSONResponse({"prompt": render_request(req, state, loaded)})
+        check_text(req)
+        return JSONResponse({"prompt": await run_in_threadpool(render, req, state, loaded, chosen_tools(req))})
 
     @router.post("/infill", summary="Fill in the middle (llama-server): code between input_prefix and input_suffix")
     async def infill(req: InfillRequest, request: Request) -> Any:
         loaded = state.ready()
         check_model(req, loaded)
         max_tokens = req.max_tokens if req.n_predict is None else (None if req.n_predict < 0 else req.n_predict)
-        params = sampling_params(req, state, max_tokens)
+        check_text(req)
+        params = await sampling_params_of(req, state, loaded, max_tokens)
         ids = await run_in_threadpool(infill_prompt, loaded.tokenizer, req, loaded.info.ubatch, loaded.info.n_ctx,
                                       max_tokens if max_tokens is not None else -1)
         grammar = await run_in_threadpool(request_grammar, req, loaded.tokenizer, loaded.info.n_vocab)

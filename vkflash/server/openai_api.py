@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,18 +20,19 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from vkflash.engine.api import Finish, InvalidRequest, SamplingParams, TokenEvent
 from vkflash.engine.generate import check_prompt
 from vkflash.engine.grammar import Grammar
 from vkflash.errors import DeviceError, VkflashError
-from vkflash.model.chat import ReasoningParser, prompt_opens_think, render_chat
+from vkflash.model.chat import EFFORTS, ReasoningParser, prompt_opens_think, render_chat
 from vkflash.server.backend import Loaded
 from vkflash.server.errors import ApiError
 from vkflash.server.logprobs import Piece, ScoredToken, chat_entries, completion_logprobs
 from vkflash.server.schemas import ChatMessage, ChatRequest, CompletionRequest, SamplingFields
-from vkflash.server.slot import Job, QueueFull, Started
+from vkflash.server.slot import Job, QueueFull, ShuttingDown, Started
 from vkflash.server.state import ServerState
 from vkflash.server.structured import request_grammar
 from vkflash.server.tools import ToolCallParser, split_tool_calls
@@ -50,7 +53,7 @@ class JobStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.job.cancel.set()
+            self.job.abort()
 
 
 KEEPALIVE = ": keep-alive\n\n"
@@ -85,6 +88,32 @@ def sse(obj: dict[str, Any] | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+SURROGATE = re.compile("[\ud800-\udfff]")
+# render_chat's own arguments: a chat_template_kwargs key of these names would collide with them
+RESERVED_KWARGS = ("messages", "tools", "tplfix", "source")
+
+
+def _has_surrogate(v: Any) -> bool:
+    """Whether a parsed JSON value holds a lone UTF-16 surrogate (JSON allows "\ud800"; Unicode text does not)."""
+    if isinstance(v, str):
+        return SURROGATE.search(v) is not None
+    if isinstance(v, dict):
+        return any(_has_surrogate(k) or _has_surrogate(x) for k, x in v.items())
+    if isinstance(v, (list, tuple)):
+        return any(_has_surrogate(x) for x in v)
+    if isinstance(v, BaseModel):
+        return _has_surrogate(dict(v)) or _has_surrogate(v.model_extra or {})
+    return False
+
+
+def check_text(req: BaseModel) -> None:
+    """A 400 naming the field whose text holds a lone surrogate (it could be neither tokenized nor echoed)."""
+    for name, value in [*dict(req).items(), *(req.model_extra or {}).items()]:
+        if _has_surrogate(value):
+            raise ApiError(400, f"{name}: the text holds a lone UTF-16 surrogate (not valid Unicode)", param=name,
+                           code="invalid_value")
+
+
 def check_model(req: SamplingFields, loaded: Loaded) -> None:
     """The request's `model`, if given, must name the served model (id or file name)."""
     names = {loaded.info.model_id, Path(loaded.info.model_path).name}
@@ -93,7 +122,8 @@ def check_model(req: SamplingFields, loaded: Loaded) -> None:
                        param="model", code="model_not_found")
 
 
-def sampling_params(req: SamplingFields, state: ServerState, max_tokens: int | None) -> SamplingParams:
+def sampling_params(req: SamplingFields, state: ServerState, max_tokens: int | None,
+                    bias: tuple[tuple[int, float], ...] = ()) -> SamplingParams:
     """SamplingParams from the request, with the TEMP knob as the default temperature."""
     if req.n != 1:
         raise ApiError(400, "n must be 1 (one generation slot)", param="n")
@@ -104,7 +134,110 @@ def sampling_params(req: SamplingFields, state: ServerState, max_tokens: int | N
                           repetition_penalty=req.repeat_penalty if req.repeat_penalty is not None
                           else req.repetition_penalty,
                           presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                          penalty_last_n=req.repeat_last_n, ignore_eos=req.ignore_eos)
+                          penalty_last_n=req.repeat_last_n, ignore_eos=req.ignore_eos, logit_bias=bias)
+
+
+async def sampling_params_of(req: SamplingFields, state: ServerState, loaded: Loaded,
+                             max_tokens: int | None) -> SamplingParams:
+    """sampling_params with the request's logit_bias (text keys are tokenized off the event loop)."""
+    bias = await run_in_threadpool(logit_bias, req.logit_bias, loaded)
+    return sampling_params(req, state, max_tokens, bias)
+
+
+def _bias_error(msg: str) -> ApiError:
+    return ApiError(400, f"logit_bias: {msg}", param="logit_bias", code="invalid_value")
+
+
+def logit_bias(raw: dict[str, Any] | list[Any] | None, loaded: Loaded) -> tuple[tuple[int, float], ...]:
+    """llama-server's logit_bias: {"token id": bias} or [[token id or text, bias], …]; a text key
+    stands for each of its tokens; a bias of false or ≤ -100 bans the token (-inf)."""
+    if not raw:
+        return ()
+    items = list(raw.items()) if isinstance(raw, dict) else raw
+    out: dict[int, float] = {}
+    for item in items:
+        if not (isinstance(item, (list, tuple)) and len(item) == 2):
+            raise _bias_error("a list entry must be a [token, bias] pair")
+        key, value = item
+        if value is False:
+            bias = float("-inf")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            bias = float("-inf") if value <= -100 else float(value)
+        else:
+            raise _bias_error(f"the bias of {key!r} must be a number or false (got {value!r})")
+        if isinstance(key, int) and not isinstance(key, bool):
+            ids = [key]
+        elif isinstance(key, str) and re.fullmatch(r"-?\d+", key.strip()):
+            ids = [int(key)]
+        elif isinstance(key, str):
+            ids = loaded.tokenizer.encode(key, False, False)
+        else:
+            raise _bias_error(f"a key must be a token id or text (got {key!r})")
+        for t in ids:
+            if not 0 <= t < loaded.info.n_vocab:
+                raise _bias_error(f"token id {t} is outside the vocabulary 0..{loaded.info.n_vocab - 1}")
+            out[t] = bias
+    return tuple(out.items())
+
+
+def chosen_tools(req: ChatRequest) -> list[dict[str, Any]] | None:
+    """The tools the template shows, by tool_choice: "none" → none; "auto" / "required" → all of
+    them; {"type": "function", "function": {"name": n}} → that one (no grammar forces a call)."""
+    choice, tools = req.tool_choice, req.tools or []
+    if choice is None or choice == "auto":
+        return tools or None
+    if choice == "none":
+        return None
+    if not tools:
+        raise ApiError(400, "tool_choice needs tools", param="tool_choice", code="invalid_value")
+    if choice == "required":
+        return tools
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        named = [t for t in tools if isinstance(t.get("function"), dict) and t["function"].get("name") == name]
+        if not named:
+            raise ApiError(400, f"tool_choice names the function {name!r}, which is not among the tools",
+                           param="tool_choice", code="invalid_value")
+        return named
+    raise ApiError(400, "tool_choice must be \"none\", \"auto\", \"required\" or "
+                   "{\"type\": \"function\", \"function\": {\"name\": …}}", param="tool_choice",
+                   code="invalid_value")
+
+
+def render(req: ChatRequest, state: ServerState, loaded: Loaded, tools: list[dict[str, Any]] | None) -> str:
+    """The request's prompt text by the chat template (run off the event loop: a long conversation
+    takes a while); a request the template cannot render is a 400."""
+    messages = [message_dict(m) for m in req.messages]
+    kwargs = dict(req.chat_template_kwargs or {})
+    for k in RESERVED_KWARGS:
+        if k in kwargs:
+            raise ApiError(400, f"chat_template_kwargs.{k}: set by the request itself, not a template option",
+                           param="chat_template_kwargs", code="invalid_value")
+    asked = kwargs.pop("reasoning_effort", None)
+    if asked is not None and asked not in EFFORTS:
+        raise ApiError(400, f"chat_template_kwargs.reasoning_effort must be one of {'|'.join(EFFORTS)} "
+                       f"(got {asked!r})", param="chat_template_kwargs", code="invalid_value")
+    effort = req.reasoning_effort or asked or state.settings["REASONING"] or None
+    try:
+        return render_chat(loaded.info.chat_template, messages, tools=tools,
+                           enable_thinking=kwargs.pop("enable_thinking", None), reasoning_effort=effort,
+                           tplfix=bool(state.settings["TPLFIX"]), **kwargs)
+    except VkflashError as e:
+        raise ApiError(400, str(e), param="messages", code="invalid_value") from None
+    except Exception as e:  # noqa: BLE001 — the template failed on what the request holds
+        raise ApiError(400, f"chat template error: {type(e).__name__}: {e}", param="messages",
+                       code="invalid_value") from None
+
+
+def check_tool_calls(calls: list[dict[str, Any]]) -> None:
+    """An assistant turn's tool calls must be `{"function": {"name": str, "arguments": str | object}}`."""
+    for c in calls:
+        f = c.get("function")
+        ok = isinstance(f, dict) and isinstance(f.get("name"), str) and f["name"] \
+            and isinstance(f.get("arguments", ""), (str, dict))
+        if not ok:
+            raise ApiError(400, "messages: each tool_calls entry must be {\"function\": {\"name\": a string, "
+                           "\"arguments\": a JSON string or object}}", param="messages", code="invalid_value")
 
 
 def message_dict(m: ChatMessage) -> dict[str, Any]:
@@ -119,24 +252,13 @@ def message_dict(m: ChatMessage) -> dict[str, Any]:
         content = "".join(parts)
     else:
         content = m.content or ""
+    if m.tool_calls is not None:
+        check_tool_calls(m.tool_calls)
     d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
     for k in ("reasoning_content", "tool_calls", "tool_call_id", "name"):
         if getattr(m, k) is not None:
             d[k] = getattr(m, k)
     return d
-
-
-def render_request(req: ChatRequest, state: ServerState, loaded: Loaded) -> str:
-    """The prompt text a chat request renders to (its messages and tools through the chat template)."""
-    messages = [message_dict(m) for m in req.messages]
-    kwargs = dict(req.chat_template_kwargs or {})
-    effort = req.reasoning_effort or state.settings["REASONING"] or None
-    try:
-        return render_chat(loaded.info.chat_template, messages, tools=req.tools,
-                           enable_thinking=kwargs.pop("enable_thinking", None), reasoning_effort=effort,
-                           tplfix=bool(state.settings["TPLFIX"]), **kwargs)
-    except VkflashError as e:
-        raise ApiError(400, str(e), param="messages") from None
 
 
 @dataclass
@@ -182,6 +304,8 @@ def admit(state: ServerState, prep: Prepared) -> Job:
         state.metrics.reject()
         raise ApiError(503, f"the server is busy: 1 generation running and {state.slot.depth} waiting",
                        code="queue_full", headers={"Retry-After": "1"}) from None
+    except ShuttingDown as e:
+        raise ApiError(503, str(e), code="shutting_down") from None
 
 
 async def collect(job: Job, request: Request) -> tuple[str, Finish, list[ScoredToken]]:
@@ -191,7 +315,7 @@ async def collect(job: Job, request: Request) -> tuple[str, Finish, list[ScoredT
     async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        job.cancel.set()
+        job.abort()
 
     watcher = asyncio.create_task(watch())
     parts: list[str] = []
@@ -220,11 +344,19 @@ def split_output(text: str, in_think: bool) -> tuple[str, str]:
     return c1 + c2, (r1 + r2).strip()
 
 
+def failure(fin: Finish) -> ApiError:
+    """The error answer of a generation that ended in an error: 503 when the server is going away
+    (shut down, device lost), else 500."""
+    if isinstance(fin.error, ShuttingDown):
+        return ApiError(503, str(fin.error), code="shutting_down")
+    status = 503 if isinstance(fin.error, DeviceError) else 500
+    return ApiError(status, f"generation failed: {fin.error}", code="generation_failed")
+
+
 def raise_for(fin: Finish) -> None:
     """A generation that ended in an error becomes a 5xx answer."""
     if fin.reason == "error":
-        status = 503 if isinstance(fin.error, DeviceError) else 500
-        raise ApiError(status, f"generation failed: {fin.error}", code="generation_failed")
+        raise failure(fin)
 
 
 def finish_reason(fin: Finish, n_calls: int) -> str:
@@ -240,9 +372,7 @@ def usage(fin: Finish) -> dict[str, int]:
 
 def error_event(fin: Finish) -> str:
     """The SSE event of a generation that failed mid-stream."""
-    err = ApiError(503 if isinstance(fin.error, DeviceError) else 500, f"generation failed: {fin.error}",
-                   code="generation_failed")
-    return sse(err.body())
+    return sse(failure(fin).body())
 
 
 def make_router(state: ServerState) -> APIRouter:
@@ -255,15 +385,17 @@ def make_router(state: ServerState) -> APIRouter:
         check_model(req, loaded)
         if not req.messages:
             raise ApiError(400, "messages must hold at least one message", param="messages")
+        check_text(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = sampling_params(req, state, max_tokens)
-        text = render_request(req, state, loaded)
+        params = await sampling_params_of(req, state, loaded, max_tokens)
+        tools = chosen_tools(req)
+        text = await run_in_threadpool(render, req, state, loaded, tools)
         ids = await run_in_threadpool(loaded.tokenizer.encode, text, True, True)
         split = req.reasoning_format == "auto"
-        grammar = await run_in_threadpool(request_grammar, req, loaded.tokenizer, loaded.info.n_vocab, req.tools,
+        grammar = await run_in_threadpool(request_grammar, req, loaded.tokenizer, loaded.info.n_vocab, tools,
                                           req.tool_choice, prompt_opens_think(text))
-        prep = Prepared(ids, params, split and prompt_opens_think(text), split,
-                        bool(req.tools) and req.tool_choice != "none", chat_top_logprobs(req), grammar)
+        prep = Prepared(ids, params, split and prompt_opens_think(text), split, bool(tools), chat_top_logprobs(req),
+                        grammar)
         job = admit(state, prep)
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), loaded.info.model_id
         if req.stream:
@@ -295,7 +427,8 @@ def make_router(state: ServerState) -> APIRouter:
         check_model(req, loaded)
         if req.echo:
             raise ApiError(400, "echo is not supported", param="echo")
-        params = sampling_params(req, state, req.max_tokens)
+        check_text(req)
+        params = await sampling_params_of(req, state, loaded, req.max_tokens)
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:

@@ -62,6 +62,8 @@ class SamplingFields(_Strict):
     grammar: str | None = Field(default=None, description="llama-server: a GBNF grammar the output matches")
     json_schema: dict[str, Any] | None = Field(default=None,
                                                description="llama-server: a JSON schema the output matches")
+    logit_bias: dict[str, Any] | list[Any] | None = Field(
+        default=None, description="{\"token id\": bias} or [[token id or text, bias], …]; false or ≤ -100 bans")
 
 
 class ChatRequest(SamplingFields):
@@ -71,7 +73,9 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = Field(
         default=None, description="function tools; `<tool_call>` blocks in the output become tool_calls")
-    tool_choice: str | dict[str, Any] | None = Field(default=None, description="\"none\": no tool_calls parsing")
+    tool_choice: str | dict[str, Any] | None = Field(
+        default=None, description="\"none\": no tools shown nor parsed; \"auto\", \"required\": all tools; "
+        "{\"type\": \"function\", \"function\": {\"name\": …}}: that tool only (a call is not forced)")
     logprobs: bool = Field(default=False, description="report each output token's log-probability")
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP, description="alternatives per token (needs logprobs)")
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None

@@ -1,18 +1,20 @@
 """One generation slot and a bounded queue in front of it. The engine runs in a worker thread;
 its events reach the asyncio side through call_soon_threadsafe, so the event loop never blocks.
 
-A full queue refuses at admission (QueueFull → 503); a job's cancel event (set on client
-disconnect) stops it within one token, or skips it if it is still waiting.
+A full queue refuses at admission (QueueFull → 503); a job's abort (client disconnect) stops it
+within one token, or takes it out of the queue at once if it is still waiting (a client that left
+holds no place). `shutdown` (SIGINT/SIGTERM) ends the running job and every waiting one with a
+ShuttingDown error, refuses new ones and lets the worker thread end, to be joined before exit.
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vkflash.engine.api import Finish, Forward, SamplingParams, TextCodec, TokenEvent
 from vkflash.engine.generate import generate
@@ -25,6 +27,13 @@ class QueueFull(Exception):
     """The slot is busy and the queue holds its maximum of waiting requests."""
 
 
+class ShuttingDown(Exception):
+    """The server is stopping: no new generation starts, the running one is ended."""
+
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down")
+
+
 @dataclass(frozen=True)
 class Started:
     """The job left the queue and its prefill begins."""
@@ -33,7 +42,7 @@ class Started:
 Event = Started | TokenEvent | Finish
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: the queue finds and removes it by identity
 class Job:
     """One admitted request: its prompt and parameters, cancel flag and event channel.
 
@@ -50,6 +59,13 @@ class Job:
     n_decoded: int = 0
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
+    on_abort: Callable[["Job"], None] | None = None
+
+    def abort(self) -> None:
+        """Stop the job (its client went away): a running one within one token, a waiting one now."""
+        self.cancel.set()
+        if self.on_abort is not None:
+            self.on_abort(self)
 
     def deliver(self, ev: Event) -> None:
         """From the worker thread: hand an event to the asyncio side (dropped if the loop is gone)."""
@@ -69,7 +85,7 @@ class Job:
                 if isinstance(ev, Finish):
                     return
         finally:
-            self.cancel.set()
+            self.abort()
 
 
 class Slot:
@@ -79,45 +95,88 @@ class Slot:
                  on_finish: Callable[[Finish], None], token_delay_s: float = 0.0) -> None:
         self.fwd, self.codec, self.depth, self.ubatch = fwd, codec, depth, ubatch
         self.on_finish, self.token_delay_s = on_finish, token_delay_s
-        self._q: queue.Queue[Job | None] = queue.Queue()
-        self._lock = threading.Lock()
-        self.waiting = 0
-        self.busy = False
-        self.current: Job | None = None
+        self._cv = threading.Condition()
+        self._queue: deque[Job] = deque()
+        self._running: Job | None = None
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="vkflash-slot", daemon=True)
         self._thread.start()
 
+    @property
+    def waiting(self) -> int:
+        """Jobs waiting for the slot now."""
+        return len(self._queue)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a generation runs now."""
+        return self._running is not None
+
+    @property
+    def current(self) -> Job | None:
+        """The running job (/slots), if any."""
+        return self._running
+
     def submit(self, prompt: Sequence[int], params: SamplingParams, top_logprobs: int | None = None,
                grammar: Grammar | None = None) -> Job:
-        """Admit a job or raise QueueFull (call from the event loop)."""
-        job = Job(list(prompt), params, asyncio.get_running_loop(), top_logprobs, grammar)
-        with self._lock:
-            if self.waiting + int(self.busy) >= 1 + self.depth:
+        """Admit a job or raise QueueFull / ShuttingDown (call from the event loop)."""
+        job = Job(list(prompt), params, asyncio.get_running_loop(), top_logprobs, grammar, on_abort=self._withdraw)
+        with self._cv:
+            if self._closed:
+                raise ShuttingDown
+            if len(self._queue) + int(self.busy) >= 1 + self.depth:
                 raise QueueFull
-            self.waiting += 1
-        self._q.put(job)
+            self._queue.append(job)
+            self._cv.notify()
         return job
+
+    def _withdraw(self, job: Job) -> None:
+        """Take an aborted job out of the queue if it still waits there, and finish it as cancelled."""
+        with self._cv:
+            if job not in self._queue:
+                return
+            self._queue.remove(job)
+        self._finish(job, Finish("cancelled", prompt_tokens=len(job.prompt)))
 
     def kv_fill(self) -> float:
         """Fraction of the context the slot's sequence occupies now."""
         return self.fwd.n_past / self.fwd.n_ctx if self.busy else 0.0
 
-    def close(self) -> None:
-        """Stop the worker after the current job."""
-        self._q.put(None)
+    def shutdown(self) -> None:
+        """Refuse new jobs, end every waiting one and the running one with ShuttingDown; the worker
+        thread then ends (join it with `join`)."""
+        with self._cv:
+            self._closed = True
+            dropped, self._queue = list(self._queue), deque()
+            if self._running is not None:
+                self._running.cancel.set()
+            self._cv.notify_all()
+        for job in dropped:
+            self._finish(job, Finish("error", prompt_tokens=len(job.prompt), error=ShuttingDown()))
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the worker thread to end (after `shutdown`); whether it did."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
-        while (job := self._q.get()) is not None:
-            with self._lock:
-                self.waiting -= 1
-                self.busy = True
-                self.current = job
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                self._running = job = self._queue.popleft()
             try:
                 self._serve(job)
             finally:
-                with self._lock:
-                    self.busy = False
-                    self.current = None
+                with self._cv:
+                    self._running = None
+
+    def _finish(self, job: Job, fin: Finish) -> None:
+        """Count a job's Finish and hand it to its client (exactly once per job)."""
+        self.on_finish(fin)
+        job.deliver(fin)
 
     def _serve(self, job: Job) -> None:
         """Run one job to its Finish (always delivered exactly once)."""
@@ -142,8 +201,9 @@ class Slot:
                         time.sleep(self.token_delay_s)
             except Exception as e:  # noqa: BLE001 — reported to the client, never kills the worker
                 fin = Finish("error", prompt_tokens=len(job.prompt), error=e)
-        self.on_finish(fin)
-        job.deliver(fin)
+        if fin.reason == "cancelled" and self._closed:
+            fin = replace(fin, reason="error", error=ShuttingDown())
+        self._finish(job, fin)
 
 
 def is_device_loss(fin: Finish) -> bool:

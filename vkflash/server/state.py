@@ -1,5 +1,10 @@
 """The server's shared state: settings, health (loading → ok, or failed with a reason), the
-loaded model and its slot, metrics. Loading runs in a thread so /health answers from the start."""
+loaded model and its slot, metrics. Loading runs in a thread so /health answers from the start.
+
+`stop` (the server was told to exit) makes every new request a 503 and ends the slot's jobs;
+`close` then waits for the loader and the worker thread, so no engine thread still runs while
+the interpreter tears the GPU objects down.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from vkflash.errors import VkflashError
 from vkflash.server.backend import Loaded
 from vkflash.server.errors import ApiError
 from vkflash.server.metrics import Metrics
-from vkflash.server.slot import Slot, is_device_loss
+from vkflash.server.slot import ShuttingDown, Slot, is_device_loss
 from vkflash.settings import Settings
 
 
@@ -46,10 +51,13 @@ class ServerState:
     health: Health = field(default_factory=Health)
     loaded: Loaded | None = None
     slot: Slot | None = None
+    on_load_failure: Callable[[str], None] | None = None  # set: a failed load ends the server (it reports)
+    stopping: bool = False
+    _loader_thread: threading.Thread | None = field(default=None, init=False, repr=False)
 
     def start_loading(self) -> threading.Thread:
         """Load the model in a background thread; the outcome lands in `health`."""
-        t = threading.Thread(target=self._load, name="vkflash-load", daemon=True)
+        t = self._loader_thread = threading.Thread(target=self._load, name="vkflash-load", daemon=True)
         t.start()
         return t
 
@@ -57,10 +65,10 @@ class ServerState:
         try:
             loaded = self.loader(self.settings)
         except VkflashError as e:
-            self.fail(f"model load failed: {e}")
+            self._load_failed(f"model load failed: {e}")
             return
         except Exception as e:  # anything else must still end "loading", never leave it hanging
-            self.fail(f"model load failed: {type(e).__name__}: {e}")
+            self._load_failed(f"model load failed: {type(e).__name__}: {e}")
             return
         self.slot = Slot(loaded.fwd, loaded.tokenizer, self.options.queue_depth, loaded.info.ubatch,
                          self.on_finish, self.options.token_delay_s)
@@ -72,6 +80,29 @@ class ServerState:
         self.health = Health("ok")
         i = loaded.info
         print(f"model ready: {i.model_id} ({i.arch}, {i.backend}), n_ctx={i.n_ctx}, n_vocab={i.n_vocab}", flush=True)
+
+    def _load_failed(self, reason: str) -> None:
+        """Unhealthy for good; the owner's hook, if any, stops the server (else say why here)."""
+        if self.on_load_failure is None:
+            self.fail(reason)
+        else:
+            self.health = Health("failed", reason)
+            self.on_load_failure(reason)
+
+    def stop(self) -> None:
+        """The server is exiting: new requests get 503, the slot's jobs end (call from the event loop)."""
+        self.stopping = True
+        if self.slot is not None:
+            self.slot.shutdown()
+
+    def close(self, timeout: float = 30.0) -> bool:
+        """After `stop`: wait for the model load and the worker thread to end; whether they did."""
+        if self._loader_thread is not None:
+            self._loader_thread.join(timeout)
+        if self.slot is None:
+            return self._loader_thread is None or not self._loader_thread.is_alive()
+        self.slot.shutdown()  # a load that finished after `stop` started a worker
+        return self.slot.join(timeout)
 
     def fail(self, reason: str) -> None:
         """Mark the server unhealthy for good (a failed load or a lost device)."""
@@ -87,6 +118,8 @@ class ServerState:
     def ready(self) -> Loaded:
         """The loaded model, or a 503 saying why there is none."""
         h = self.health
+        if self.stopping:
+            raise ApiError(503, str(ShuttingDown()), code="shutting_down")
         if h.status == "loading":
             raise ApiError(503, "the model is still loading", code="loading", headers={"Retry-After": "2"})
         if h.status == "failed" or self.loaded is None:
