@@ -92,3 +92,25 @@ def test_bad_knob_value_stops_with_its_name():
     r = subprocess.run([sys.executable, "-m", "vkflash.cli", "knobs"], capture_output=True, text=True,
                        env={"UB": "huge", "PATH": ""}, timeout=60)
     assert_one_line_error(r, "UB", "'huge'")
+
+
+def test_run_and_inspect_refuse_a_truncated_file_in_one_line(tiny, tmp_path):
+    """`head -c 40 t.gguf > x.gguf; vkflash run x.gguf -p hi`: the checked loader's line, no traceback."""
+    p = tmp_path / "x.gguf"
+    p.write_bytes(tiny.read_bytes()[:40])
+    for args in (("inspect", str(p)), ("run", str(p), "-p", "hi", "--max-tokens", "1")):
+        assert_one_line_error(vkflash(*args), "x.gguf: truncated GGUF")
+
+
+def test_inspect_builds_the_tokenizer(tiny, tmp_path):
+    """A merge naming a token the vocabulary lacks used to pass `inspect` and fail at `run`; both refuse it."""
+    raw = bytearray(tiny.read_bytes())
+    key = b"tokenizer.ggml.merges"
+    at = raw.index(key) + len(key) + 4 + 4 + 8  # value type, item type, count: the first string's length
+    while raw[at + 8] >= 0x80:  # a merge that starts with an ASCII character: replacing it keeps UTF-8
+        at += 8 + int.from_bytes(raw[at:at + 8], "little")
+    raw[at + 8] = 0x01
+    p = tmp_path / "merges.gguf"
+    p.write_bytes(bytes(raw))
+    for args in (("inspect", str(p)), ("run", str(p), "-p", "hi", "--max-tokens", "1")):
+        assert_one_line_error(vkflash(*args), "merges.gguf: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens")
