@@ -157,6 +157,10 @@ def mutations(rng: np.random.Generator, data: bytes, layout: Layout) -> Iterator
     typed = [s for s in layout.spans if s.kind == "type"]
     values = [s for s in layout.spans if s.kind == "value"]
 
+    def other(old: bytes) -> int:
+        """One of SPECIAL_BYTES that changes `old` (filled with it)."""
+        return int(rng.choice([b for b in SPECIAL_BYTES if bytes([b]) * len(old) != old]))
+
     def some_offsets() -> list[int]:
         return [int(o) for o in rng.integers(0, head, int(rng.integers(1, 4)))]
 
@@ -169,7 +173,7 @@ def mutations(rng: np.random.Generator, data: bytes, layout: Layout) -> Iterator
             yield Mutation(tuple((o, bytes([data[o] ^ int(rng.integers(1, 256))])) for o in some_offsets()),
                            why="random byte flips")
         elif kind in (2, 3):
-            yield Mutation(tuple((o, bytes([int(rng.choice(SPECIAL_BYTES))])) for o in some_offsets()),
+            yield Mutation(tuple((o, bytes([other(data[o:o + 1])])) for o in some_offsets()),
                            why="bytes set to 0xF5/0xFF/0x00")
         elif kind == 4:
             s = numeric[int(rng.integers(len(numeric)))]
@@ -182,7 +186,7 @@ def mutations(rng: np.random.Generator, data: bytes, layout: Layout) -> Iterator
             yield Mutation(((s.offset, new.to_bytes(4, "little")),), why="type field changed")
         elif kind == 6:
             s = values[int(rng.integers(len(values)))]
-            fill = bytes([int(rng.choice(SPECIAL_BYTES))]) * s.size
+            fill = bytes([other(data[s.offset:s.offset + s.size])]) * s.size
             yield Mutation(((s.offset, fill),), why="scalar value overwritten")
         else:  # tensor data: the file stays valid and must load
             o = int(rng.integers(head, len(data)))
