@@ -83,16 +83,17 @@ def layout_of(b: bytes) -> Layout:
         take(n, f"{what} bytes", "bytes")
         return text
 
-    def value(t: int, what: str, in_array: bool) -> None:
+    def value(t: int, what: str) -> None:
         nonlocal pos
         if t == 8:
             string(what)
         elif t == 9:
             item = take(4, f"{what} item type", "type")
-            for i in range(take(8, f"{what} count", "length")):
-                value(item, f"{what}[{i}]", True)
-        elif in_array:  # numeric array items: one span would be one per token, too many to list
-            pos += _SCALAR_SIZES[t]
+            count = take(8, f"{what} count", "length")
+            if item in _SCALAR_SIZES:  # numbers: one span for all (one per token would be too many)
+                take(count * _SCALAR_SIZES[item], f"{what} items", "bytes")
+            for i in range(count if item not in _SCALAR_SIZES else 0):
+                value(item, f"{what}[{i}]")
         else:
             take(_SCALAR_SIZES[t], f"{what} value", "value")
 
@@ -100,7 +101,7 @@ def layout_of(b: bytes) -> Layout:
     n_tensors, n_kv = take(8, "tensor count", "length"), take(8, "kv count", "length")
     for _ in range(n_kv):
         key = string("key")
-        value(take(4, f"{key} type", "type"), key, False)
+        value(take(4, f"{key} type", "type"), key)
     for _ in range(n_tensors):
         name = string("tensor name")
         for i in range(take(4, f"{name} n_dims", "length")):

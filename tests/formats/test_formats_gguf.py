@@ -229,6 +229,19 @@ def test_truncated_everywhere(good_file: Path, rng: np.random.Generator) -> None
         assert "\n" not in str(e.value)
 
 
+def test_truncated_header_says_where(good_file: Path) -> None:
+    """A cut (or a damaged length) in the header names the last field read whole."""
+    raw = good_file.read_bytes()
+    short = good_file.with_name("short.gguf")
+    short.write_bytes(raw[: raw.index(b"a.n") + 2])
+    with pytest.raises(FormatError, match=f"the header needs {raw.index(b'a.n') + 3} bytes, the file has "
+                                          f"{raw.index(b'a.n') + 2} \\(cut or damaged after key 'tokenizer.ggml.tokens'\\)$"):
+        GGUFFile(short)
+    short.write_bytes(raw[:30])
+    with pytest.raises(FormatError, match="after the header's counts"):
+        GGUFFile(short)
+
+
 def test_truncated_tensor_names_the_tensor(good_file: Path) -> None:
     raw = good_file.read_bytes()
     short = good_file.with_name("short.gguf")

@@ -59,9 +59,10 @@ class TensorInfo:
 class _Truncated(Exception):
     """Raised by _BoundedReader when a header read runs past the end of the file."""
 
-    def __init__(self, end: int) -> None:
+    def __init__(self, end: int, after: str) -> None:
         super().__init__(end)
         self.end = end
+        self.after = after
 
 
 class _BoundedReader(GGUFReader):
@@ -74,9 +75,19 @@ class _BoundedReader(GGUFReader):
     """
 
     tensor_fields: list[ReaderField]
-    _depth = 0
+    _depth = 0  # arrays of arrays being parsed (MAX_ARRAY_DEPTH)
+    _plain: np.ndarray | None = None  # the map as a plain ndarray, made on the first read
+    _last = "the header's counts"  # the last field read whole: where a damaged or cut file goes wrong
 
-    _plain: np.ndarray | None = None
+    def _push_field(self, field: ReaderField, skip_sum: bool = False) -> int:
+        size = super()._push_field(field, skip_sum)
+        self._last = "the header's counts" if field.name in _READER_FIELDS else f"key {field.name!r}"
+        return size
+
+    def _get_tensor_info_field(self, orig_offs: int) -> ReaderField:
+        field = super()._get_tensor_info_field(orig_offs)
+        self._last = f"the table entry of tensor {field.name!r}"
+        return field
 
     def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
         """gguf's _get, bounded, on a plain-ndarray view of the map (a memmap slice costs ~5x more,
@@ -85,7 +96,7 @@ class _BoundedReader(GGUFReader):
         start, count = int(offset), int(count)
         end = start + dt.itemsize * count
         if end > self.data.size:
-            raise _Truncated(end)
+            raise _Truncated(end, self._last)
         if self._plain is None:
             self._plain = self.data.view(np.ndarray)
         order = self.byte_order if override_order is None else override_order
@@ -122,15 +133,15 @@ class _BoundedReader(GGUFReader):
         """[payload bytes, starts, ends] of `count` length-prefixed strings at `offs`."""
         size, pos = int(self.data.size), offs
         if offs + 8 * count > size:  # each string has at least its 8-byte length
-            raise _Truncated(offs + 8 * count)
+            raise _Truncated(offs + 8 * count, self._last)
         starts, ends = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)
         for i in range(count):
             if pos + 8 > size:
-                raise _Truncated(pos + 8)
+                raise _Truncated(pos + 8, self._last)
             (n,) = struct.unpack_from("<Q", self.data, pos)
             starts[i], pos = pos + 8 - offs, pos + 8 + n
             if pos > size:  # before it is stored: a huge n does not fit an int64
-                raise _Truncated(pos)
+                raise _Truncated(pos, self._last)
             ends[i] = pos - offs
         return [self.data[offs:pos], starts, ends]
 
@@ -225,7 +236,8 @@ class GGUFFile:
             reader = _BoundedReader(self.path, "r")
         except _Truncated as e:
             raise FormatError(
-                f"{self.path}: truncated GGUF: the header needs {e.end} bytes, the file has {size}"
+                f"{self.path}: truncated GGUF: the header needs {e.end} bytes, the file has {size} (cut or damaged "
+                f"after {one_line(e.after)})"
             ) from None
         except UnicodeDecodeError:  # gguf decodes every key and tensor name while parsing
             raise FormatError(f"{self.path}: malformed GGUF: a metadata key or tensor name is not valid UTF-8") from None
