@@ -1,9 +1,9 @@
 """Fuzzing the checked GGUF loader (model_file.open_model, what `vkflash inspect` runs).
 
-Damaged copies of a tiny qwen2 with a tokenizer and of a make-model hybrid (qwen3next or qwen4exp,
-drawn per run): truncations, byte flips and bytes set to 0xF5 / 0xFF / 0x00 in the header,
-metadata and tensor table, length / count / dim / offset fields set huge, type fields set to
-nonsense, and a few flips in tensor data. Each must be refused with the project's own one-line
+Damaged copies of a tiny qwen2 with a tokenizer and of a make-model hybrid (qwen3next or qwen4exp
+in F32, F16, Q8_0 or the mix, drawn per run): truncations, byte flips and bytes set to 0xF5 / 0xFF
+/ 0x00 in the header, metadata and tensor table, length / count / dim / offset fields set huge,
+type fields set to nonsense, and a few flips in tensor data. Each must be refused with the project's own one-line
 error, or load in full (tokenizer and every tensor, through the reference's loader); a sample goes
 through the real `vkflash inspect` and `vkflash run` in subprocesses: one `error:` line or a
 verdict that agrees, never a traceback. Every failure names its mutation (offsets and bytes).
@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as Q
 from engine.qwen2_tiny import write_qwen2
 from test_run_verify import GEO, with_tokenizer
 from vkflash.errors import VkflashError
-from vkflash.model.make_model import make_model
+from vkflash.model.make_model import TINY_QUANTS, make_model
 from vkflash.model.model_file import open_model
 from vkflash.model.weights import load_model
 
@@ -275,9 +275,9 @@ def qwen2_model(rng: np.random.Generator, tmp_path: Path) -> Path:
 
 
 def hybrid_model(rng: np.random.Generator, tmp_path: Path) -> Path:
-    """A make-model tiny qwen3next or qwen4exp (drawn), fresh seed."""
-    arch = str(rng.choice(["qwen3next", "qwen4exp"]))
-    return make_model(arch, "tiny", None, int(rng.integers(1 << 30)), tmp_path / f"{arch}.gguf")[0]
+    """A make-model tiny qwen3next or qwen4exp in one of its quants (all drawn), fresh seed."""
+    arch, quant = str(rng.choice(["qwen3next", "qwen4exp"])), str(rng.choice(TINY_QUANTS))
+    return make_model(arch, "tiny", quant, int(rng.integers(1 << 30)), tmp_path / f"{arch}-{quant}.gguf")[0]
 
 
 def run_fuzz(rng: np.random.Generator, tmp_path: Path, n_qwen2: int, n_hybrid: int) -> tuple[Fuzz, Fuzz]:
