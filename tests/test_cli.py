@@ -92,3 +92,63 @@ def test_bad_knob_value_stops_with_its_name():
     r = subprocess.run([sys.executable, "-m", "vkflash.cli", "knobs"], capture_output=True, text=True,
                        env={"UB": "huge", "PATH": ""}, timeout=60)
     assert_one_line_error(r, "UB", "'huge'")
+
+
+def test_run_and_inspect_refuse_a_truncated_file_in_one_line(tiny, tmp_path):
+    """`head -c 40 t.gguf > x.gguf; vkflash run x.gguf -p hi`: the checked loader's line, no traceback."""
+    p = tmp_path / "x.gguf"
+    p.write_bytes(tiny.read_bytes()[:40])
+    for args in (("inspect", str(p)), ("run", str(p), "-p", "hi", "--max-tokens", "1")):
+        assert_one_line_error(vkflash(*args), "x.gguf: truncated GGUF")
+
+
+def test_inspect_builds_the_tokenizer(tiny, tmp_path):
+    """A merge naming a token the vocabulary lacks used to pass `inspect` and fail at `run`; both refuse it."""
+    raw = bytearray(tiny.read_bytes())
+    key = b"tokenizer.ggml.merges"
+    at = raw.index(key) + len(key) + 4 + 4 + 8  # value type, item type, count: the first string's length
+    while raw[at + 8] >= 0x80:  # a merge that starts with an ASCII character: replacing it keeps UTF-8
+        at += 8 + int.from_bytes(raw[at:at + 8], "little")
+    raw[at + 8] = 0x01
+    p = tmp_path / "merges.gguf"
+    p.write_bytes(bytes(raw))
+    for args in (("inspect", str(p)), ("run", str(p), "-p", "hi", "--max-tokens", "1")):
+        assert_one_line_error(vkflash(*args), "merges.gguf: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens")
+
+
+def test_serve_refuses_what_inspect_refuses(tiny, tmp_path):
+    """`vkflash serve` loads through the same check: a chat template that does not compile (which the
+    server's own load would take, failing every chat later) makes /health say so, for good."""
+    import os
+    import time
+
+    from server.harness import call, free_port
+
+    from vkflash.formats.gguf_file import GGUFFile
+    from vkflash.formats.gguf_write import RawTensor
+
+    f = GGUFFile(tiny)
+    meta = {k: f.metadata[k] for k in f.metadata if k != "general.architecture"}
+    meta["tokenizer.chat_template"] = "{% if %}"
+    bad = tmp_path / "template.gguf"
+    write_gguf(bad, f.arch, meta, {n: RawTensor(t.data.tobytes(), t.ggml_type, t.ne) for n, t in f.tensors.items()})
+    port = free_port()
+    env = dict(os.environ, VKFLASH_BACKEND="reference", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "vkflash.cli", "serve", "--model", str(bad), "--port", str(port)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        end, health = time.monotonic() + 90, None
+        while time.monotonic() < end and proc.poll() is None:
+            try:
+                health = call(f"http://127.0.0.1:{port}", "GET", "/health", timeout=5)
+            except OSError:
+                health = None
+            if health is not None and health.body.get("status") != "loading":
+                break
+            time.sleep(0.1)
+        assert health is not None and health.status == 503 and health.body["status"] == "failed", health
+        assert "template.gguf: chat template does not compile" in health.body["error"]["message"]
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "Traceback" not in err

@@ -33,19 +33,16 @@ def _main(debug: bool = typer.Option(False, "--debug", help="show tracebacks")) 
 
 @app.command()
 def inspect(path: Path) -> None:
-    """Check a GGUF against the model contract: arch, hyper-parameters and every tensor's shape."""
+    """Check a GGUF against the model contract: header, metadata, hyper-parameters, every tensor's
+    shape, type and place in the file, the tokenizer and the chat template (what run and serve load)."""
     try:
-        from vkflash.formats.gguf_file import GGUFFile
-        from vkflash.model.hparams import hparams_from_gguf
-        from vkflash.model.tensors import validate_tensors
+        from vkflash.model.model_file import open_model
 
-        f = GGUFFile(path)
-        hp = hparams_from_gguf(f)
-        validate_tensors(hp, {n: t.ne for n, t in f.tensors.items()})
+        m = open_model(path)
     except VkflashError as e:
         _fail(e)
         return
-    typer.echo(f"{path}: {f.arch}, {len(f.tensors)} tensors, valid")
+    typer.echo(f"{path}: {m.describe()}, valid")
 
 
 def _fail(e: BaseException) -> None:
@@ -115,13 +112,21 @@ def serve(
 ) -> None:
     """Serve a model over the OpenAI-compatible HTTP API (flags override the env knobs)."""
     try:
+        from vkflash.server import backend
         from vkflash.server.app import serve as run_server
         from vkflash.server.state import ServerOptions
+
+        def checked_load(s: settings.Settings) -> backend.Loaded:
+            """The server's load after the checks `inspect` makes (a damaged file: /health says why)."""
+            from vkflash.model.model_file import open_model
+
+            open_model(backend.model_path(s))
+            return backend.load(s)
 
         s = settings.load(flags={"MODEL": model, "HOST": host, "PORT": port, "CTX": ctx, "UB": ub, "KV": kv,
                                  "QUEUE": queue, "API_KEY": api_key, "MTP": mtp, "MODEL_DRAFT": draft,
                                  "MODEL_DRAFT_SMALL": draft_small})
-        run_server(s, ServerOptions(queue_depth=s["QUEUE"]))
+        run_server(s, ServerOptions(queue_depth=s["QUEUE"]), loader=checked_load)
     except VkflashError as e:
         _fail(e)
 
@@ -307,7 +312,9 @@ def verify_cmd(
         import numpy as np
 
         from vkflash import verify as ver
+        from vkflash.model.model_file import open_model
 
+        open_model(model)
         toks = ver.prompt_tokens(model, prompt, tokens, np.random.default_rng())
         report = ver.verify(model, toks, ctx=ctx)
     except VkflashError as e:
@@ -342,7 +349,10 @@ def bench_serve(model: Optional[str] = typer.Option(None, "--model", "-m", help=
     """TTFT and decode tok/s through the HTTP server vs the same engine in process (HTTP overhead %)."""
     try:
         from vkflash.bench.serve import run
+        from vkflash.model.default_model import resolve_model
+        from vkflash.model.model_file import open_model
 
+        open_model(resolve_model(model or settings.current()["MODEL"] or None, "--model" if model else "MODEL"))
         run(model=model, quick=quick, as_json=as_json, console=console)
     except VkflashError as e:
         _fail(e)
@@ -369,7 +379,10 @@ def bench_model(
         from vkflash.bench.model import run as run_bench
         from vkflash.bench.model import run_mtp
         from vkflash.model.default_model import resolve_model
+        from vkflash.model.model_file import open_model
 
+        path = resolve_model(model)
+        open_model(path)
         depths = _numbers(depth, "--depth", int)
         if depths is not None and any(d < 0 for d in depths):
             raise ConfigError(f"--depth {depth!r}: depths must be ≥ 0")
@@ -378,10 +391,10 @@ def bench_model(
             if accepts is not None and any(not 0 <= p <= 1 for p in accepts):
                 raise ConfigError(f"--accept {accept!r}: probabilities must be in 0..1")
             draft = draft or settings.current()["MODEL_DRAFT"] or None
-            run_mtp(resolve_model(model), resolve_model(draft, "--draft") if draft else None, quick, depths, accepts,
-                    as_json, console, ub, kv)
+            run_mtp(path, resolve_model(draft, "--draft") if draft else None, quick, depths, accepts, as_json, console,
+                    ub, kv)
             return
-        run_bench(resolve_model(model), quick, depths, as_json, console, ub, kv, profile, reps)
+        run_bench(path, quick, depths, as_json, console, ub, kv, profile, reps)
     except VkflashError as e:
         _fail(e)
 

@@ -9,6 +9,12 @@ class VkflashError(Exception):
     """Base of all errors whose message is meant for the user as-is."""
 
 
+def one_line(text: str) -> str:
+    """`text` with line breaks and other control characters escaped: file contents quoted in a message
+    (a token, a third-party library's message about it) must not break the message's one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class FormatError(VkflashError):
     """A GGUF file is malformed, truncated, or uses something we do not support."""
 

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, TextIO
 
 from vkflash.engine.api import Finish, Forward, InvalidRequest, SamplingParams, TokenEvent
 from vkflash.engine.generate import generate
-from vkflash.errors import ConfigError
 from vkflash.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -40,7 +39,8 @@ class Session:
 def open_session(path: Path, console: "Console", ctx: int | None = None, ub: int | None = None,
                  kv: str | None = None, mtp: bool = False, draft: Path | None = None,
                  draft_small: Path | None = None) -> Session:
-    """Read the tokenizer and template, then upload the weights behind a progress bar; `mtp`: decode
+    """Check the file (model_file.open_model: what `inspect` checks, tokenizer and template included),
+    then upload the weights behind a progress bar; `mtp`: decode
     by MTP speculation (the model's own MTP block, or the MTP-only GGUF `draft`; `draft_small`: its
     smaller quant for the deep-context guard)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
@@ -48,19 +48,17 @@ def open_session(path: Path, console: "Console", ctx: int | None = None, ub: int
     from vkflash.engine.gpu_forward import GpuForward
     from vkflash.engine.speculate import Speculator
     from vkflash.model.chat import QWEN3_THINKING_TEMPLATE
-    from vkflash.model.tokenizer import read_tokenizer_meta
+    from vkflash.model.model_file import open_model
 
-    meta = read_tokenizer_meta(path)
-    tok = Tokenizer.from_fields(meta)
-    template = str(meta.get("tokenizer.chat_template") or QWEN3_THINKING_TEMPLATE)
+    checked = open_model(path)
+    tok = checked.require_tokenizer()
+    template = checked.chat_template or QWEN3_THINKING_TEMPLATE
     with Progress(TextColumn(f"loading {path.name}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                   console=console, transient=True) as bar:
         task = bar.add_task("load", total=None)
         progress = lambda done, total: bar.update(task, completed=done, total=total)  # noqa: E731
         sp = Speculator.open(path, draft, draft_small, ctx=ctx, ub=ub, kv=kv, progress=progress) if mtp else None
         fwd = sp.fwd if sp is not None else GpuForward(path, ctx=ctx, ub=ub, kv=kv, progress=progress)
-    if tok.vocab_size > fwd.n_vocab:
-        raise ConfigError(f"{path.name}: the tokenizer has {tok.vocab_size} tokens but the model only {fwd.n_vocab}")
     console.print(f"{path.name}: {fwd.hp.arch}, context {fwd.n_ctx} tokens, ubatch {fwd.ub}, on {fwd.gpu.caps.name}")
     if sp is not None:
         console.print(sp.describe())

@@ -229,11 +229,26 @@ def test_truncated_everywhere(good_file: Path, rng: np.random.Generator) -> None
         assert "\n" not in str(e.value)
 
 
+def test_truncated_header_says_where(good_file: Path) -> None:
+    """A cut (or a damaged length) in the header names the last field read whole."""
+    raw = good_file.read_bytes()
+    short = good_file.with_name("short.gguf")
+    short.write_bytes(raw[: raw.index(b"a.n") + 2])
+    with pytest.raises(FormatError, match=f"the header needs {raw.index(b'a.n') + 3} bytes, the file has "
+                                          f"{raw.index(b'a.n') + 2} \\(cut or damaged after key 'tokenizer.ggml.tokens'\\)$"):
+        GGUFFile(short)
+    short.write_bytes(raw[:30])
+    with pytest.raises(FormatError, match="after the header's counts"):
+        GGUFFile(short)
+
+
 def test_truncated_tensor_names_the_tensor(good_file: Path) -> None:
     raw = good_file.read_bytes()
     short = good_file.with_name("short.gguf")
-    short.write_bytes(raw[: GGUFFile(good_file).tensors["wb"].offset + 5])
-    with pytest.raises(FormatError, match="tensor 'wb': truncated"):
+    wb = GGUFFile(good_file).tensors["wb"]
+    short.write_bytes(raw[: wb.offset + 5])
+    with pytest.raises(FormatError, match=f"truncated GGUF: tensor 'wb' needs {wb.nbytes} bytes at offset {wb.offset}, "
+                                          f"the file has {wb.offset + 5}$"):
         GGUFFile(short)
 
 
@@ -244,6 +259,34 @@ def test_oversized_array_count(good_file: Path, count: int) -> None:
     count_at = good_file.read_bytes().index(key) + len(key) + 4 + 4
     with pytest.raises(FormatError, match="truncated"):
         GGUFFile(patched(good_file, count_at, count.to_bytes(8, "little")))
+
+
+@pytest.mark.parametrize("length", [2**40, 2**63, 2**64 - 1])
+def test_oversized_string_length_in_array(good_file: Path, length: int) -> None:
+    """A string in a string array claiming more bytes than the file holds is truncation."""
+    key = b"tokenizer.ggml.tokens"
+    first_at = good_file.read_bytes().index(key) + len(key) + 4 + 4 + 8
+    with pytest.raises(FormatError, match="truncated"):
+        GGUFFile(patched(good_file, first_at, length.to_bytes(8, "little")))
+
+
+def test_unknown_value_types(good_file: Path) -> None:
+    """A key's value type, or an array's item type, that GGUF does not define is named with its place."""
+    raw = good_file.read_bytes()
+    type_at = raw.index(b"a.n") + 3
+    with pytest.raises(FormatError, match=f"unknown metadata value type 22 \\(for the value at byte {type_at + 4}\\)"):
+        GGUFFile(patched(good_file, type_at, (22).to_bytes(4, "little")))
+    item_at = raw.index(b"tokenizer.ggml.tokens") + len(b"tokenizer.ggml.tokens") + 4
+    with pytest.raises(FormatError, match=f"unknown metadata value type 4126537205 \\(for the value at byte {item_at + 12}"):
+        GGUFFile(patched(good_file, item_at, b"\xf5" * 4))
+
+
+def test_element_count_past_int64(good_file: Path) -> None:
+    """Dims whose product passes ggml's int64 limit are refused as such, not as a truncation."""
+    t = next(t for t in GGUFReader(good_file).tensors if t.name == "wa")
+    ne1_at = t.field.offset + 8 + 2 + 4 + 8
+    with pytest.raises(FormatError, match="tensor 'wa': ne \\[64, 2305843009213693952\\] has more than 2\\^63 - 1"):
+        GGUFFile(patched(good_file, ne1_at, (2**61).to_bytes(8, "little")))
 
 
 def test_wrong_magic(good_file: Path) -> None:
@@ -275,8 +318,36 @@ def test_misaligned_and_out_of_range_offsets(good_file: Path) -> None:
     rel = int.from_bytes(good_file.read_bytes()[offset_at : offset_at + 8], "little")
     with pytest.raises(FormatError, match="tensor 'wb': data offset .* is not 32-aligned"):
         GGUFFile(patched(good_file, offset_at, (rel + 1).to_bytes(8, "little")))
-    with pytest.raises(FormatError, match="tensor 'wb': truncated"):
+    with pytest.raises(FormatError, match="truncated GGUF: tensor 'wb' needs"):
         GGUFFile(patched(good_file, offset_at, (rel + 2**20).to_bytes(8, "little")))
+
+
+def test_offset_out_of_table_order(good_file: Path) -> None:
+    """An aligned, in-range offset that is not where the tensor before it ends is a damaged table
+    (ggml refuses it too), not silently shifted weights."""
+    _, offset_at = tensor_info_offsets(good_file, "wb")
+    with pytest.raises(FormatError, match=r"tensor 'wb': data offset 0, expected \d+"):
+        GGUFFile(patched(good_file, offset_at, (0).to_bytes(8, "little")))
+
+
+def test_key_not_utf8(good_file: Path) -> None:
+    at = good_file.read_bytes().index(b"a.n")
+    with pytest.raises(FormatError, match="a metadata key or tensor name is not valid UTF-8"):
+        GGUFFile(patched(good_file, at, b"\xf5"))
+
+
+def test_deeply_nested_array_is_malformed(tmp_path: Path) -> None:
+    """Arrays nested past MAX_ARRAY_DEPTH are refused while parsing (not a RecursionError)."""
+    from vkflash.formats.gguf_file import MAX_ARRAY_DEPTH
+
+    ok: object = [1]
+    for _ in range(MAX_ARRAY_DEPTH):
+        ok = [ok]
+    write_gguf(tmp_path / "ok.gguf", "qwen2", {"x.deep": Typed(ok, V.ARRAY)}, {})
+    assert GGUFFile(tmp_path / "ok.gguf").key_type("x.deep") == V.ARRAY
+    write_gguf(tmp_path / "deep.gguf", "qwen2", {"x.deep": Typed([ok], V.ARRAY)}, {})
+    with pytest.raises(FormatError, match=f"nested more than {MAX_ARRAY_DEPTH} deep"):
+        GGUFFile(tmp_path / "deep.gguf")
 
 
 def test_partial_block_row(good_file: Path) -> None:

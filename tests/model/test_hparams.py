@@ -74,11 +74,28 @@ def test_nz_key_zero(suffix):
     ("attention.value_length", ("u32", 32), "must equal attention.key_length"),
     ("nextn_predict_layers", ("u32", 8), "must be < block_count"),
     ("attention.compress_ratios", ("u32", 128), "≤ 64"),
+    ("block_count", ("u32", 513), "513 is more than 512"),
+    ("block_count", ("u32", 2**32 - 1), "is more than 512"),  # not a 4-billion-entry tuple per layer key
+    ("attention.layer_norm_rms_epsilon", ("f32", float("nan")), "= nan must be finite and > 0"),
+    ("attention.layer_norm_rms_epsilon", ("f32", 0.0), "must be finite and > 0"),
+    ("rope.freq_base", ("f32", -1e6), "must be finite and > 0"),
+    ("rope.scaling.factor", ("str", "x"), "rope scaling"),  # not a float() ValueError
+    ("rope.scaling.type", ("u32", 1), "rope scaling"),
 ])
 def test_invalid_values(suffix, value, pattern):
     with pytest.raises(ModelError, match=pattern) as info:
         hparams_from_metadata(tiny_meta("qwen4exp", over={suffix: value}))
     assert "\n" not in str(info.value)
+
+
+def test_vocabulary_must_be_strings():
+    """Without vocab_size, V comes from tokenizer.ggml.tokens, which must then be an array of str."""
+    meta = tiny_meta("qwen2", drop=("vocab_size",))
+    kv = dict(meta.kv, **{"tokenizer.ggml.tokens": ("u32", 7)})
+    with pytest.raises(ModelError, match="tokenizer.ggml.tokens must be an array of str, found u32"):
+        hparams_from_metadata(type(meta)(arch=meta.arch, kv=kv))
+    kv["tokenizer.ggml.tokens"] = ("arr[str]", ["a", "b"])
+    assert hparams_from_metadata(type(meta)(arch=meta.arch, kv=kv)).V == 2
 
 
 def test_qwen3next_expert_count_zero():

@@ -109,3 +109,41 @@ def test_rejects_unknown_models():
         Tokenizer.from_fields({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]})
     with pytest.raises(FormatError):
         Tokenizer(["a"], [1], [], "nonesuch", eos_id=0)
+
+
+TINY_FIELDS = {
+    "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.tokens": ["a", "b", "ab", "<|im_end|>"],
+    "tokenizer.ggml.token_type": [1, 1, 1, 3], "tokenizer.ggml.scores": [0.0, 0.0, -1.0, 0.0],
+    "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.eos_token_id": 3, "tokenizer.ggml.add_bos_token": False,
+}
+
+
+@pytest.mark.parametrize("key,value,pattern", [
+    ("tokenizer.ggml.tokens", 5, "tokens must be an array of strings"),
+    ("tokenizer.ggml.tokens", [], "tokens is empty"),
+    ("tokenizer.ggml.merges", None, "lacks tokenizer.ggml.merges"),
+    ("tokenizer.ggml.merges", ["a b", 7], "merges must be an array of strings"),
+    ("tokenizer.ggml.merges", ["a b", "ab"], r"merges\[1\] = 'ab' is not two tokens separated by a space"),
+    ("tokenizer.ggml.merges", ["a c"], "merges do not fit tokenizer.ggml.tokens: .*Token `c` out of vocabulary"),
+    ("tokenizer.ggml.merges", ["a\nx b"], r"merges do not fit tokenizer.ggml.tokens: .*Token `a\\nx` out of"),
+    ("tokenizer.ggml.token_type", [1, 1, 1], "token_type has 3 entries, tokenizer.ggml.tokens has 4"),
+    ("tokenizer.ggml.token_type", [1, 1, 1, 4126537205], r"token_type\[3\] = 4126537205 is not a token type"),
+    ("tokenizer.ggml.token_type", [1.0, 1, 1, 1], "token_type must be an array of integers"),
+    ("tokenizer.ggml.scores", [0.0] * 5, "scores has 5 entries"),
+    ("tokenizer.ggml.scores", ["x"] * 4, "scores must be an array of numbers"),
+    ("tokenizer.ggml.eos_token_id", 4, r"eos_token_id = 4 is not a token id \(0..3\)"),
+    ("tokenizer.ggml.bos_token_id", 2**32 - 1, "bos_token_id = 4294967295 is not a token id"),
+    ("tokenizer.ggml.eot_token_id", "3", "eot_token_id must be an integer, found str"),
+    ("tokenizer.ggml.add_bos_token", 1, "add_bos_token must be a bool, found int"),
+    ("tokenizer.ggml.pre", 2, "pre must be a string, found int"),
+])
+def test_damaged_fields_are_one_format_error(key, value, pattern):
+    """Every tokenizer key's type, length and range is checked; the BPE's own complaints (merges of
+    unknown tokens) come back as one FormatError line, never the library's bare Exception."""
+    assert Tokenizer.from_fields(TINY_FIELDS).encode("ab<|im_end|>") == [2, 3]
+    fields = dict(TINY_FIELDS, **{key: value})
+    if value is None:
+        del fields[key]
+    with pytest.raises(FormatError, match=pattern) as e:
+        Tokenizer.from_fields(fields)
+    assert "\n" not in str(e.value)

@@ -19,15 +19,17 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.gguf_reader import ReaderField
 
-from vkflash.errors import FormatError
+from vkflash.errors import FormatError, one_line
 from vkflash.formats.quant_blocks import BLOCK, as_qtype, qtype_name
 from vkflash.formats.quants import dequantize
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 MAX_DIMS = 4
+_INT64_MAX = 2**63 - 1
 _HEADER_BYTES = 24  # magic, version, tensor count, kv count
 _READER_FIELDS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")
+MAX_ARRAY_DEPTH = 8  # arrays of arrays nest at most this deep (deeper: malformed, not a RecursionError)
 
 
 @dataclass(frozen=True)
@@ -57,9 +59,10 @@ class TensorInfo:
 class _Truncated(Exception):
     """Raised by _BoundedReader when a header read runs past the end of the file."""
 
-    def __init__(self, end: int) -> None:
+    def __init__(self, end: int, after: str) -> None:
         super().__init__(end)
         self.end = end
+        self.after = after
 
 
 class _BoundedReader(GGUFReader):
@@ -72,48 +75,86 @@ class _BoundedReader(GGUFReader):
     """
 
     tensor_fields: list[ReaderField]
+    _depth = 0  # arrays of arrays being parsed (MAX_ARRAY_DEPTH)
+    _plain: np.ndarray | None = None  # the map as a plain ndarray, made on the first read
+    _last = "the header's counts"  # the last field read whole: where a damaged or cut file goes wrong
+
+    def _push_field(self, field: ReaderField, skip_sum: bool = False) -> int:
+        size = super()._push_field(field, skip_sum)
+        self._last = "the header's counts" if field.name in _READER_FIELDS else f"key {field.name!r}"
+        return size
+
+    def _get_tensor_info_field(self, orig_offs: int) -> ReaderField:
+        field = super()._get_tensor_info_field(orig_offs)
+        self._last = f"the table entry of tensor {field.name!r}"
+        return field
 
     def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
-        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        """gguf's _get, bounded, on a plain-ndarray view of the map (a memmap slice costs ~5x more,
+        and a tensor table takes thousands of reads)."""
+        dt = np.dtype(dtype)
+        start, count = int(offset), int(count)
+        end = start + dt.itemsize * count
         if end > self.data.size:
-            raise _Truncated(end)
-        return super()._get(int(offset), dtype, count, override_order)
+            raise _Truncated(end, self._last)
+        if self._plain is None:
+            self._plain = self.data.view(np.ndarray)
+        order = self.byte_order if override_order is None else override_order
+        return self._plain[start:end].view(dt.newbyteorder(order))
 
     def _get_field_parts(
         self, orig_offs: int, raw_type: int
     ) -> tuple[int, list[np.ndarray], list[int], list[GGUFValueType]]:
-        if raw_type != GGUFValueType.ARRAY:
+        if _value_type(int(raw_type), orig_offs) != GGUFValueType.ARRAY:
             return super()._get_field_parts(orig_offs, raw_type)
         item_type, count = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
-        item = GGUFValueType(int(item_type[0]))
+        item = _value_type(int(item_type[0]), orig_offs + 12)
         head = int(item_type.nbytes + count.nbytes)
         if item == GGUFValueType.STRING:
             parts = self._string_array(orig_offs + head, int(count[0]))
         elif item in self.gguf_scalar_to_np:
             parts = [self._get(orig_offs + head, self.gguf_scalar_to_np[item], int(count[0]))]
         else:
-            return super()._get_field_parts(orig_offs, raw_type)
+            return self._nested(orig_offs, raw_type)
         size = head + int(parts[0].nbytes)
         return size, [item_type, count, *parts], [2], [GGUFValueType.ARRAY, item]
+
+    def _nested(self, orig_offs: int, raw_type: int) -> tuple[int, list[np.ndarray], list[int], list[GGUFValueType]]:
+        """An array of arrays through gguf's generic parse, refused past MAX_ARRAY_DEPTH levels."""
+        if self._depth >= MAX_ARRAY_DEPTH:
+            raise ValueError(f"metadata arrays nested more than {MAX_ARRAY_DEPTH} deep at byte {orig_offs}")
+        self._depth += 1
+        try:
+            return super()._get_field_parts(orig_offs, raw_type)
+        finally:
+            self._depth -= 1
 
     def _string_array(self, offs: int, count: int) -> list[np.ndarray]:
         """[payload bytes, starts, ends] of `count` length-prefixed strings at `offs`."""
         size, pos = int(self.data.size), offs
         if offs + 8 * count > size:  # each string has at least its 8-byte length
-            raise _Truncated(offs + 8 * count)
+            raise _Truncated(offs + 8 * count, self._last)
         starts, ends = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)
         for i in range(count):
             if pos + 8 > size:
-                raise _Truncated(pos + 8)
+                raise _Truncated(pos + 8, self._last)
             (n,) = struct.unpack_from("<Q", self.data, pos)
             starts[i], pos = pos + 8 - offs, pos + 8 + n
+            if pos > size:  # before it is stored: a huge n does not fit an int64
+                raise _Truncated(pos, self._last)
             ends[i] = pos - offs
-            if pos > size:
-                raise _Truncated(pos)
         return [self.data[offs:pos], starts, ends]
 
     def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
         self.tensor_fields = fields
+
+
+def _value_type(raw: int, value_at: int) -> GGUFValueType:
+    """The GGUF value type `raw` of the value at byte `value_at`; ValueError naming both if unknown."""
+    try:
+        return GGUFValueType(raw)
+    except ValueError:
+        raise ValueError(f"unknown metadata value type {raw} (for the value at byte {value_at})") from None
 
 
 def _decode(key: str, field: ReaderField) -> Any:
@@ -195,10 +236,13 @@ class GGUFFile:
             reader = _BoundedReader(self.path, "r")
         except _Truncated as e:
             raise FormatError(
-                f"{self.path}: truncated GGUF: the header needs {e.end} bytes, the file has {size}"
+                f"{self.path}: truncated GGUF: the header needs {e.end} bytes, the file has {size} (cut or damaged "
+                f"after {one_line(e.after)})"
             ) from None
+        except UnicodeDecodeError:  # gguf decodes every key and tensor name while parsing
+            raise FormatError(f"{self.path}: malformed GGUF: a metadata key or tensor name is not valid UTF-8") from None
         except (ValueError, KeyError, OverflowError) as e:
-            raise FormatError(f"{self.path}: malformed GGUF: {e.args[0] if e.args else e}") from None
+            raise FormatError(f"{self.path}: malformed GGUF: {one_line(str(e.args[0] if e.args else e))}") from None
         self.version = int(reader.fields["GGUF.version"].parts[0][0])
         self.alignment = int(reader.alignment)
         self.data_offset = int(reader.data_offset)
@@ -213,20 +257,24 @@ class GGUFFile:
         return str(self.metadata["general.architecture"])
 
     def _tensor_infos(self, reader: _BoundedReader, size: int) -> dict[str, TensorInfo]:
-        """Validate every tensor (type, dims, alignment, bounds) and map its bytes."""
+        """Validate every tensor (type, dims, alignment, bounds, layout) and map its bytes.
+
+        Like ggml's reader, the data must lie in table order, each tensor at the end of the one
+        before padded to the alignment: an offset that points anywhere else is a damaged table.
+        """
         infos: dict[str, TensorInfo] = {}
+        expected = 0  # the next tensor's offset relative to data_offset
         for field in reader.tensor_fields:
             _, name_data, _, dims, raw_type, rel_offset = field.parts
-            try:
-                name = bytes(name_data).decode("utf-8")
-            except UnicodeDecodeError:
-                raise FormatError(f"{self.path}: a tensor name is not valid UTF-8") from None
-            where = f"{self.path}: tensor '{name}'"
+            name = bytes(name_data).decode("utf-8")  # gguf's parse already refused invalid UTF-8
+            where = f"{self.path}: tensor {name!r}"
             if name in infos:
                 raise FormatError(f"{where} appears twice")
             ne = tuple(int(v) for v in dims)
             if len(ne) > MAX_DIMS:
                 raise FormatError(f"{where} has {len(ne)} dims (at most {MAX_DIMS})")
+            if math.prod(ne) > _INT64_MAX:
+                raise FormatError(f"{where}: ne {list(ne)} has more than 2^63 - 1 elements (ggml's limit)")
             try:
                 qtype = as_qtype(int(raw_type[0]))
             except FormatError:
@@ -235,13 +283,17 @@ class GGUFFile:
             if ne and ne[0] % epb:
                 raise FormatError(f"{where}: ne0 = {ne[0]} is not a multiple of the {qtype.name} block ({epb})")
             nbytes = math.prod(ne) // epb * bpb
-            start = self.data_offset + int(rel_offset[0])
-            if int(rel_offset[0]) % self.alignment:
-                raise FormatError(f"{where}: data offset {int(rel_offset[0])} is not {self.alignment}-aligned")
+            rel = int(rel_offset[0])
+            start = self.data_offset + rel
+            if rel % self.alignment:
+                raise FormatError(f"{where}: data offset {rel} is not {self.alignment}-aligned")
             if start + nbytes > size:
-                raise FormatError(
-                    f"{where}: truncated GGUF: data ends at byte {start + nbytes}, the file has {size}"
-                )
+                raise FormatError(f"{self.path}: truncated GGUF: tensor {name!r} needs {nbytes} bytes at offset "
+                                  f"{start}, the file has {size}")
+            if rel != expected:
+                raise FormatError(f"{where}: data offset {rel}, expected {expected} (the end of the tensor before "
+                                  f"it, padded to {self.alignment})")
+            expected += -(-nbytes // self.alignment) * self.alignment
             data = np.asarray(reader.data[start : start + nbytes])
             infos[name] = TensorInfo(name, qtype, ne, nbytes, data, start)
         return infos
@@ -258,5 +310,5 @@ class GGUFFile:
         """Tensor `name` decoded to a new float32 array of NumPy shape reversed(ne)."""
         info = self.tensors.get(name)
         if info is None:
-            raise FormatError(f"{self.path}: no tensor named '{name}'")
+            raise FormatError(f"{self.path}: no tensor named {name!r}")
         return dequantize(info.data, info.ggml_type, info.n_elements).reshape(info.shape)

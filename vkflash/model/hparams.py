@@ -20,6 +20,7 @@ _MAX_PLE_HEADS = 64
 _MAX_NGRAM = 8
 _MAX_COMPRESS_RATIO = 64
 _INT32_MAX = 2**31 - 1
+_MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS; per-layer tuples are built before any tensor is seen
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,13 @@ class _Reader:
             raise ModelError(f"key {key} must be f32, found {typ}")
         return float(np.float32(self.meta.value(key)))
 
+    def positive_f32(self, suffix: str, default: float | None = None) -> float:
+        """An f32 scalar that must be finite and > 0 (a NaN ε or θ only shows as garbage output)."""
+        value = self.f32(suffix, default)
+        if not (np.isfinite(value) and value > 0):
+            raise ModelError(f"key {self.key(suffix)} = {value} must be finite and > 0")
+        return value
+
     def int_array(self, suffix: str, elem_types: tuple[str, ...]) -> np.ndarray | None:
         """An integer array whose element type is one of elem_types, or None when absent."""
         key = self.key(suffix)
@@ -202,18 +210,23 @@ def _uniform(values: tuple[int, ...], key: str) -> int:
 def _reject_rope_scaling(rd: _Reader) -> None:
     """Any rope scaling is rejected (MODEL.md §3)."""
     key = rd.key("rope.scaling.type")
-    if rd.meta.type_of(key) is not None and str(rd.meta.value(key)) not in ("none", ""):
-        raise ModelError(f"key {key} = {rd.meta.value(key)!r}: rope scaling is not supported")
+    typ = rd.meta.type_of(key)
+    if typ is not None and (typ != "str" or rd.meta.value(key) not in ("none", "")):
+        raise ModelError(f"key {key} = {rd.meta.value(key)!r} ({typ}): rope scaling is not supported")
     key = rd.key("rope.scaling.factor")
-    if rd.meta.type_of(key) is not None and float(rd.meta.value(key)) not in (0.0, 1.0):
-        raise ModelError(f"key {key} = {rd.meta.value(key)}: rope scaling is not supported")
+    typ = rd.meta.type_of(key)
+    if typ is not None and (typ not in ("f32", "f64") or float(rd.meta.value(key)) not in (0.0, 1.0)):
+        raise ModelError(f"key {key} = {rd.meta.value(key)!r} ({typ}): rope scaling is not supported")
 
 
 def _vocab(rd: _Reader) -> int:
     """V from A.vocab_size, else the length of tokenizer.ggml.tokens."""
     if rd.has("vocab_size"):
         return rd.u32("vocab_size", nz=True)
-    if rd.meta.type_of("tokenizer.ggml.tokens") is not None:
+    typ = rd.meta.type_of("tokenizer.ggml.tokens")
+    if typ is not None:
+        if typ != "arr[str]":
+            raise ModelError(f"key tokenizer.ggml.tokens must be an array of str, found {typ}")
         return len(rd.meta.value("tokenizer.ggml.tokens"))
     raise ModelError(f"missing required key {rd.key('vocab_size')} (and no tokenizer.ggml.tokens)")
 
@@ -223,6 +236,8 @@ def _common(rd: _Reader) -> dict[str, Any]:
     _reject_rope_scaling(rd)
     d = rd.u32("embedding_length", nz=True)
     L_all = rd.u32("block_count", nz=True)
+    if L_all > _MAX_LAYERS:
+        raise ModelError(f"key {rd.key('block_count')} = {L_all} is more than {_MAX_LAYERS} (llama.cpp's limit too)")
     H = _uniform(rd.per_layer_u32("attention.head_count", L_all, None), rd.key("attention.head_count"))
     if H == 0:
         raise ModelError(f"key {rd.key('attention.head_count')} must be non-zero")
@@ -246,8 +261,8 @@ def _common(rd: _Reader) -> dict[str, Any]:
         H_kv=H_kv,
         Dh=Dk,
         n_rot=n_rot,
-        theta=rd.f32("rope.freq_base", 10000.0),
-        eps=rd.f32("attention.layer_norm_rms_epsilon"),
+        theta=rd.positive_f32("rope.freq_base", 10000.0),
+        eps=rd.positive_f32("attention.layer_norm_rms_epsilon"),
     )
 
 

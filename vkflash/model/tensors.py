@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from vkflash.errors import ModelError
+from vkflash.errors import ModelError, one_line
 from vkflash.model.hparams import HParams
 
 Ne = tuple[int, ...]
@@ -264,7 +264,7 @@ def validate_tensors(hp: HParams, found: Mapping[str, Ne]) -> TensorLayout:
         elif not spec.ok(tuple(found[name])):
             problems.append(f"tensor {name} has ne {fmt_ne(tuple(found[name]))}, expected {spec.expect}")
     for name in sorted(names - set(table)):
-        problems.append(f"unexpected tensor {name} (ne {fmt_ne(tuple(found[name]))}) is not part of a {hp.arch} model")
+        problems.append(f"unexpected tensor {one_line(name)} (ne {fmt_ne(tuple(found[name]))}) is not part of a {hp.arch} model")
     if problems:
         more = f" (and {len(problems) - 1} more tensor problems)" if len(problems) > 1 else ""
         raise ModelError(problems[0] + more)

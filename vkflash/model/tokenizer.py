@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from vkflash.errors import FormatError
+from vkflash.errors import FormatError, one_line
 from vkflash.formats.gguf_file import GGUFFile
 
 # llama.cpp pre-tokenizer regexes by `tokenizer.ggml.pre` (llama-vocab.cpp / unicode.cpp)
@@ -26,6 +26,7 @@ PRE_REGEX: dict[str, str] = {
               r"|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+TOKEN_TYPES = range(0, BYTE + 1)  # llama.cpp's llama_token_type: UNDEFINED (0) … BYTE
 # token texts llama.cpp's loader forces to CONTROL (end-of-generation / FIM auto-detection)
 FORCED_CONTROL = frozenset({
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
@@ -96,8 +97,11 @@ class Tokenizer:
         self.eog_ids |= {x for x in (eos_id, self.eot_id) if x is not None}
         specials = [i for i, ty in enumerate(self.types) if ty in (CONTROL, USER_DEFINED, UNKNOWN)]
         self._specials = sorted(specials, key=lambda i: -len(tokens[i]))  # stable: lower id first on ties
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
-        bpe = models.BPE(vocab=by_text, merges=pairs, ignore_merges=False)
+        pairs = [_merge_pair(i, m) for i, m in enumerate(merges)]
+        try:
+            bpe = models.BPE(vocab=by_text, merges=pairs, ignore_merges=False)
+        except Exception as e:  # tokenizers raises a bare Exception, e.g. for a merge of unknown tokens
+            raise FormatError(f"tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: {one_line(str(e))}") from None
         hf = HFTokenizer(bpe)
         hf.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(PRE_REGEX[pre]), behavior="isolated"),
@@ -107,26 +111,39 @@ class Tokenizer:
 
     @classmethod
     def from_fields(cls, meta: dict) -> "Tokenizer":
-        """From a dict of GGUF metadata (key → Python value)."""
+        """From a dict of GGUF metadata (key → Python value), every key's type and length checked."""
         model = meta.get("tokenizer.ggml.model")
         if model != "gpt2":
             raise FormatError(f"unsupported tokenizer.ggml.model {model!r}: only gpt2 (byte-level BPE)")
-        try:
-            tokens = list(meta["tokenizer.ggml.tokens"])
-            merges = list(meta["tokenizer.ggml.merges"])
-        except KeyError as e:
-            raise FormatError(f"GGUF tokenizer metadata lacks {e.args[0]}") from None
-        types = list(meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens)))
-        return cls(tokens, [int(t) for t in types], merges, str(meta.get("tokenizer.ggml.pre", "default")),
-                   eos_id=_opt_int(meta.get("tokenizer.ggml.eos_token_id")),
-                   bos_id=_opt_int(meta.get("tokenizer.ggml.bos_token_id")),
-                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-                   eot_id=_opt_int(meta.get("tokenizer.ggml.eot_token_id")))
+        tokens = _strings(meta, "tokenizer.ggml.tokens")
+        merges = _strings(meta, "tokenizer.ggml.merges")
+        if not tokens:
+            raise FormatError("tokenizer.ggml.tokens is empty")
+        types = _per_token(meta, "tokenizer.ggml.token_type", len(tokens), int)
+        if types is not None:
+            bad = next((i for i, t in enumerate(types) if t not in TOKEN_TYPES), None)
+            if bad is not None:
+                raise FormatError(f"tokenizer.ggml.token_type[{bad}] = {types[bad]} is not a token type "
+                                  f"({TOKEN_TYPES.start}..{TOKEN_TYPES.stop - 1})")
+        _per_token(meta, "tokenizer.ggml.scores", len(tokens), float)  # unused by BPE, but llama.cpp reads it
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        if not isinstance(pre, str):
+            raise FormatError(f"tokenizer.ggml.pre must be a string, found {type(pre).__name__}")
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", False)
+        if not isinstance(add_bos, bool):
+            raise FormatError(f"tokenizer.ggml.add_bos_token must be a bool, found {type(add_bos).__name__}")
+        ids = {k: _token_id(meta, f"tokenizer.ggml.{k}_token_id", len(tokens)) for k in ("eos", "bos", "eot")}
+        return cls(tokens, types if types is not None else [NORMAL] * len(tokens), merges, pre,
+                   eos_id=ids["eos"], bos_id=ids["bos"], add_bos=add_bos, eot_id=ids["eot"])
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> "Tokenizer":
         """Read the tokenizer.ggml.* keys of a GGUF file."""
-        return cls.from_fields(read_tokenizer_meta(path))
+        meta = read_tokenizer_meta(path)  # its errors already name the file
+        try:
+            return cls.from_fields(meta)
+        except FormatError as e:
+            raise FormatError(f"{path}: {e}") from None
 
     @property
     def vocab_size(self) -> int:
@@ -190,14 +207,53 @@ class Tokenizer:
         return token_id in self.eog_ids
 
 
-def _opt_int(v) -> int | None:
-    """int(v) or None."""
-    return None if v is None else int(v)
+def _strings(meta: dict, key: str) -> list[str]:
+    """A required array of strings."""
+    value = meta.get(key)
+    if value is None:
+        raise FormatError(f"GGUF tokenizer metadata lacks {key}")
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise FormatError(f"{key} must be an array of strings")
+    return value
 
 
-def read_tokenizer_meta(path: str | Path) -> dict:
-    """The tokenizer.* metadata of a GGUF file, read by GGUFFile, as plain Python values (arrays as lists)."""
-    meta = GGUFFile(path).metadata
+def _per_token(meta: dict, key: str, n: int, kind: type) -> list | None:
+    """An optional numeric array (int or float) with one entry per token, None when absent."""
+    value = meta.get(key)
+    if value is None:
+        return None
+    ok = (int,) if kind is int else (int, float)
+    if not isinstance(value, list) or not all(isinstance(v, ok) and not isinstance(v, bool) for v in value):
+        raise FormatError(f"{key} must be an array of {'integers' if kind is int else 'numbers'}")
+    if len(value) != n:
+        raise FormatError(f"{key} has {len(value)} entries, tokenizer.ggml.tokens has {n}")
+    return value
+
+
+def _token_id(meta: dict, key: str, n: int) -> int | None:
+    """An optional token id, which must name one of the n tokens."""
+    value = meta.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise FormatError(f"{key} must be an integer, found {type(value).__name__}")
+    if not 0 <= value < n:
+        raise FormatError(f"{key} = {value} is not a token id (0..{n - 1})")
+    return value
+
+
+def _merge_pair(i: int, merge: str) -> tuple[str, str]:
+    """The two token texts of merge i ("left right")."""
+    left, sep, right = merge.partition(" ")
+    if not sep or not left or not right:
+        raise FormatError(f"tokenizer.ggml.merges[{i}] = {merge!r} is not two tokens separated by a space")
+    return left, right
+
+
+def read_tokenizer_meta(path: str | Path | GGUFFile) -> dict:
+    """The tokenizer.* metadata of a GGUF file (a path, read by GGUFFile, or an open GGUFFile) as plain
+    Python values (arrays as lists)."""
+    meta = (path if isinstance(path, GGUFFile) else GGUFFile(path)).metadata
     return {k: _plain(meta[k]) for k in meta if k.startswith("tokenizer.")}
 
 

@@ -37,6 +37,7 @@ class TensorSource(Protocol):
 _VALUE_TYPE_NAMES = {
     "UINT8": "u8", "INT8": "i8", "UINT16": "u16", "INT16": "i16", "UINT32": "u32", "INT32": "i32",
     "FLOAT32": "f32", "BOOL": "bool", "STRING": "str", "UINT64": "u64", "INT64": "i64", "FLOAT64": "f64",
+    "ARRAY": "arr",
 }
 
 
@@ -57,7 +58,8 @@ def metadata_of(file: Any) -> Metadata:
             typ = f"arr[{_VALUE_TYPE_NAMES[gf.metadata.array_type(key).name]}]"
         else:
             typ = _VALUE_TYPE_NAMES[main.name]
-        value = gf.metadata[key] if typ != "arr[str]" or key == "tokenizer.ggml.tokens" else None
+        # string arrays other than the vocabulary, and nested arrays, are never read as hparams
+        value = None if typ == "arr[arr]" or (typ == "arr[str]" and key != "tokenizer.ggml.tokens") else gf.metadata[key]
         kv[key] = (typ, value)
     return Metadata(arch=gf.arch, kv=kv)
 
