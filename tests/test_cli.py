@@ -118,11 +118,11 @@ def test_inspect_builds_the_tokenizer(tiny, tmp_path):
 
 def test_serve_refuses_what_inspect_refuses(tiny, tmp_path):
     """`vkflash serve` loads through the same check: a chat template that does not compile (which the
-    server's own load would take, failing every chat later) makes /health say so, for good."""
+    server's own load would take, failing every chat later) stops the server with that reason in one
+    line and a non-zero exit status."""
     import os
-    import time
 
-    from server.harness import call, free_port
+    from server.harness import free_port
 
     from vkflash.formats.gguf_file import GGUFFile
     from vkflash.formats.gguf_write import RawTensor
@@ -132,23 +132,10 @@ def test_serve_refuses_what_inspect_refuses(tiny, tmp_path):
     meta["tokenizer.chat_template"] = "{% if %}"
     bad = tmp_path / "template.gguf"
     write_gguf(bad, f.arch, meta, {n: RawTensor(t.data.tobytes(), t.ggml_type, t.ne) for n, t in f.tensors.items()})
-    port = free_port()
     env = dict(os.environ, VKFLASH_BACKEND="reference", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "vkflash.cli", "serve", "--model", str(bad), "--port", str(port)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        end, health = time.monotonic() + 90, None
-        while time.monotonic() < end and proc.poll() is None:
-            try:
-                health = call(f"http://127.0.0.1:{port}", "GET", "/health", timeout=5)
-            except OSError:
-                health = None
-            if health is not None and health.body.get("status") != "loading":
-                break
-            time.sleep(0.1)
-        assert health is not None and health.status == 503 and health.body["status"] == "failed", health
-        assert "template.gguf: chat template does not compile" in health.body["error"]["message"]
-    finally:
-        proc.terminate()
-        _, err = proc.communicate(timeout=30)
-    assert "Traceback" not in err
+    proc = subprocess.run([sys.executable, "-m", "vkflash.cli", "serve", "--model", str(bad), "--port",
+                           str(free_port())], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          timeout=120)
+    assert proc.returncode != 0
+    assert "template.gguf: chat template does not compile" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
