@@ -25,6 +25,7 @@ import vkflash
 from vkflash import settings as settings_mod
 from vkflash.engine.api import InvalidRequest
 from vkflash.errors import ConfigError
+from vkflash.progress import Steps
 from vkflash.server import backend
 from vkflash.server.errors import ApiError, validation_error
 from vkflash.server.openai_api import make_router
@@ -195,21 +196,38 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def ready_line(loaded: backend.Loaded, url: str, t0: float) -> str:
+    """The one line saying the server is ready: where, with what, after how long."""
+    i = loaded.info
+    return (f"vkflash serve: ready on {url} (model {i.model_id}, {i.arch}, {i.backend}, CTX {i.n_ctx}, "
+            f"UB {i.ubatch}) after {time.monotonic() - t0:.1f} s")
+
+
 def serve(settings: Settings, options: ServerOptions | None = None,
-          loader: Callable[[Settings], backend.Loaded] = backend.load) -> None:
-    """Run the server until interrupted: print the knobs in effect, bind, load, serve."""
+          loader: Callable[[Settings, Steps], backend.Loaded] = backend.load) -> None:
+    """Run the server until interrupted: print the knobs in effect, bind, load (showing the download,
+    upload and pipeline compilation), say when ready, serve."""
+    t0 = time.monotonic()
     settings_mod.install(settings)
     for line in settings.lines():
         print(line, flush=True)
-    summary = backend.preflight(settings)  # refuses a configuration that cannot boot, before any load
+    steps = Steps("vkflash serve")
+    summary = backend.preflight(settings, steps)  # refuses a configuration that cannot boot, before any load
     if summary:
         print(summary, flush=True)
     sock = bind(settings["HOST"], settings["PORT"])
-    state = ServerState(settings, options or ServerOptions(), loader)
-    app = create_app(state)
-    state.start_loading()
     host, port = sock.getsockname()[:2]
-    print(f"vkflash serve: listening on http://{host}:{port} (OpenAPI: /docs); loading the model", flush=True)
+    url = f"http://{host}:{port}"
+
+    def load(s: Settings) -> backend.Loaded:
+        loaded = loader(s, steps)
+        print(ready_line(loaded, url, t0), flush=True)  # /health says ok right after this line
+        return loaded
+
+    state = ServerState(settings, options or ServerOptions(), load)
+    app = create_app(state)
+    print(f"vkflash serve: listening on {url} (OpenAPI: /docs); loading the model", flush=True)
+    state.start_loading()
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2)
     try:
         uvicorn.Server(config).run(sockets=[sock])

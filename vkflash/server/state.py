@@ -65,8 +65,6 @@ class ServerState:
                          self.on_finish, self.options.token_delay_s)
         self.loaded = loaded
         self.health = Health("ok")
-        i = loaded.info
-        print(f"model ready: {i.model_id} ({i.arch}, {i.backend}), n_ctx={i.n_ctx}, n_vocab={i.n_vocab}", flush=True)
 
     def fail(self, reason: str) -> None:
         """Mark the server unhealthy for good (a failed load or a lost device)."""
