@@ -92,3 +92,14 @@ def test_bad_knob_value_stops_with_its_name():
     r = subprocess.run([sys.executable, "-m", "vkflash.cli", "knobs"], capture_output=True, text=True,
                        env={"UB": "huge", "PATH": ""}, timeout=60)
     assert_one_line_error(r, "UB", "'huge'")
+
+
+def test_version_is_the_package_version():
+    """`vkflash --version` prints the version pyproject.toml declares, at once, and exits 0."""
+    import tomllib
+
+    import vkflash as pkg
+
+    declared = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["version"]
+    r = vkflash("--version")
+    assert r.returncode == 0 and r.stdout == f"vkflash {declared}\n" and pkg.__version__ == declared, r.stderr

@@ -25,8 +25,19 @@ console = Console()
 _debug = False
 
 
+def _version(value: bool) -> None:
+    """--version: the package version, at once (no device, no model)."""
+    if value:
+        from vkflash import __version__
+
+        typer.echo(f"vkflash {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _main(debug: bool = typer.Option(False, "--debug", help="show tracebacks")) -> None:
+def _main(debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
+          version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="print the version and exit")) -> None:
     global _debug
     _debug = debug
 
