@@ -349,12 +349,15 @@ def bench_kernels(as_json: bool = typer.Option(False, "--json"),
 @bench_app.command("serve")
 def bench_serve(model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: knob MODEL)"),
                 as_json: bool = typer.Option(False, "--json"),
-                quick: bool = typer.Option(False, "--quick", help="short prompts, few tokens (CI, lavapipe)")) -> None:
-    """TTFT and decode tok/s through the HTTP server vs the same engine in process (HTTP overhead %)."""
+                quick: bool = typer.Option(False, "--quick", help="short prompts, few tokens (CI, lavapipe)"),
+                reps: Optional[int] = typer.Option(None, "--reps", min=1,
+                                                   help="timed runs per figure (default 3; 1 with --quick)")) -> None:
+    """TTFT and decode tok/s through the HTTP server vs the same engine in process (HTTP overhead %),
+    each the median of --reps runs with its min–max."""
     try:
         from vkflash.bench.serve import run
 
-        run(model=model, quick=quick, as_json=as_json, console=console)
+        run(model=model, quick=quick, as_json=as_json, console=console, reps=reps)
     except VkflashError as e:
         _fail(e)
 
