@@ -308,6 +308,9 @@ def test_chat_ctrl_c_stops_the_reply_then_leaves(gpu, chat_model):
         os.write(fd, b"\x03")
         back = re.compile(rb"\(stop:\s+cancelled\)\s*> ")  # the reply stopped, then the prompt again
         assert _read_until(fd, seen, lambda b: back.search(ANSI.sub(b"", b)) is not None, 30), seen.decode("replace")
+        # as a person would, not within readline's prompt redisplay (it blocks SIGINT there, and a
+        # Ctrl-C then lands on another thread, which cannot wake input())
+        _read_until(fd, seen, lambda b: False, 0.5)
         os.write(fd, b"\x03")
         _read_until(fd, seen, lambda b: False, 15)  # until it closes the terminal
         status = os.waitpid(pid, 0)[1]

@@ -153,10 +153,10 @@ class Chat:
         """Answer one user message (Ctrl-C stops the answer there; what was written stays in the
         conversation); False when the context is full (the conversation must restart)."""
         self.messages.append({"role": "user", "content": user})
-        ids = prompt_ids(self.session, self.messages, None)
         cancel = threading.Event()
         try:
-            with interrupt_sets(cancel):
+            with interrupt_sets(cancel):  # from the start: a Ctrl-C while the prompt renders stops it as well
+                ids = prompt_ids(self.session, self.messages, None)
                 reply = stream(self.session, ids, self.params, out, cancel)
         except InvalidRequest as e:  # the history alone no longer leaves room for an answer
             self.messages.pop()
