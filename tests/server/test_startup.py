@@ -27,3 +27,29 @@ def test_progress_then_one_ready_line(tiny_model, tmp_path):
         assert call(s.base, "GET", "/health").status == 200
     finally:
         stop_server(s)
+
+
+def test_the_first_request_compiles_nothing(tiny_model, rng):
+    """After backend.load, a first generation of any prompt length creates no pipeline and records
+    no graph: load compiled them all (on lavapipe a first request used to spend minutes there)."""
+    from vkflash import settings
+    from vkflash.engine.api import SamplingParams
+    from vkflash.engine.generate import generate
+    from vkflash.server import backend
+
+    s = settings.load(env={"MODEL": str(tiny_model), "CTX": "256", "UB": "16", "VKFLASH_BACKEND": "gpu"})
+    old = settings.current()
+    settings.install(s)
+    try:
+        loaded = backend.load(s)
+    finally:
+        settings.install(old)
+    fwd = loaded.fwd
+    pipelines, graphs = fwd.gpu.mgr.shared_pipeline_count(), len(fwd.graphs())
+    assert all(g.submissions for g in fwd.graphs())
+    ids = [int(t) for t in rng.integers(0, loaded.tokenizer.vocab_size, size=int(rng.integers(2, 60)))]
+    events = list(generate(fwd, loaded.tokenizer, ids, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                           ubatch=loaded.info.ubatch))
+    assert events[-1].reason == "length", events[-1]
+    assert fwd.gpu.mgr.shared_pipeline_count() == pipelines and len(fwd.graphs()) == graphs
+    assert all(g.submissions for g in fwd.graphs())
