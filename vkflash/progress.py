@@ -46,7 +46,7 @@ class Steps:
         t0 = time.monotonic()
         if self.live:
             count = DownloadColumn() if unit == "bytes" else MofNCompleteColumn()
-            with Progress(TextColumn(f"{self.prefix}: {what}"), BarColumn(), count, TimeElapsedColumn(),
+            with Progress(TextColumn(f"{self.prefix}: {what}"), BarColumn(bar_width=24), count, TimeElapsedColumn(),
                           TimeRemainingColumn(), console=Console(file=self.out)) as bar:
                 task = bar.add_task(what, total=None)
                 yield lambda done, total: bar.update(task, completed=done, total=total)

@@ -199,8 +199,8 @@ def bind(host: str, port: int) -> socket.socket:
 def ready_line(loaded: backend.Loaded, url: str, t0: float) -> str:
     """The one line saying the server is ready: where, with what, after how long."""
     i = loaded.info
-    return (f"vkflash serve: ready on {url} (model {i.model_id}, {i.arch}, {i.backend}, CTX {i.n_ctx}, "
-            f"UB {i.ubatch}) after {time.monotonic() - t0:.1f} s")
+    return (f"vkflash serve: ready on {url} (model {i.model_id}, {i.arch}, {i.backend}, CTX {i.n_ctx}) "
+            f"after {time.monotonic() - t0:.1f} s")
 
 
 def serve(settings: Settings, options: ServerOptions | None = None,

@@ -44,7 +44,7 @@ def _forward(settings: Settings, path: Path, hp: HParams, n_ctx: int, steps: Ste
     if uses_gpu(settings, hp.arch):
         from vkflash.engine.gpu_forward import GpuForward
 
-        with steps.step(f"loading {path.name}", "bytes") if steps else nullcontext(None) as progress:
+        with steps.step("loading weights", "bytes") if steps else nullcontext(None) as progress:
             if settings["MTP"]:
                 sp = open_speculator(path, settings["MODEL_DRAFT"] or None, settings["MODEL_DRAFT_SMALL"] or None,
                                      ctx=n_ctx, progress=progress)
@@ -122,7 +122,7 @@ def warm(fwd: Forward, steps: Steps | None) -> None:
     if not isinstance(gpu_fwd, GpuForward):
         return  # the NumPy reference compiles nothing
     todo = [g for g in gpu_fwd.graphs() if not g.submissions]
-    with steps.step("compiling pipelines (recording the step graphs)") if steps else nullcontext(None) as progress:
+    with steps.step("compiling pipelines") if steps else nullcontext(None) as progress:
         for i, g in enumerate(todo):
             g.record()
             if progress:
