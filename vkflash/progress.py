@@ -1,11 +1,12 @@
 """Progress of the slow steps before a model answers (the default model's download, the weight
 upload, pipeline compilation): a rich bar on a terminal; elsewhere (logs, systemd, pipes) a line
-when a step starts, one every HEARTBEAT_S while it runs, and one when it ends, so a log stays short
-and a silent minute never looks like a hang."""
+when a step starts, one every HEARTBEAT_S while it runs (from a timer: also while one piece of it
+takes long), and one when it ends, so a log stays short and a silent minute never looks like a hang."""
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -52,21 +53,29 @@ class Steps:
                 yield lambda done, total: bar.update(task, completed=done, total=total)
             return
         self.say(f"{what} …")
-        last = [t0]
+        state = [0, 0]  # done, total: the latest update
+        stop = threading.Event()
 
-        def update(done: int, total: int) -> None:
-            now = time.monotonic()
-            if now - last[0] >= self.heartbeat_s and done < total:
-                last[0] = now
-                self.say(f"{what}: {_amount(done, total, unit)} ({now - t0:.0f} s)")
+        def beat() -> None:  # a line every heartbeat_s, also while one update takes long (a big pipeline)
+            while not stop.wait(self.heartbeat_s):
+                done, total = state
+                self.say(f"{what}: {_amount(done, total, unit)}, {time.monotonic() - t0:.0f} s")
 
-        yield update
+        beater = threading.Thread(target=beat, name="vkflash-heartbeat", daemon=True)
+        beater.start()
+        try:
+            yield lambda done, total: state.__setitem__(slice(None), (done, total))
+        finally:
+            stop.set()
+            beater.join()
         self.say(f"{what}: done in {time.monotonic() - t0:.1f} s")
 
 
 def _amount(done: int, total: int, unit: str) -> str:
-    """How far, in words: 120/490 MiB (24%) or 3/7 (43%)."""
-    pct = f"{100 * done / total:.0f}%" if total else "?"
+    """How far, in words: 120/490 MiB (24%) or 3/7 (43%); `running` before any count."""
+    if not total:
+        return "running"
+    pct = f"{100 * done / total:.0f}%"
     if unit == "bytes":
         return f"{done / 2**20:.0f}/{total / 2**20:.0f} MiB ({pct})"
     return f"{done}/{total} ({pct})"

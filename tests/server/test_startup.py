@@ -15,12 +15,14 @@ pytestmark = pytest.mark.gpu
 def test_progress_then_one_ready_line(tiny_model, tmp_path):
     s = start_server(tmp_path, {"MODEL": str(tiny_model), "CTX": "256", "UB": "16", "VKFLASH_BACKEND": "gpu"})
     try:
-        lines = [ln for ln in s.output().splitlines() if ln.startswith("vkflash serve:")]
-        steps = [ln.removeprefix("vkflash serve: ") for ln in lines]
+        lines = [ln.removeprefix("vkflash serve: ") for ln in s.output().splitlines() if ln.startswith("vkflash serve:")]
+        beats = [ln for ln in lines if re.search(r", \d+ s$", ln)]  # every 10 s of a step (a slow machine)
+        steps = [ln for ln in lines if ln not in beats]
+        assert len(beats) <= 6, beats
         assert steps[1] == "loading weights …" and re.fullmatch(r"loading weights: done in [\d.]+ s", steps[2])
         assert steps[3] == "compiling pipelines …"
         assert re.fullmatch(r"compiling pipelines: done in [\d.]+ s", steps[4])
-        assert len(steps) == 6, steps  # listening, 2 × 2 step lines, ready: no flood of progress
+        assert len(steps) == 6, steps  # listening, 2 × (start, end), ready: no line per tensor or graph
         assert re.fullmatch(rf"ready on {re.escape(s.base)} \(model {tiny_model.stem}, qwen4exp, vulkan, CTX 256\) "
                             r"after [\d.]+ s", steps[5])
         assert call(s.base, "GET", "/health").status == 200
