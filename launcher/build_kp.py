@@ -12,6 +12,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -195,13 +196,27 @@ def pybind11_cmakedir(python: str) -> str | None:
     return r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else None
 
 
-def run_logged(cmd: list[str], logf: Path, env: dict[str, str], what: str) -> None:
-    """Run a build command appending its output to logf; on failure show the log's tail."""
+HEARTBEAT_S = 30.0
+CMAKE_PERCENT = re.compile(r"^\[\s*(\d+)%\]", re.M)
+
+
+def run_logged(cmd: list[str], logf: Path, env: dict[str, str], what: str, heartbeat_s: float = HEARTBEAT_S) -> None:
+    """Run a build command appending its output to logf, saying every heartbeat_s that it still
+    runs (with make's last percentage; a fresh 2-core machine spends minutes here); on failure
+    show the log's tail."""
+    t0 = time.monotonic()
     with logf.open("a") as f:
         f.write(f"\n$ {' '.join(cmd)}\n")
         f.flush()
-        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-    if r.returncode != 0:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        while True:
+            try:
+                proc.wait(timeout=heartbeat_s)
+                break
+            except subprocess.TimeoutExpired:
+                done = CMAKE_PERCENT.findall(logf.read_text(errors="replace"))
+                log(f"{what}: {time.monotonic() - t0:.0f} s{f', {done[-1]}%' if done else ''} (log: {logf})")
+    if proc.returncode != 0:
         tail = "".join(logf.read_text(errors="replace").splitlines(keepends=True)[-40:])
         raise BuildError(f"{tail}\n[kp] {what} failed (full log: {logf})")
 

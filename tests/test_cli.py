@@ -139,3 +139,14 @@ def test_serve_refuses_what_inspect_refuses(tiny, tmp_path):
     assert proc.returncode != 0
     assert "template.gguf: chat template does not compile" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_version_is_the_package_version():
+    """`vkflash --version` prints the version pyproject.toml declares, at once, and exits 0."""
+    import tomllib
+
+    import vkflash as pkg
+
+    declared = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["version"]
+    r = vkflash("--version")
+    assert r.returncode == 0 and r.stdout == f"vkflash {declared}\n" and pkg.__version__ == declared, r.stderr

@@ -29,6 +29,7 @@ VOCAB = tiny_vocab(512)
 # fixed ragged geometry (lavapipe's shader cache keeps repeated pipelines fast); weights are fresh
 GEO = Geometry(d=64, H=2, H_kv=1, Dh=32, F=96, V=len(VOCAB.tokens), L=2)
 N_TOKENS = 12  # verify's token count: one size, so the step pipelines are compiled once per run
+ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]")  # rich's colours and cursor moves on a terminal
 RATES = re.compile(r"prefill (\d+) tokens at ([\d.]+) tok/s, decode (\d+) tokens at ([\d.]+) tok/s")
 
 
@@ -263,3 +264,61 @@ def test_verify_real_default_model(gpu):
     for toks in (verify.prompt_tokens(path, "def fibonacci(n):", 0, rng), verify.prompt_tokens(path, None, 16, rng)):
         rep = verify.verify(path, toks, ctx=64)
         assert rep.passed, rep.first_bad
+
+
+
+def _read_until(fd: int, seen: bytearray, done, timeout: float) -> bool:
+    """Read the pty into `seen` until done(new bytes) holds, the child closes it, or the time is up."""
+    import os
+    import select
+    import time
+
+    start, end = len(seen), time.monotonic() + timeout
+    while not done(bytes(seen[start:])) and time.monotonic() < end:
+        if select.select([fd], [], [], 0.2)[0]:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            seen += chunk
+    return done(bytes(seen[start:]))
+
+
+@pytest.mark.timeout(180)
+def test_chat_ctrl_c_stops_the_reply_then_leaves(gpu, chat_model):
+    """`vkflash run` chat on a terminal: Ctrl-C while a reply streams stops it (stop: cancelled) and
+    the prompt comes back; Ctrl-C at the prompt ends the session with exit 0, no traceback."""
+    import os
+    import pty
+    import sys
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: vkflash run in chat mode on the pty
+        os.execv(sys.executable, [sys.executable, "-m", "vkflash.cli", "run", str(chat_model), "--ctx", "4096",
+                                  "--ub", "16"])
+    seen, status = bytearray(), None
+    try:
+        assert _read_until(fd, seen, lambda b: b"> " in b, 120), seen.decode(errors="replace")
+        os.write(fd, b"hello\n")
+        assert _read_until(fd, seen, lambda b: b"hello\r\n" in b, 10)
+        # some of the reply on the screen, then Ctrl-C
+        assert _read_until(fd, seen, lambda b: len(b) >= 8, 60), seen.decode(errors="replace")
+        os.write(fd, b"\x03")
+        back = re.compile(rb"\(stop:\s+cancelled\)\s*> ")  # the reply stopped, then the prompt again
+        assert _read_until(fd, seen, lambda b: back.search(ANSI.sub(b"", b)) is not None, 30), seen.decode("replace")
+        # as a person would, not within readline's prompt redisplay (it blocks SIGINT there, and a
+        # Ctrl-C then lands on another thread, which cannot wake input())
+        _read_until(fd, seen, lambda b: False, 0.5)
+        os.write(fd, b"\x03")
+        _read_until(fd, seen, lambda b: False, 15)  # until it closes the terminal
+        status = os.waitpid(pid, 0)[1]
+    finally:
+        if status is None:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        os.close(fd)
+    text = ANSI.sub(b"", seen).decode(errors="replace")
+    assert os.waitstatus_to_exitcode(status) == 0, text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text

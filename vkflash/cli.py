@@ -25,8 +25,19 @@ console = Console()
 _debug = False
 
 
+def _version(value: bool) -> None:
+    """--version: the package version, at once (no device, no model)."""
+    if value:
+        from vkflash import __version__
+
+        typer.echo(f"vkflash {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _main(debug: bool = typer.Option(False, "--debug", help="show tracebacks")) -> None:
+def _main(debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
+          version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="print the version and exit")) -> None:
     global _debug
     _debug = debug
 
@@ -112,16 +123,18 @@ def serve(
 ) -> None:
     """Serve a model over the OpenAI-compatible HTTP API (flags override the env knobs)."""
     try:
+        from vkflash.progress import Steps
         from vkflash.server import backend
         from vkflash.server.app import serve as run_server
         from vkflash.server.state import ServerOptions
 
-        def checked_load(s: settings.Settings) -> backend.Loaded:
-            """The server's load after the checks `inspect` makes (a damaged file: /health says why)."""
+        def checked_load(s: settings.Settings, steps: Steps | None = None) -> backend.Loaded:
+            """The server's load after the checks `inspect` makes (a damaged file stops the server
+            with the reason)."""
             from vkflash.model.model_file import open_model
 
-            open_model(backend.model_path(s))
-            return backend.load(s)
+            open_model(backend.model_path(s, steps))
+            return backend.load(s, steps)
 
         s = settings.load(flags={"MODEL": model, "HOST": host, "PORT": port, "CTX": ctx, "UB": ub, "KV": kv,
                                  "QUEUE": queue, "API_KEY": api_key, "MTP": mtp, "MODEL_DRAFT": draft,
@@ -345,15 +358,18 @@ def bench_kernels(as_json: bool = typer.Option(False, "--json"),
 @bench_app.command("serve")
 def bench_serve(model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: knob MODEL)"),
                 as_json: bool = typer.Option(False, "--json"),
-                quick: bool = typer.Option(False, "--quick", help="short prompts, few tokens (CI, lavapipe)")) -> None:
-    """TTFT and decode tok/s through the HTTP server vs the same engine in process (HTTP overhead %)."""
+                quick: bool = typer.Option(False, "--quick", help="short prompts, few tokens (CI, lavapipe)"),
+                reps: Optional[int] = typer.Option(None, "--reps", min=1,
+                                                   help="timed runs per figure (default 3; 1 with --quick)")) -> None:
+    """TTFT and decode tok/s through the HTTP server vs the same engine in process (HTTP overhead %),
+    each the median of --reps runs with its min–max."""
     try:
         from vkflash.bench.serve import run
         from vkflash.model.default_model import resolve_model
         from vkflash.model.model_file import open_model
 
         open_model(resolve_model(model or settings.current()["MODEL"] or None, "--model" if model else "MODEL"))
-        run(model=model, quick=quick, as_json=as_json, console=console)
+        run(model=model, quick=quick, as_json=as_json, console=console, reps=reps)
     except VkflashError as e:
         _fail(e)
 

@@ -3,13 +3,17 @@
 The model loads behind a progress bar; text streams to stdout token by token through the engine's
 generation loop (`engine.generate`, the same one the server uses); prefill and decode rates go to
 stderr at the end. A conversation that reaches the context end stops with a message instead of
-failing: the last reply ends there, and chat says to start over (/reset).
+failing: the last reply ends there, and chat says to start over (/reset). In chat, Ctrl-C stops the
+reply being written (within a token, or an ubatch of prefill) and returns to the prompt; Ctrl-C
+or Ctrl-D at the prompt leaves.
 """
 
 from __future__ import annotations
 
+import signal
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
@@ -144,11 +148,14 @@ class Chat:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
 
     def turn(self, user: str, out: TextIO, console: "Console") -> bool:
-        """Answer one user message; False when the context is full (the conversation must restart)."""
+        """Answer one user message (Ctrl-C stops the answer there; what was written stays in the
+        conversation); False when the context is full (the conversation must restart)."""
         self.messages.append({"role": "user", "content": user})
-        ids = prompt_ids(self.session, self.messages, None)
+        cancel = threading.Event()
         try:
-            reply = stream(self.session, ids, self.params, out)
+            with interrupt_sets(cancel):  # from the start: a Ctrl-C while the prompt renders stops it as well
+                ids = prompt_ids(self.session, self.messages, None)
+                reply = stream(self.session, ids, self.params, out, cancel)
         except InvalidRequest as e:  # the history alone no longer leaves room for an answer
             self.messages.pop()
             console.print(f"[yellow]context end reached: {e}; type {RESET_WORD} to start over[/yellow]")
@@ -163,12 +170,26 @@ class Chat:
         return True
 
 
+@contextmanager
+def interrupt_sets(event: threading.Event) -> Iterator[None]:
+    """Inside: Ctrl-C (SIGINT) sets `event`, so generation stops between steps (the GPU is never
+    left mid-submission), instead of raising KeyboardInterrupt; outside of the main thread, nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda _sig, _frame: event.set())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def chat_loop(session: Session, params: SamplingParams, read: Callable[[], str | None], out: TextIO,
               console: "Console", system: str | None = None) -> None:
     """Read a line, answer it, repeat; /reset clears the history, /exit or end of input stops."""
     chat = Chat(session, params, system)
     chat.reset()
-    console.print(f"chat: {EXIT_WORDS[0]} to leave, {RESET_WORD} to start over")
+    console.print(f"chat: {EXIT_WORDS[0]} or Ctrl-D to leave, {RESET_WORD} to start over, Ctrl-C stops a reply")
     while (line := read()) is not None:
         text = line.strip()
         if text in EXIT_WORDS:
@@ -182,11 +203,12 @@ def chat_loop(session: Session, params: SamplingParams, read: Callable[[], str |
 
 
 def read_stdin(prompt: str = "> ") -> Callable[[], str | None]:
-    """A line reader for chat: input() with a prompt, None at end of input."""
+    """A line reader for chat: input() with a prompt, None at end of input (Ctrl-D) or on Ctrl-C."""
     def read() -> str | None:
         try:
             return input(prompt)
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):
+            print()
             return None
     return read
 

@@ -1,6 +1,6 @@
 """`vkflash bench serve --quick` on a tiny generated model (NumPy reference backend, so it is fast
 on any machine): both prompts reported, every figure present and plausible (no speeds asserted),
-and the table form prints."""
+each a median inside its min–max over --reps runs, and the table form fits 80 columns."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import sys
 from harness import ROOT
 
 
-def _bench(model, *extra: str) -> subprocess.CompletedProcess:
+def _bench(model, *extra: str, columns: int = 200) -> subprocess.CompletedProcess:
     r = subprocess.run([sys.executable, "-m", "vkflash.cli", "bench", "serve", "--quick", "--model", str(model), *extra],
-                       cwd=ROOT, capture_output=True, text=True, timeout=240, env={"PATH": "/usr/bin:/bin", "COLUMNS": "200", "VKFLASH_BACKEND": "reference"})
+                       cwd=ROOT, capture_output=True, text=True, timeout=240,
+                       env={"PATH": "/usr/bin:/bin", "COLUMNS": str(columns), "VKFLASH_BACKEND": "reference"})
     assert r.returncode == 0, r.stdout + r.stderr
     return r
 
@@ -22,7 +23,8 @@ def _bench(model, *extra: str) -> subprocess.CompletedProcess:
 def test_bench_serve_quick_json(tiny_model):
     from vkflash.bench.serve import QUICK
 
-    res = json.loads(_bench(tiny_model, "--json").stdout)
+    res = json.loads(_bench(tiny_model, "--json", "--reps", "2").stdout)
+    assert res["reps"] == 2
     assert res["model"] == tiny_model.name and res["backend"] == res["server_backend"] == "numpy-reference"
     rows = {r["prompt"]: r for r in res["rows"]}
     assert set(rows) == {"short", "long"}
@@ -34,12 +36,16 @@ def test_bench_serve_quick_json(tiny_model):
             assert 0 < r[k] < 1e6, (k, r)
         for k in ("ttft_overhead_pct", "per_token_overhead_pct"):
             assert math.isfinite(r[k]) and r[k] > -100, (k, r)
-        # the overheads are the figures' own ratios
+        for k in ("ttft_ms_engine", "ttft_ms_http", "tok_s_engine", "tok_s_http"):
+            lo, hi = r["spread"][k]
+            assert 0 < lo <= r[k] <= hi, (k, r)
+        # the overheads are the medians' own ratios
         assert math.isclose(r["ttft_overhead_pct"], 100 * (r["ttft_ms_http"] / r["ttft_ms_engine"] - 1), rel_tol=1e-6)
         assert math.isclose(r["per_token_overhead_pct"], 100 * (r["tok_s_engine"] / r["tok_s_http"] - 1),
                             rel_tol=1e-6)
 
 
-def test_bench_serve_table(tiny_model):
-    out = _bench(tiny_model).stdout
-    assert "bench serve" in out and "short" in out and "long" in out and "per-token" in out
+def test_bench_serve_table_fits_80_columns(tiny_model):
+    out = _bench(tiny_model, columns=80).stdout
+    assert "bench serve" in out and "short" in out and "long" in out and "per token" in out and "min–max" in out
+    assert max(len(ln) for ln in out.splitlines()) <= 80 and "…" not in out, out

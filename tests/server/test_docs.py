@@ -37,6 +37,16 @@ def test_the_doc_has_examples():
     assert all(DOC_BASE in b for b in CURLS + PYTHON)
 
 
+def test_python_clients_wait_long_enough_and_never_retry():
+    """A first answer on a CPU-only machine can outlast the openai client's 600 s default, and its
+    silent retries compute the request again: every example client sets a long timeout and no retries."""
+    clients = re.findall(r"OpenAI\((.*?)\)", "\n".join(PYTHON))
+    assert clients
+    for args in clients:
+        timeout = re.search(r"timeout=(\d+)", args)
+        assert timeout and int(timeout[1]) >= 1800 and "max_retries=0" in args, args
+
+
 @pytest.mark.parametrize("i", range(len(CURLS)))
 def test_curl_examples(server, i):
     cmd = CURLS[i].replace(DOC_BASE, server.base)

@@ -129,3 +129,27 @@ def test_install_parser_sees_installs(rng):
                 f"true; python3 -m pip install -q {name}", f"apt-get install -y --no-install-recommends {name}"):
         assert any(p.startswith(name) for p in _installed(cmd)), cmd
     assert {"vulkan-loader", "libvulkan1", "mesa-vulkan-drivers", "cmake"} <= _setup_packages()
+
+
+def _unit_env(commented: bool) -> dict[str, str]:
+    """The knobs the example systemd unit sets (or, commented, suggests)."""
+    pat = r"^# Environment=(\w+)=(.*)$" if commented else r"^Environment=(\w+)=(.*)$"
+    return dict(re.findall(pat, (ROOT / "launcher" / "vkflash.service").read_text(), flags=re.M))
+
+
+@pytest.mark.parametrize("commented", [False, True])
+def test_systemd_unit_sets_only_valid_knobs(commented):
+    """Every Environment= of launcher/vkflash.service is a knob with a valid value."""
+    from vkflash import settings
+
+    env = _unit_env(commented)
+    names = {n for k in settings.KNOBS for n in (k.name, *k.aliases)}
+    assert env and set(env) <= names, set(env) - names
+    settings.load(env=env)  # a bad value would raise ConfigError
+
+
+def test_systemd_unit_enables_nothing_that_does_nothing():
+    """MTP=1 speculates only with a draft head; a stock-converted model has none in its file, so the
+    example enables it only together with MODEL_DRAFT (or not at all)."""
+    env = _unit_env(False)
+    assert env.get("MTP", "0") == "0" or env.get("MODEL_DRAFT"), env

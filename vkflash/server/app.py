@@ -31,6 +31,7 @@ import vkflash
 from vkflash import settings as settings_mod
 from vkflash.engine.api import InvalidRequest
 from vkflash.errors import ConfigError, VkflashError
+from vkflash.progress import Steps
 from vkflash.server import backend, llama_api
 from vkflash.server.errors import ApiError, document_errors, validation_error
 from vkflash.server.openai_api import make_router
@@ -239,17 +240,35 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def ready_line(loaded: backend.Loaded, url: str, t0: float) -> str:
+    """The one line saying the server is ready: where, with what, after how long."""
+    i = loaded.info
+    return (f"vkflash serve: ready on {url} (model {i.model_id}, {i.arch}, {i.backend}, CTX {i.n_ctx}) "
+            f"after {time.monotonic() - t0:.1f} s")
+
+
 def serve(settings: Settings, options: ServerOptions | None = None,
-          loader: Callable[[Settings], backend.Loaded] = backend.load) -> None:
-    """Run the server until interrupted: print the knobs in effect, bind, load, serve."""
+          loader: Callable[[Settings, Steps], backend.Loaded] = backend.load) -> None:
+    """Run the server until interrupted: print the knobs in effect, bind, load (showing the download,
+    upload and pipeline compilation), say when ready, serve."""
+    t0 = time.monotonic()
     settings_mod.install(settings)
     for line in settings.lines():
         print(line, flush=True)
-    summary = backend.preflight(settings)  # refuses a configuration that cannot boot, before any load
+    steps = Steps("vkflash serve")
+    summary = backend.preflight(settings, steps)  # refuses a configuration that cannot boot, before any load
     if summary:
         print(summary, flush=True)
     sock = bind(settings["HOST"], settings["PORT"])
-    state = ServerState(settings, options or ServerOptions(), loader)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host}:{port}"
+
+    def load(s: Settings) -> backend.Loaded:
+        loaded = loader(s, steps)
+        print(ready_line(loaded, url, t0), flush=True)  # /health says ok right after this line
+        return loaded
+
+    state = ServerState(settings, options or ServerOptions(), load)
     config = uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=2)
     server = Server(config, state)
@@ -260,9 +279,8 @@ def serve(settings: Settings, options: ServerOptions | None = None,
         server.should_exit = True
 
     state.on_load_failure = load_failed
+    print(f"vkflash serve: listening on {url} (OpenAPI: /docs); loading the model", flush=True)
     state.start_loading()
-    host, port = sock.getsockname()[:2]
-    print(f"vkflash serve: listening on http://{host}:{port} (OpenAPI: /docs); loading the model", flush=True)
     try:
         server.run(sockets=[sock])
     finally:

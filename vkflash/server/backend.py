@@ -3,6 +3,7 @@ chat template, and a Forward for it with the context CTX (0: the model's full co
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +17,7 @@ from vkflash.model.default_model import resolve_model
 from vkflash.model.tokenizer import Tokenizer, read_tokenizer_meta
 from vkflash.model.hparams import HParams, hparams_from_gguf
 from vkflash.model.weights import load_model
+from vkflash.progress import Steps
 from vkflash.settings import Settings
 
 if TYPE_CHECKING:
@@ -36,20 +38,21 @@ class Loaded:
     info: EngineInfo
 
 
-def _forward(settings: Settings, path: Path, hp: HParams, n_ctx: int) -> tuple[Forward, str]:
+def _forward(settings: Settings, path: Path, hp: HParams, n_ctx: int, steps: Steps | None) -> tuple[Forward, str]:
     """The GPU forward when VKFLASH_BACKEND allows and the arch has step graphs, else the reference
-    (only then are the weights dequantized on the host)."""
+    (only then are the weights dequantized on the host). `steps` reports the weight upload."""
     if uses_gpu(settings, hp.arch):
         from vkflash.engine.gpu_forward import GpuForward
 
-        if settings["MTP"]:
-            sp = open_speculator(path, settings["MODEL_DRAFT"] or None, settings["MODEL_DRAFT_SMALL"] or None,
-                                 ctx=n_ctx)
-            sp.fwd.reserve()  # the compute buffers of every step now, as the memory plan counts them
-            return sp, "vulkan+mtp"
-        fwd = GpuForward(path, ctx=n_ctx)
-        fwd.reserve()
-        return fwd, "vulkan"
+        with steps.step("loading weights", "bytes") if steps else nullcontext(None) as progress:
+            if settings["MTP"]:
+                sp = open_speculator(path, settings["MODEL_DRAFT"] or None, settings["MODEL_DRAFT_SMALL"] or None,
+                                     ctx=n_ctx, progress=progress)
+                sp.fwd.reserve()  # the compute buffers of every step now, as the memory plan counts them
+                return sp, "vulkan+mtp"
+            fwd = GpuForward(path, ctx=n_ctx, progress=progress)
+            fwd.reserve()
+            return fwd, "vulkan"
     if settings["MTP"]:
         raise ConfigError("MTP=1 needs the GPU forward (VKFLASH_BACKEND=gpu or auto with a qwen4exp model)")
     qsa = QSAConfig.from_settings(settings)
@@ -68,14 +71,15 @@ def uses_gpu(settings: Settings, arch: str) -> bool:
     return choice == "gpu" or (choice == "auto" and arch in graphs.ARCHS)
 
 
-def preflight(settings: Settings) -> str:
+def preflight(settings: Settings, steps: Steps | None = None) -> str:
     """The memory plan's one-line summary for the model the settings name, with its MTP draft when
     MTP=1 (empty when it is not served by the GPU forward, or cannot be read: the load then says
-    why); DoesNotFit, before any weight is loaded, when the configuration cannot even boot."""
+    why); DoesNotFit, before any weight is loaded, when the configuration cannot even boot. The
+    default model is fetched here when not cached (`steps` shows the download)."""
     from vkflash.engine.plan import DraftFiles, make_plan
 
     try:
-        path = model_path(settings)
+        path = model_path(settings, steps)
         hp = hparams_from_gguf(path)
         if not uses_gpu(settings, hp.arch) or settings["CTX"] > hp.n_ctx_train:
             return ""
@@ -101,14 +105,38 @@ def open_speculator(path: Path, draft: str | None, small: str | None = None, **f
     return sp
 
 
-def model_path(settings: Settings) -> Path:
-    """MODEL if set (it must exist), else the embedded default model (fetched once, cached)."""
-    return resolve_model(settings["MODEL"] or None, "MODEL")
+def model_path(settings: Settings, steps: Steps | None = None) -> Path:
+    """MODEL if set (a file, or a Hugging Face spec fetched once), else the default model (fetched
+    once, cached; `steps` shows the download)."""
+    return resolve_model(settings["MODEL"] or None, "MODEL", steps)
 
 
-def load(settings: Settings) -> Loaded:
-    """Read the model named by the settings and build its forward (Vulkan or the NumPy reference)."""
-    path = model_path(settings)
+def warm(fwd: Forward, steps: Steps | None) -> None:
+    """Record every step graph the forward reserved (and the MTP rounds' graphs), so the pipelines
+    are compiled now and not by the first request (minutes on lavapipe); `steps` shows how far."""
+    from vkflash.engine.gpu_forward import GpuForward
+    from vkflash.engine.speculate import Speculator
+
+    sp = fwd if isinstance(fwd, Speculator) else None
+    gpu_fwd = sp.fwd if sp is not None else fwd
+    if not isinstance(gpu_fwd, GpuForward):
+        return  # the NumPy reference compiles nothing
+    todo = [g for g in gpu_fwd.graphs() if not g.submissions]
+    with steps.step("compiling pipelines") if steps else nullcontext(None) as progress:
+        for i, g in enumerate(todo):
+            g.record()
+            if progress:
+                progress(i + 1, len(todo) + (sp is not None))
+        if sp is not None:
+            sp.warm()
+            if progress:
+                progress(len(todo) + 1, len(todo) + 1)
+
+
+def load(settings: Settings, steps: Steps | None = None) -> Loaded:
+    """Read the model named by the settings, build its forward (Vulkan or the NumPy reference) and
+    compile its pipelines; `steps` reports each slow step (the serve log's progress)."""
+    path = model_path(settings, steps)
     hp = hparams_from_gguf(path)
     n_ctx = settings["CTX"] or hp.n_ctx_train
     if n_ctx > hp.n_ctx_train:
@@ -118,7 +146,8 @@ def load(settings: Settings) -> Loaded:
     if tok.vocab_size > hp.V:
         raise ModelError(f"{path.name}: the tokenizer has {tok.vocab_size} tokens but the model only {hp.V}")
     template = str(meta.get("tokenizer.chat_template") or QWEN3_THINKING_TEMPLATE)
-    fwd, name = _forward(settings, path, hp, n_ctx)
+    fwd, name = _forward(settings, path, hp, n_ctx, steps)
+    warm(fwd, steps)
     info = EngineInfo(model_id=path.stem, model_path=str(path), arch=hp.arch, backend=name,
                       n_ctx=n_ctx, n_ctx_train=hp.n_ctx_train, n_vocab=hp.V, chat_template=template,
                       ubatch=settings["UB"])

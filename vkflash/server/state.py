@@ -78,8 +78,6 @@ class ServerState:
                          daemon=True).start()
         self.loaded = loaded
         self.health = Health("ok")
-        i = loaded.info
-        print(f"model ready: {i.model_id} ({i.arch}, {i.backend}), n_ctx={i.n_ctx}, n_vocab={i.n_vocab}", flush=True)
 
     def _load_failed(self, reason: str) -> None:
         """Unhealthy for good; the owner's hook, if any, stops the server (else say why here)."""
