@@ -14,8 +14,8 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from vkflash.engine.api import ArgmaxForward, Finish, Forward, InvalidRequest, SamplingParams, SpeculativeForward, \
-    TextCodec, Timings, TokenEvent
+from vkflash.engine.api import ArgmaxForward, Finish, Forward, InvalidRequest, PrefixForward, SamplingParams, \
+    SpeculativeForward, TextCodec, Timings, TokenEvent
 from vkflash.engine.sampling import Sampler
 
 
@@ -68,7 +68,9 @@ def generate(fwd: Forward, codec: TextCodec, prompt: Sequence[int], params: Samp
              clock: Callable[[], float] = time.perf_counter) -> Iterator[TokenEvent | Finish]:
     """Yield one TokenEvent per generated token, then exactly one Finish.
 
-    Backend exceptions end the stream with Finish(reason="error", error=exc); a set `cancel` event
+    With params.cache_prompt and a PrefixForward, the prefix the prompt shares with the last
+    sequence is kept (Timings.cache_n) and a checkpoint marks the prompt's end (engine/prefix.py);
+    else the sequence starts over. Backend exceptions end the stream with Finish(reason="error", error=exc); a set `cancel` event
     ends it with "cancelled" within one token (or one ubatch of prefill).
     """
     cancel = cancel or threading.Event()
@@ -84,6 +86,8 @@ def generate(fwd: Forward, codec: TextCodec, prompt: Sequence[int], params: Samp
     if params.max_tokens is not None:
         budget = min(budget, params.max_tokens)
     history = list(prompt)
+    reuse = fwd if params.cache_prompt and isinstance(fwd, PrefixForward) else None
+    n_cached = 0
     n_out, t0 = 0, clock()
     t_prefill_end = t0
 
@@ -94,24 +98,30 @@ def generate(fwd: Forward, codec: TextCodec, prompt: Sequence[int], params: Samp
             tail += emitted + stops.flush()
         drafts = (spec.drafted, spec.accepted) if spec is not None else (None, None)
         return Finish(reason, tail, len(prompt), n_out,  # type: ignore[arg-type]
-                      Timings(len(prompt), (t_prefill_end - t0) * 1e3, n_out, (t_end - t_prefill_end) * 1e3,
-                              *drafts), error)
+                      Timings(len(prompt) - n_cached, (t_prefill_end - t0) * 1e3, n_out,
+                              (t_end - t_prefill_end) * 1e3, *drafts, cache_n=n_cached), error)
 
     try:
-        fwd.reset()
+        if reuse is not None:
+            n_cached = reuse.reuse(prompt)
+        else:
+            fwd.reset()
+        rest = prompt[n_cached:]
         nxt: int | None = None
-        for a in range(0, len(prompt), ubatch):
+        for a in range(0, len(rest), ubatch):
             if cancel.is_set():
                 yield finish("cancelled")
                 return
-            chunk = prompt[a:a + ubatch]
-            last = a + ubatch >= len(prompt)
+            chunk = rest[a:a + ubatch]
+            last = a + ubatch >= len(rest)
             if last and fast:
                 nxt = fwd.prefill_argmax(chunk)  # type: ignore[attr-defined]
             elif last:
                 nxt = sampler.sample(fwd.prefill(chunk), history)
             else:
                 fwd.prefill(chunk)
+        if reuse is not None:
+            reuse.checkpoint()
         t_prefill_end = clock()
         assert nxt is not None
         while True:

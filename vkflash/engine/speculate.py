@@ -187,6 +187,16 @@ class Speculator:
         self.drafted = self.accepted = self.rounds = self.plain = 0
         self.policy.first_only = 0
 
+    def reuse(self, ids: Sequence[int]) -> int:
+        """Keep the prefix ids share with the sequence (GpuForward.reuse, strictly below the common
+        prefix when a checkpoint is restored: the head's cache cell there must be right), new draft counts."""
+        self.drafted = self.accepted = self.rounds = self.plain = 0
+        self.policy.first_only = 0
+        return self.fwd.reuse(ids, strict=True)
+
+    def checkpoint(self) -> None:
+        self.fwd.checkpoint()
+
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
         return self.fwd.prefill(ids)
 
@@ -200,8 +210,7 @@ class Speculator:
         return self.fwd.decode_argmax(token)
 
     def truncate(self, n: int) -> None:
-        self.fwd.truncate(n)
-        self.drafter.truncated(n)
+        self.fwd.truncate(n)  # the drafter hears of it as the forward's step hooks
 
     # --- speculation ----------------------------------------------------------------------
     def speculate(self, x: int, sampler: Sampler, history: Sequence[int], limit: int) -> list[int]:

@@ -73,7 +73,7 @@ def sampling_params(req: SamplingFields, state: ServerState, max_tokens: int | N
                           repetition_penalty=req.repeat_penalty if req.repeat_penalty is not None
                           else req.repetition_penalty,
                           presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                          penalty_last_n=req.repeat_last_n, ignore_eos=req.ignore_eos)
+                          penalty_last_n=req.repeat_last_n, ignore_eos=req.ignore_eos, cache_prompt=req.cache_prompt)
 
 
 def message_dict(m: ChatMessage) -> dict[str, Any]:
@@ -186,10 +186,11 @@ def finish_reason(fin: Finish, n_calls: int) -> str:
     return "tool_calls" if n_calls and fin.reason == "stop" else fin.reason
 
 
-def usage(fin: Finish) -> dict[str, int]:
-    """OpenAI usage object."""
+def usage(fin: Finish) -> dict[str, Any]:
+    """OpenAI usage object (cached_tokens: prompt tokens reused from the last sequence)."""
     return {"prompt_tokens": fin.prompt_tokens, "completion_tokens": fin.completion_tokens,
-            "total_tokens": fin.prompt_tokens + fin.completion_tokens}
+            "total_tokens": fin.prompt_tokens + fin.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": fin.timings.cache_n}}
 
 
 def error_event(fin: Finish) -> str:

@@ -56,6 +56,8 @@ class SamplingFields(_Strict):
     frequency_penalty: float = 0.0
     repeat_last_n: int = 64
     ignore_eos: bool = False
+    cache_prompt: bool = Field(default=True, description="reuse the prefix this prompt shares with the last one "
+                               "(timings.cache_n, usage.prompt_tokens_details.cached_tokens); false: prefill it all")
 
 
 class ChatRequest(SamplingFields):
