@@ -1,0 +1,170 @@
+"""Prompt-prefix reuse through the engine API (GpuForward.reuse, engine/prefix.py) on tiny qwen2,
+qwen3next and qwen4exp files: over a conversation whose turn k + 1 extends turn k, then edits an
+earlier part, then is a prefix of the cached sequence, each turn keeps the expected number of
+tokens (qwen2: the whole common prefix; hybrids: the nearest checkpoint at or below it) and its
+logits are bit for bit those of a cold run fed in the same steps (and within MODEL.md's f32 bound
+of a one-shot prefill, whose steps differ); the checkpoint book's eviction; the NumPy reference
+keeps the same prefix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qwen2_tiny import Geometry, write_qwen2
+from vkflash.engine.gpu_forward import GpuForward, steps
+from vkflash.engine.prefix import CheckpointBook, common_prefix
+from vkflash.engine.reference_backend import ReferenceForward
+from vkflash.model.make_model import make_model
+from vkflash.model.weights import load_model
+
+UB, EVERY, SLOTS = 8, 8, 32  # enough slots that the conversation below never evicts one
+EXACT = 1e-3  # MODEL.md §7.10: max|Δ| ≤ 1e-3·std(logits) in f32
+
+
+def _model(arch: str, tmp: Path, rng: np.random.Generator) -> Path:
+    seed = int(rng.integers(1 << 31))
+    if arch == "qwen2":
+        path = tmp / f"q2-{seed}.gguf"
+        write_qwen2(path, rng, Geometry(d=96, H=3, H_kv=1, Dh=32, F=160, V=301, L=2))
+        return path
+    return make_model(arch, "tiny", "F32", seed, tmp / f"{arch}-{seed}.gguf")[0]
+
+
+@dataclass
+class Conversation:
+    """A forward and how its sequence was fed (each call's first position and tokens), so a cold
+    run can be fed in the same steps and the expected checkpoints known."""
+
+    fwd: GpuForward
+    other: GpuForward  # the cold runs'
+    calls: list[tuple[int, list[int]]] = field(default_factory=list)
+    marks: set[int] = field(default_factory=set)  # positions a checkpoint holds
+
+    def feed(self, ids: list[int], prompt_end: bool = False) -> np.ndarray:
+        """Feed ids as one call; a checkpoint after every step that crosses a multiple of EVERY and
+        at a prompt's end (recurrent models)."""
+        p0 = self.fwd.n_past
+        out = self.fwd.prefill(ids)
+        self.calls.append((p0, list(ids)))
+        for s, n in steps(len(ids), UB):
+            if (p0 + s + n) // EVERY > (p0 + s) // EVERY:
+                self.marks.add(p0 + s + n)
+        if prompt_end:
+            self.fwd.checkpoint()
+            self.marks.add(self.fwd.n_past)
+        return out
+
+    def turn(self, prompt: list[int], recurrent: bool) -> tuple[int, np.ndarray]:
+        """One request: reuse, then the rest of the prompt; (tokens kept, logits)."""
+        c = min(common_prefix(self.fwd._seq, prompt), len(prompt) - 1)
+        want = c if not recurrent or c == self.fwd.n_past else max((m for m in self.marks if m <= c), default=0)
+        n = self.fwd.reuse(prompt)
+        assert n == want
+        self.calls = [(p0, ids[:n - p0]) for p0, ids in self.calls if p0 < n]
+        self.marks = {m for m in self.marks if m <= n} if n else set()
+        return n, self.feed(prompt[n:], prompt_end=True)
+
+    def cold(self, n: int) -> np.ndarray:
+        """A new sequence on the other forward fed in this one's steps: the kept calls, then the
+        rest of the prompt (the last call)."""
+        self.other.reset()
+        out = None
+        for _, ids in self.calls:
+            if ids:
+                out = self.other.prefill(ids)
+        assert out is not None
+        return out
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / b.std())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3next", "qwen4exp"])
+def test_multi_turn_reuse_is_a_cold_run(gpu, rng, tmp_path, arch):
+    """Turn 2 extends turn 1 (prompt + some of its decoded output + a new message), turn 3 edits
+    an earlier token, turn 4 is a prefix of the cached sequence: each keeps the expected prefix and
+    its logits equal a cold run fed in the same steps bit for bit — except on qwen2 where the cut
+    lands inside an earlier multi-token step: its kept cells were attended in a step of other
+    length than the cold run's (the key chunks of a multi-row attention depend on the step's last
+    row), so rounding differs, within MODEL.md's f32 bound. Every turn is within that bound of a
+    one-shot prefill of its whole prompt."""
+    path = _model(arch, tmp_path, rng)
+    fwd, other = (GpuForward(path, ctx=160, ub=UB, kv="f32", gpu=gpu, ckpt=SLOTS, ckpt_every=EVERY) for _ in "ab")
+    recurrent = arch != "qwen2"
+    V = fwd.n_vocab
+    conv = Conversation(fwd, other)
+
+    def new(lo: int, hi: int) -> list[int]:
+        return [int(t) for t in rng.integers(0, V, int(rng.integers(lo, hi)))]
+
+    A = new(20, 40)
+    n, _ = conv.turn(A, recurrent)
+    assert n == 0
+    out = new(3, 6)
+    for t in out:  # decoded output: one-token steps
+        conv.feed([t])
+    B = A + out[:int(rng.integers(1, len(out)))] + new(8, 20)
+    C = B[:int(rng.integers(1, len(A)))] + new(6, 16)  # an earlier message edited
+    turns = [B, C, None]
+    for prompt in turns:
+        if prompt is None:  # a prefix of the cached sequence
+            prompt = fwd._seq[:int(rng.integers(2, fwd.n_past))]
+        ends = {p0 + len(ids) for p0, ids in conv.calls}
+        n, got = conv.turn(prompt, recurrent)
+        want = conv.cold(n)
+        if recurrent or n in ends:
+            assert np.array_equal(got, want), f"reuse of {n} tokens: {_rel(got, want):.2e}·std off a cold run"
+        else:
+            assert _rel(got, want) <= EXACT
+        other.reset()
+        assert _rel(got, other.prefill(prompt)) <= EXACT
+
+
+def test_checkpoint_book_thins_evenly(rng):
+    """A full book gives up its densest checkpoint, never the newest; best() is the nearest at or
+    below a limit; due() fires on crossing a multiple of `every`; drop_after forgets later ones."""
+    slots = int(rng.integers(2, 6))
+    book = CheckpointBook(slots, int(rng.integers(8, 64)))
+    pos = 0
+    for _ in range(40):
+        pos += int(rng.integers(1, 100))
+        before = dict(book.held)
+        slot = book.take(pos)
+        assert slot is not None and book.held[pos] == slot and len(book.held) <= slots
+        if len(before) == slots:
+            ps = sorted(before)
+            gaps = [(ps[i] - (ps[i - 1] if i else 0), ps[i]) for i in range(len(ps) - 1)]
+            assert set(before) - set(book.held) == {min(gaps)[1]}
+    assert book.take(pos) is None and max(book.held) == pos
+    limit = int(rng.integers(0, pos + 1))
+    below = [p for p in book.held if p <= limit]
+    assert book.best(limit) == ((max(below), book.held[max(below)]) if below else None)
+    book.drop_after(limit)
+    assert all(p <= limit for p in book.held)
+    k = book.every * int(rng.integers(1, 5))
+    assert book.due(k - 1, k) and not book.due(k, k + book.every - 1)
+
+
+def test_reference_keeps_the_same_prefix(rng, tmp_path):
+    """The NumPy reference forward reuses as the GPU one does (checkpoint at a prompt's end and each
+    multiple of the interval), and its logits after a reuse match its cold run."""
+    path = _model("qwen3next", tmp_path, rng)
+    ref = ReferenceForward(load_model(path), 128, ckpt=4, ckpt_every=EVERY)
+    V = ref.n_vocab
+    A = [int(t) for t in rng.integers(0, V, int(rng.integers(20, 40)))]
+    assert ref.reuse(A) == 0
+    ref.prefill(A)
+    ref.checkpoint()
+    k = int(rng.integers(1, len(A) + 1))
+    B = A[:k] + [int(t) for t in rng.integers(0, V, 8)]
+    n = ref.reuse(B)
+    assert n == (len(A) if k == len(A) else EVERY * (k // EVERY))
+    got = ref.prefill(B[n:])
+    ref.reset()
+    assert _rel(got, ref.prefill(B)) <= 1e-9
