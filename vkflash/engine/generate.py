@@ -69,8 +69,8 @@ def generate(fwd: Forward, codec: TextCodec, prompt: Sequence[int], params: Samp
     """Yield one TokenEvent per generated token, then exactly one Finish.
 
     With params.cache_prompt and a PrefixForward, the prefix the prompt shares with the last
-    sequence is kept (Timings.cache_n) and a checkpoint marks the prompt's end (engine/prefix.py);
-    else the sequence starts over. Backend exceptions end the stream with Finish(reason="error", error=exc); a set `cancel` event
+    sequence is kept (Timings.cache_n), else the sequence starts over; a checkpoint marks the
+    prompt's end either way (engine/prefix.py). Backend exceptions end the stream with Finish(reason="error", error=exc); a set `cancel` event
     ends it with "cancelled" within one token (or one ubatch of prefill).
     """
     cancel = cancel or threading.Event()
@@ -86,7 +86,7 @@ def generate(fwd: Forward, codec: TextCodec, prompt: Sequence[int], params: Samp
     if params.max_tokens is not None:
         budget = min(budget, params.max_tokens)
     history = list(prompt)
-    reuse = fwd if params.cache_prompt and isinstance(fwd, PrefixForward) else None
+    prefix = fwd if isinstance(fwd, PrefixForward) else None
     n_cached = 0
     n_out, t0 = 0, clock()
     t_prefill_end = t0
@@ -102,8 +102,8 @@ def generate(fwd: Forward, codec: TextCodec, prompt: Sequence[int], params: Samp
                               (t_end - t_prefill_end) * 1e3, *drafts, cache_n=n_cached), error)
 
     try:
-        if reuse is not None:
-            n_cached = reuse.reuse(prompt)
+        if prefix is not None and params.cache_prompt:
+            n_cached = prefix.reuse(prompt)
         else:
             fwd.reset()
         rest = prompt[n_cached:]
@@ -120,8 +120,8 @@ def generate(fwd: Forward, codec: TextCodec, prompt: Sequence[int], params: Samp
                 nxt = sampler.sample(fwd.prefill(chunk), history)
             else:
                 fwd.prefill(chunk)
-        if reuse is not None:
-            reuse.checkpoint()
+        if prefix is not None:
+            prefix.checkpoint()  # a later request may come back here, whether or not this one reused
         t_prefill_end = clock()
         assert nxt is not None
         while True:
