@@ -338,7 +338,7 @@ def bench_kernels(as_json: bool = typer.Option(False, "--json"),
 @bench_app.command("serve")
 def bench_serve(model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: knob MODEL)"),
                 as_json: bool = typer.Option(False, "--json"),
-                quick: bool = typer.Option(False, "--quick", help="short prompts, few tokens (CI, lavapipe)")) -> None:
+                quick: bool = typer.Option(False, "--quick", help="short prompts, few tokens (CI; the default on a CPU device or the NumPy reference)")) -> None:
     """TTFT and decode tok/s through the HTTP server vs the same engine in process (HTTP overhead %)."""
     try:
         from vkflash.bench.serve import run
