@@ -4,7 +4,7 @@ earlier part, then is a prefix of the cached sequence, each turn keeps the expec
 tokens (qwen2: the whole common prefix; hybrids: the nearest checkpoint at or below it) and its
 logits are bit for bit those of a cold run fed in the same steps (and within MODEL.md's f32 bound
 of a one-shot prefill, whose steps differ); the checkpoint book's eviction; the NumPy reference
-keeps the same prefix."""
+keeps the same prefix; MTP speculation over a reused prefix is plain decoding."""
 
 from __future__ import annotations
 
@@ -14,10 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fakes import ByteCodec
+from hybrid_ref import knobs
 from qwen2_tiny import Geometry, write_qwen2
+from vkflash.engine.api import Finish, SamplingParams, TokenEvent
+from vkflash.engine.generate import generate
 from vkflash.engine.gpu_forward import GpuForward, steps
 from vkflash.engine.prefix import CheckpointBook, common_prefix
 from vkflash.engine.reference_backend import ReferenceForward
+from vkflash.engine.speculate import Speculator
 from vkflash.model.make_model import make_model
 from vkflash.model.weights import load_model
 
@@ -168,3 +173,32 @@ def test_reference_keeps_the_same_prefix(rng, tmp_path):
     got = ref.prefill(B[n:])
     ref.reset()
     assert _rel(got, ref.prefill(B)) <= 1e-9
+
+
+@pytest.mark.gpu
+def test_mtp_speculation_after_reuse_is_plain_decoding(gpu, rng, tmp_path):
+    """Turn 2 of a conversation under MTP speculation restarts from turn 1's prompt end (strictly
+    below the common prefix: the head's cache cell there is right), and its greedy output is token
+    for token plain decoding's after the same reuse (the generation loop, cache_n counted)."""
+    seed = int(rng.integers(1 << 31))
+    path = make_model("qwen4exp", "tiny", "F32", seed, tmp_path / f"m{seed}.gguf", mtp_block=True)[0]
+    with knobs(SPEC_ADAPT="0", DRAFT="3"):  # draft every round, even on random weights
+        sp = Speculator.open(path, None, None, ctx=128, ub=8, kv="f16", gpu=gpu)
+    plain = GpuForward(path, ctx=128, ub=8, kv="f16", gpu=gpu, ckpt=4, ckpt_every=0)
+    V = plain.n_vocab
+    params = SamplingParams(temperature=0.0, max_tokens=int(rng.integers(8, 14)), ignore_eos=True)
+
+    def run(fwd, prompt: list[int]) -> tuple[list[int], Finish]:
+        evs = list(generate(fwd, ByteCodec(eog=-1), prompt, params, ubatch=16))
+        fin = evs[-1]
+        assert isinstance(fin, Finish) and fin.reason == "length"
+        return [e.token for e in evs if isinstance(e, TokenEvent)], fin
+
+    A = [int(t) for t in rng.integers(0, V, int(rng.integers(18, 30)))]
+    out, _ = run(plain, A)
+    assert run(sp, A)[0] == out
+    B = A + out[:int(rng.integers(1, len(out) - 2))] + [int(t) for t in rng.integers(0, V, int(rng.integers(4, 12)))]
+    want, fin = run(plain, B)
+    got, fin_sp = run(sp, B)
+    assert fin.timings.cache_n == fin_sp.timings.cache_n == len(A)
+    assert got == want and sp.drafted > 0
