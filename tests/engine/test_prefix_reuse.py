@@ -4,7 +4,8 @@ earlier part, then is a prefix of the cached sequence, each turn keeps the expec
 tokens (qwen2: the whole common prefix; hybrids: the nearest checkpoint at or below it) and its
 logits are bit for bit those of a cold run fed in the same steps (and within MODEL.md's f32 bound
 of a one-shot prefill, whose steps differ); the checkpoint book's eviction; the NumPy reference
-keeps the same prefix; MTP speculation over a reused prefix is plain decoding."""
+keeps the same prefix; MTP speculation over a reused prefix is plain decoding; the deep-context
+guard's steps stay in force over a reuse."""
 
 from __future__ import annotations
 
@@ -20,9 +21,12 @@ from qwen2_tiny import Geometry, write_qwen2
 from vkflash.engine.api import Finish, SamplingParams, TokenEvent
 from vkflash.engine.generate import generate
 from vkflash.engine.gpu_forward import GpuForward, steps
+from vkflash.engine.guard import GuardConfig, Kind
 from vkflash.engine.prefix import CheckpointBook, common_prefix
 from vkflash.engine.reference_backend import ReferenceForward
 from vkflash.engine.speculate import Speculator
+from vkflash.gpu.budget import Budget
+from vkflash.gpu.ops.attention import CacheType
 from vkflash.model.make_model import make_model
 from vkflash.model.weights import load_model
 
@@ -202,3 +206,38 @@ def test_mtp_speculation_after_reuse_is_plain_decoding(gpu, rng, tmp_path):
     got, fin_sp = run(sp, B)
     assert fin.timings.cache_n == fin_sp.timings.cache_n == len(A)
     assert got == want and sp.drafted > 0
+
+
+@pytest.mark.gpu
+def test_reuse_keeps_the_guards_steps(gpu, rng, tmp_path):
+    """With the deep-context guard's steps forced early (K/V re-quantized to q8_0 at 40, UB halved
+    at 64), turn 2 restarts from a checkpoint past them: bit for bit a cold run fed in the same
+    steps, whose guard steps at the same depths; turn 3 restarts below them: the steps stay in
+    force (the cells already q8_0 stay so, UB stays halved: reuse never undoes them, a reset does),
+    so it is a q8_0 run past the cut, within the q8_0 bound of a cold one-shot prefill (test_guard)."""
+    path = _model("qwen3next", tmp_path, rng)
+    when = {Kind.DRAFT: "auto", Kind.KV: 40, Kind.UB: 64}
+    fwd, other = (GpuForward(path, ctx=256, ub=16, kv="f16", gpu=gpu.with_options(gpu.options, own_arena=True),
+                             ckpt=SLOTS, ckpt_every=16, guard=GuardConfig(when=when, budget=Budget(0, "none")))
+                  for _ in "ab")
+    V = fwd.n_vocab
+    A = [int(t) for t in rng.integers(0, V, int(rng.integers(100, 120)))]
+    fwd.reuse(A)
+    fwd.prefill(A)
+    fwd.checkpoint()
+    events = [(e.depth, e.kind) for e in fwd.guard.events]
+    assert [k for _, k in events] == [Kind.KV, Kind.UB] and fwd.ub == 8
+    k = int(rng.integers(80, len(A)))
+    B = A[:k] + [int(t) for t in rng.integers(0, V, 12)]
+    n = fwd.reuse(B)
+    assert n == 16 * (k // 16) and fwd.model.kv.type is CacheType.Q8_0
+    got = fwd.prefill(B[n:])
+    other.reset()
+    other.prefill(A[:n])
+    assert [(e.depth, e.kind) for e in other.guard.events] == events
+    assert np.array_equal(got, other.prefill(B[n:]))
+    C = A[:int(rng.integers(16, 32))] + [int(t) for t in rng.integers(0, V, 12)]
+    assert fwd.reuse(C) == 16 and fwd.guard_tier == 2 and fwd.model.kv.type is CacheType.Q8_0 and fwd.ub == 8
+    got = fwd.prefill(C[16:])
+    other.reset()
+    assert _rel(got, other.prefill(C)) <= 5e-2

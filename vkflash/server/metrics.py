@@ -18,6 +18,7 @@ class Metrics:
     finishes: Counter[str] = field(default_factory=Counter)
     rejected: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     generated_tokens: int = 0
     prompt_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -43,6 +44,7 @@ class Metrics:
         with self._lock:
             self.finishes[fin.reason] += 1
             self.prompt_tokens += t.prompt_n
+            self.cached_tokens += t.cache_n
             self.generated_tokens += t.predicted_n
             self.prompt_seconds += t.prompt_ms / 1e3
             self.decode_seconds += t.predicted_ms / 1e3
@@ -70,6 +72,8 @@ class Metrics:
                    [(f'{{reason="{r}"}}', n) for r, n in sorted(self.finishes.items())])
             family("rejected_total", "counter", "requests refused because the queue was full", [("", self.rejected)])
             family("prompt_tokens_total", "counter", "prompt tokens prefilled", [("", self.prompt_tokens)])
+            family("prompt_tokens_cached_total", "counter", "prompt tokens reused from the last sequence (not prefilled)",
+                   [("", self.cached_tokens)])
             family("generated_tokens_total", "counter", "tokens generated", [("", self.generated_tokens)])
             family("prompt_seconds_total", "counter", "time spent in prefill", [("", self.prompt_seconds)])
             family("decode_seconds_total", "counter", "time spent decoding", [("", self.decode_seconds)])
