@@ -117,11 +117,6 @@ class RecurrentState:
         self.saved = [self.gpu.buffer(4 * slots * s.plane_words, f"{s.buf.name}.ckpt") for s in self.states()] \
             if slots else []
 
-    @property
-    def slots(self) -> int:
-        """Checkpoints the saved planes hold."""
-        return self.saved[0].words // self.states()[0].plane_words if self.saved else 0
-
     def save(self, slot: int) -> None:
         """Checkpoint `slot` = the live state, on the device."""
         self._checkpoint_graph("save", self.live, slot).run()
