@@ -25,6 +25,7 @@ from vkflash.engine.guard import GuardConfig, Kind
 from vkflash.engine.prefix import CheckpointBook, common_prefix
 from vkflash.engine.reference_backend import ReferenceForward
 from vkflash.engine.speculate import Speculator
+from vkflash.engine.state import recurrent_of
 from vkflash.gpu.budget import Budget
 from vkflash.gpu.ops.attention import CacheType
 from vkflash.model.make_model import make_model
@@ -70,7 +71,7 @@ class Conversation:
     def turn(self, prompt: list[int], recurrent: bool) -> tuple[int, np.ndarray]:
         """One request: reuse, then the rest of the prompt; (tokens kept, logits)."""
         c = min(common_prefix(self.fwd._seq, prompt), len(prompt) - 1)
-        want = c if not recurrent or c == self.fwd.n_past else max((m for m in self.marks if m <= c), default=0)
+        want = c if not recurrent or rolls_back(self.fwd, c) else max((m for m in self.marks if m <= c), default=0)
         n = self.fwd.reuse(prompt)
         assert n == want
         self.calls = [(p0, ids[:n - p0]) for p0, ids in self.calls if p0 < n]
@@ -87,6 +88,14 @@ class Conversation:
                 out = self.other.prefill(ids)
         assert out is not None
         return out
+
+
+def rolls_back(fwd: GpuForward, c: int) -> bool:
+    """Whether a cut to c keeps the live recurrent state: c is the whole sequence, or the last step
+    was verify-sized (a prefill's tail piece of 2..7 tokens) and its state planes reach c (a row of
+    such a step is bit for bit a decode step: docs/DESIGN.md §5)."""
+    rec = recurrent_of(fwd.model.state)
+    return c == fwd.n_past or (rec is not None and fwd.n_past - c < rec.valid_slots)
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -230,14 +239,17 @@ def test_reuse_keeps_the_guards_steps(gpu, rng, tmp_path):
     assert [k for _, k in events] == [Kind.KV, Kind.UB] and fwd.ub == 8
     k = int(rng.integers(80, len(A)))
     B = A[:k] + [int(t) for t in rng.integers(0, V, 12)]
+    c = min(common_prefix(A, B), len(B) - 1)
+    want = c if rolls_back(fwd, c) else 16 * (c // 16)
     n = fwd.reuse(B)
-    assert n == 16 * (k // 16) and fwd.model.kv.type is CacheType.Q8_0
+    assert n == want and fwd.model.kv.type is CacheType.Q8_0
     got = fwd.prefill(B[n:])
     other.reset()
     other.prefill(A[:n])
     assert [(e.depth, e.kind) for e in other.guard.events] == events
     assert np.array_equal(got, other.prefill(B[n:]))
-    C = A[:int(rng.integers(16, 32))] + [int(t) for t in rng.integers(0, V, 12)]
+    j = int(rng.integers(16, 32))
+    C = A[:j] + [(A[j] + 1) % V] + [int(t) for t in rng.integers(0, V, 12)]  # diverges at j
     assert fwd.reuse(C) == 16 and fwd.guard_tier == 2 and fwd.model.kv.type is CacheType.Q8_0 and fwd.ub == 8
     got = fwd.prefill(C[16:])
     other.reset()
