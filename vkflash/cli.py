@@ -358,11 +358,12 @@ def bench_kernels(as_json: bool = typer.Option(False, "--json"),
 @bench_app.command("serve")
 def bench_serve(model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: knob MODEL)"),
                 as_json: bool = typer.Option(False, "--json"),
-                quick: bool = typer.Option(False, "--quick", help="short prompts, few tokens (CI, lavapipe)"),
+                quick: bool = typer.Option(False, "--quick", help="short prompts, few tokens (CI; the default on a "
+                                           "CPU device or the NumPy reference)"),
                 reps: Optional[int] = typer.Option(None, "--reps", min=1,
-                                                   help="timed runs per figure (default 3; 1 with --quick)")) -> None:
+                                                   help="timed runs per figure (default 3; 1 at the small sizes)")) -> None:
     """TTFT and decode tok/s through the HTTP server vs the same engine in process (HTTP overhead %),
-    each the median of --reps runs with its min–max."""
+    each the median of --reps runs with its min–max, and the agent exchange with and without reuse."""
     try:
         from vkflash.bench.serve import run
         from vkflash.model.default_model import resolve_model

@@ -107,8 +107,9 @@ def report(fin: Finish, n_ctx: int, console: "Console") -> None:
     if "draft_n" in t:
         rate = t["draft_n_accepted"] / t["draft_n"] if t["draft_n"] else 0.0
         drafts = f", {t['draft_n_accepted']} of {t['draft_n']} drafted tokens accepted ({rate:.0%})"
+    reused = f", {t['cache_n']} prompt tokens reused" if t["cache_n"] else ""
     console.print(f"prefill {t['prompt_n']} tokens at {t['prompt_per_second']:.1f} tok/s, "
-                  f"decode {t['predicted_n']} tokens at {t['predicted_per_second']:.1f} tok/s{drafts} "
+                  f"decode {t['predicted_n']} tokens at {t['predicted_per_second']:.1f} tok/s{drafts}{reused} "
                   f"(stop: {fin.reason})")
     if context_full(fin, n_ctx):
         console.print(f"[yellow]context end reached ({n_ctx} tokens): generation stopped[/yellow]")

@@ -137,6 +137,11 @@ KNOBS: tuple[Knob, ...] = (
     _k("GUARD_UB", _guard_step, "auto", "when the guard first halves UB (the second halving stays auto)", "launcher"),
     _k("MODEL_DRAFT_SMALL", _text, "", "MTP-only GGUF of the draft head in a smaller quant: the deep-context guard's "
        "first step frees the draft's weights and switches to it (empty: no draft step)", "launcher"),
+    _k("CACHE_CKPT", _int_range(0, 64), 8, "checkpoints of the recurrent state kept for prompt reuse (qwen3next, "
+       "qwen4exp): a new prompt that shares a prefix with the last sequence restarts from the nearest one at or "
+       "below the shared prefix (0: only a prompt that extends the whole sequence reuses it)", "launcher"),
+    _k("CACHE_CKPT_EVERY", _int_range(0, 1 << 24), 8192, "tokens between recurrent-state checkpoints within a "
+       "long prefill, besides the one at the end of each prompt (0: only that one)", "launcher"),
     _k("API_KEY", _text, "", "require this bearer token on every request (empty: none)", "launcher"),
     _k("QUEUE", _int_range(0, 1024), 8, "requests that may wait for the generation slot (more get 503)", "launcher"),
     _k("SSE_KEEPALIVE", _float_range(0.0, 3600.0), 5.0, "seconds a streamed response may go without an event "

@@ -1,6 +1,7 @@
 """`vkflash bench serve --quick` on a tiny generated model (NumPy reference backend, so it is fast
 on any machine): both prompts reported, every figure present and plausible (no speeds asserted),
-each a median inside its min–max over --reps runs, and the table form fits 80 columns."""
+each a median inside its min–max over --reps runs, the agent exchange's turn 2 reusing turn 1's
+prompt, and the table form fits 80 columns."""
 
 from __future__ import annotations
 
@@ -43,9 +44,15 @@ def test_bench_serve_quick_json(tiny_model):
         assert math.isclose(r["ttft_overhead_pct"], 100 * (r["ttft_ms_http"] / r["ttft_ms_engine"] - 1), rel_tol=1e-6)
         assert math.isclose(r["per_token_overhead_pct"], 100 * (r["tok_s_engine"] / r["tok_s_http"] - 1),
                             rel_tol=1e-6)
+    # the agent exchange: turn 2 restarts from the checkpoint at turn 1's end (a recurrent model)
+    a = res["agent"]
+    assert a["prefix_tokens"] == QUICK.long and a["new_tokens"] == QUICK.short and a["cache_n"] == QUICK.long
+    assert a["ttft_ms_reuse"] > 0 and a["ttft_ms_cold"] > 0
+    assert math.isclose(a["speedup"], a["ttft_ms_cold"] / a["ttft_ms_reuse"], rel_tol=1e-6)
 
 
 def test_bench_serve_table_fits_80_columns(tiny_model):
     out = _bench(tiny_model, columns=80).stdout
     assert "bench serve" in out and "short" in out and "long" in out and "per token" in out and "min–max" in out
+    assert "agent exchange" in out and "reused" in out
     assert max(len(ln) for ln in out.splitlines()) <= 80 and "…" not in out, out

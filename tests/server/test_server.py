@@ -109,7 +109,7 @@ def test_seeded_sampling_repeats(server, rng):
     b = call(server.base, "POST", "/v1/completions", body)
     assert a.status == b.status == 200 and a.body["choices"][0]["text"] == b.body["choices"][0]["text"]
     t = a.body["timings"]
-    assert t["prompt_n"] == a.body["usage"]["prompt_tokens"] and t["predicted_n"] == 8 and t["predicted_ms"] > 0
+    assert t["prompt_n"] + t["cache_n"] == a.body["usage"]["prompt_tokens"] and t["predicted_n"] == 8 and t["predicted_ms"] > 0
 
 
 def _raw_stream(base: str, body: dict, on_event=None) -> list[tuple[float, str]]:
@@ -281,12 +281,16 @@ def test_metrics_count_requests_and_tokens(server):
     before = call(server.base, "GET", "/metrics").body
     r = call(server.base, "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 3, "ignore_eos": True})
     after = call(server.base, "GET", "/metrics").body
-    for fam in ("requests_total", "generated_tokens_total", "prompt_tokens_total", "prompt_tokens_per_second",
+    for fam in ("requests_total", "generated_tokens_total", "prompt_tokens_total", "prompt_tokens_cached_total",
+                "prompt_tokens_per_second",
                 "decode_tokens_per_second", "queue_depth", "kv_fill_ratio", "guard_tier", "healthy"):
         assert f"# TYPE vkflash_{fam} " in after, fam
     assert _metric(after, "vkflash_generated_tokens_total") - _metric(before, "vkflash_generated_tokens_total") == 3
+    cached = r.body["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert _metric(after, "vkflash_prompt_tokens_total") - _metric(before, "vkflash_prompt_tokens_total") \
-        == r.body["usage"]["prompt_tokens"]
+        == r.body["usage"]["prompt_tokens"] - cached
+    assert _metric(after, "vkflash_prompt_tokens_cached_total") - _metric(before, "vkflash_prompt_tokens_cached_total") \
+        == cached
     key = 'vkflash_requests_total{path="/v1/completions",status="200"}'
     assert _metric(after, key) - _metric(before, key) == 1
     assert _metric(after, "vkflash_healthy") == 1

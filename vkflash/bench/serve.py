@@ -7,7 +7,15 @@ TTFT is the time to the first visible text (request sent → first SSE chunk wit
 called → first TokenEvent with text). Decode rate is (n − 1) / (end − first), n the generated
 tokens and end the finish (finish chunk / Finish event). Overheads are HTTP over in-process, in %.
 Each figure is the median of `reps` runs after one warm-up run (shader compiles, caches), with its
-spread (min–max over the runs); the overheads are the medians' ratios.
+spread (min–max over the runs); the overheads are the medians' ratios. These runs send
+cache_prompt false, so every one prefills its whole prompt.
+
+The agent exchange: a coding agent resends a long prefix with a short new turn. Turn 1 is the
+long prompt, turn 2 the same plus `short` new tokens; turn 2's TTFT through the server with prompt
+reuse (cache_prompt true: only the new tokens and whatever lies past the checkpoint it restarts
+from are prefilled; timings.cache_n says how many were kept) and without (cache_prompt false).
+Without --quick the sizes are the small ones anyway on a CPU device (lavapipe) or the NumPy
+reference backend, where the full ones take minutes.
 """
 
 from __future__ import annotations
@@ -52,6 +60,16 @@ class Sizes:
 
 
 FULL, QUICK = Sizes(32, 1024, 64, 3), Sizes(8, 64, 8, 1)
+
+
+def default_sizes(s: settings_mod.Settings, arch: str) -> Sizes:
+    """FULL, except QUICK where a run would crawl: the NumPy reference backend or a CPU device."""
+    from vkflash.gpu.device import probe
+    from vkflash.server.backend import uses_gpu
+
+    if not uses_gpu(s, arch):
+        return QUICK
+    return QUICK if probe(int(s["VKFLASH_DEVICE"])).device_type == "cpu" else FULL
 
 
 @dataclass(frozen=True)
@@ -233,28 +251,65 @@ def sse_completion(port: int, body: dict) -> Iterator[tuple[float, dict]]:
                     yield now, json.loads(data)
 
 
-def http_sample(port: int, ids: list[int], gen: int) -> Sample:
-    """One greedy streamed completion through the server."""
+@dataclass(frozen=True)
+class Agent:
+    """Turn 2 of the agent exchange: its TTFT with prompt reuse and without, the tokens reused."""
+
+    prefix_tokens: int
+    new_tokens: int
+    cache_n: int
+    ttft_ms_reuse: float
+    ttft_ms_cold: float
+
+    @property
+    def speedup(self) -> float:
+        """How many times sooner the first token comes with reuse."""
+        return self.ttft_ms_cold / self.ttft_ms_reuse if self.ttft_ms_reuse > 0 else float("nan")
+
+
+def http_sample(port: int, ids: list[int], gen: int, cache_prompt: bool = False) -> Sample:
+    """One greedy streamed completion through the server (cache_prompt false: a whole prefill)."""
+    return http_run(port, ids, gen, cache_prompt)[0]
+
+
+def http_run(port: int, ids: list[int], gen: int, cache_prompt: bool) -> tuple[Sample, int]:
+    """One greedy streamed completion through the server; its timing and timings.cache_n."""
     t0 = time.perf_counter()
     first = end = None
-    n = 0
+    n = cache_n = 0
     for t, ev in sse_completion(port, {"prompt": ids, "max_tokens": gen, "temperature": 0, "ignore_eos": True,
-                                       "stream": True}):
+                                       "stream": True, "cache_prompt": cache_prompt}):
         if "error" in ev:
             raise ConfigError(f"the server failed: {ev['error'].get('message')}")
         choice = ev["choices"][0]
         if first is None and choice["text"]:
             first = t
         if choice["finish_reason"] is not None:
-            end, n = t, ev["usage"]["completion_tokens"]
+            end, n, cache_n = t, ev["usage"]["completion_tokens"], ev["timings"]["cache_n"]
     if first is None or end is None:
         raise ConfigError("the server's stream had no text or no finish")
-    return Sample(first - t0, end - first, n)
+    return Sample(first - t0, end - first, n), cache_n
+
+
+def agent_exchange(port: int, prefix: list[int], new: list[int], gen: int, reps: int) -> Agent:
+    """Turn 2 (prefix + new) right after turn 1 (prefix), with reuse and without: median TTFTs
+    over reps pairs after one warm-up pair."""
+    def pair() -> tuple[float, float, int]:
+        http_run(port, prefix, gen, False)
+        reuse, cache_n = http_run(port, prefix + new, gen, True)
+        http_run(port, prefix, gen, False)
+        cold, _ = http_run(port, prefix + new, gen, False)
+        return reuse.ttft_s, cold.ttft_s, cache_n
+
+    pair()
+    runs = [pair() for _ in range(reps)]
+    return Agent(len(prefix), len(new), runs[-1][2], 1e3 * statistics.median(r[0] for r in runs),
+                 1e3 * statistics.median(r[1] for r in runs))
 
 
 def engine_sample(fwd, tok: Tokenizer, ids: list[int], gen: int, ubatch: int) -> Sample:
     """One greedy generation with engine.generate in this process."""
-    params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True, cache_prompt=False)
     t0 = time.perf_counter()
     first = end = None
     n = 0
@@ -288,8 +343,9 @@ def overhead_pct(http: float, engine: float) -> float:
     return 100.0 * (http - engine) / engine if engine > 0 else float("nan")
 
 
-def measure(model: str | None, sizes: Sizes, load_timeout_s: float = 900.0) -> dict:
-    """Both measurements on one model; the result as a JSON-ready dict (model, backend, rows)."""
+def measure(model: str | None, sizes: Sizes | None, load_timeout_s: float = 900.0, reps: int | None = None) -> dict:
+    """Both measurements and the agent exchange on one model (sizes None: default_sizes; reps
+    overrides their runs per figure); the result as a JSON-ready dict (model, backend, rows, agent)."""
     from vkflash.server import backend
 
     env = {k: v for k, v in os.environ.items() if k not in ("HOST", "PORT", "API_KEY")}
@@ -297,22 +353,28 @@ def measure(model: str | None, sizes: Sizes, load_timeout_s: float = 900.0) -> d
         env["MODEL"] = model
     s = settings_mod.load(env=env)
     path = backend.model_path(s)
-    n_ctx = s["CTX"] or hparams_from_gguf(path).n_ctx_train
-    long_n = min(sizes.long, n_ctx - sizes.gen - 1)
+    hp = hparams_from_gguf(path)
+    n_ctx = s["CTX"] or hp.n_ctx_train
+    sizes = sizes or default_sizes(s, hp.arch)
+    if reps:
+        sizes = replace(sizes, reps=reps)
+    long_n = min(sizes.long, n_ctx - sizes.gen - sizes.short - 1)
     if long_n <= sizes.short:
         raise ConfigError(f"{path.name}: a context of {n_ctx} tokens is too small for this benchmark")
     if not s["CTX"]:
-        env["CTX"] = str(long_n + sizes.gen + 1)
+        env["CTX"] = str(long_n + sizes.short + sizes.gen + 1)
     env["MODEL"] = str(path)
     s = settings_mod.load(env=env)
     tok = Tokenizer.from_gguf(path)
     prompts = {"short": prompt_ids(tok, sizes.short), "long": prompt_ids(tok, long_n)}
+    new_turn = prompt_ids(tok, long_n + sizes.short)[long_n:]
 
     server = ServerProcess(env, load_timeout_s)
     try:
         _, props = http_get("127.0.0.1", server.port, "/props")
         http = {name: repeated(lambda ids=ids: http_sample(server.port, ids, sizes.gen), sizes.reps)
                 for name, ids in prompts.items()}
+        agent = agent_exchange(server.port, prompts["long"], new_turn, sizes.gen, sizes.reps)
     finally:
         server.stop()
 
@@ -331,13 +393,13 @@ def measure(model: str | None, sizes: Sizes, load_timeout_s: float = 900.0) -> d
                         {f"{k}_{via}": (f.lo, f.hi) for via, fig in (("engine", e), ("http", h))
                          for k, f in fig.items()}))
     return {"model": path.name, "backend": loaded.info.backend, "server_backend": json.loads(props).get("backend"),
-            "ctx": s["CTX"], "gen_tokens": sizes.gen, "reps": sizes.reps, "rows": [asdict(r) for r in rows]}
+            "ctx": s["CTX"], "gen_tokens": sizes.gen, "reps": sizes.reps, "rows": [asdict(r) for r in rows],
+            "agent": {**asdict(agent), "speedup": agent.speedup}}
 
 
 def run(model: str | None, quick: bool, as_json: bool, console: Console, reps: int | None = None) -> None:
-    """Measure (`reps` runs per figure, default 3, 1 with quick) and print a table (or JSON)."""
-    sizes = QUICK if quick else FULL
-    res = measure(model, replace(sizes, reps=reps or sizes.reps))
+    """Measure (`reps` runs per figure; default 3, 1 at the small sizes) and print tables (or JSON)."""
+    res = measure(model, QUICK if quick else None, reps=reps)
     if as_json:
         print(json.dumps(res, indent=1))
         return
@@ -354,4 +416,11 @@ def run(model: str | None, quick: bool, as_json: bool, console: Console, reps: i
                       label, ttft.show(1), rate.show(1))
         t.add_row("", "", "HTTP +%", f"{r['ttft_overhead_pct']:+.1f}", f"{r['per_token_overhead_pct']:+.1f} per token",
                   end_section=True)
+    console.print(t)
+    a = res["agent"]
+    t = Table(title="agent exchange: turn 2 = turn 1 + a short turn, TTFT via HTTP", box=box.SIMPLE_HEAD)
+    for c in ("prefix", "new", "reused", "TTFT ms reuse", "TTFT ms cold", "speedup"):
+        t.add_column(c, justify="right")
+    t.add_row(str(a["prefix_tokens"]), str(a["new_tokens"]), str(a["cache_n"]), f"{a['ttft_ms_reuse']:.1f}",
+              f"{a['ttft_ms_cold']:.1f}", f"{a['speedup']:.2f}×")
     console.print(t)

@@ -34,7 +34,8 @@ class SamplingParams:
 
     temperature ≤ 0 is greedy. top_k = 0, top_p = 1, min_p = 0 and penalties of 1/0/0 are off.
     Penalties look at the last `penalty_last_n` tokens of prompt + output (llama.cpp's window).
-    max_tokens None: until EOS, a stop string or the context end.
+    max_tokens None: until EOS, a stop string or the context end. cache_prompt (llama-server's
+    field): keep the prefix the prompt shares with the last sequence instead of prefilling it again.
     """
 
     temperature: float = 0.8
@@ -50,6 +51,7 @@ class SamplingParams:
     penalty_last_n: int = 64
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit; -inf bans)
+    cache_prompt: bool = True
 
     def __post_init__(self) -> None:
         checks: list[tuple[str, bool, str]] = [
@@ -121,6 +123,17 @@ class ArgmaxForward(Forward, Protocol):
 
 
 @runtime_checkable
+class PrefixForward(Forward, Protocol):
+    """A Forward that keeps the prefix a new prompt shares with its sequence (prompt reuse,
+    engine/prefix.py): `reuse(ids)` keeps what it can and says how many of ids to skip (never
+    all), `checkpoint()` marks the state after the tokens fed so far as a place to come back to."""
+
+    def reuse(self, ids: Sequence[int]) -> int: ...
+
+    def checkpoint(self) -> None: ...
+
+
+@runtime_checkable
 class SpeculativeForward(Forward, Protocol):
     """A Forward that decodes in speculation rounds (MTP, engine/speculate.py): each round feeds one
     token and returns the tokens it produced; draft tokens proposed and accepted since the last reset."""
@@ -158,6 +171,7 @@ class TokenEvent:
 @dataclass(frozen=True)
 class Timings:
     """llama-server's `timings` object: prompt (prefill) and predicted (decode) counts and rates;
+    cache_n prompt tokens reused from the last sequence (not in prompt_n: those were prefilled);
     with speculative decoding also the draft tokens proposed and accepted (None: no speculation)."""
 
     prompt_n: int = 0
@@ -166,6 +180,7 @@ class Timings:
     predicted_ms: float = 0.0
     draft_n: int | None = None
     draft_n_accepted: int | None = None
+    cache_n: int = 0
 
     def to_json(self) -> dict[str, float | int]:
         """The llama-server field set, with per-token ms and tokens per second."""
@@ -175,7 +190,7 @@ class Timings:
         p_tok, p_sec = rate(self.prompt_n, self.prompt_ms)
         d_tok, d_sec = rate(self.predicted_n, self.predicted_ms)
         out: dict[str, float | int] = {
-            "prompt_n": self.prompt_n, "prompt_ms": self.prompt_ms, "prompt_per_token_ms": p_tok,
+            "cache_n": self.cache_n, "prompt_n": self.prompt_n, "prompt_ms": self.prompt_ms, "prompt_per_token_ms": p_tok,
             "prompt_per_second": p_sec, "predicted_n": self.predicted_n, "predicted_ms": self.predicted_ms,
             "predicted_per_token_ms": d_tok, "predicted_per_second": d_sec}
         if self.draft_n is not None:

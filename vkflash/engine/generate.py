@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vkflash.engine.api import ArgmaxForward, Finish, Forward, InvalidRequest, SamplingParams, SpeculativeForward, \
-    TextCodec, Timings, TokenEvent
+from vkflash.engine.api import ArgmaxForward, Finish, Forward, InvalidRequest, PrefixForward, SamplingParams, \
+    SpeculativeForward, TextCodec, Timings, TokenEvent
 from vkflash.engine.grammar import Constraint
 from vkflash.engine.sampling import Sampler
 
@@ -72,10 +72,12 @@ def generate(fwd: Forward, codec: TextCodec, prompt: Sequence[int], params: Samp
              constraint: Constraint | None = None) -> Iterator[TokenEvent | Finish]:
     """Yield one TokenEvent per generated token, then exactly one Finish.
 
-    Backend exceptions end the stream with Finish(reason="error", error=exc); a set `cancel` event
-    ends it with "cancelled" within one token (or one ubatch of prefill). With a `constraint` every
-    token is drawn from the logits it masks (no device argmax, no speculation), and the output
-    stops once the grammar is complete.
+    With params.cache_prompt and a PrefixForward, the prefix the prompt shares with the last
+    sequence is kept (Timings.cache_n), else the sequence starts over; a checkpoint marks the
+    prompt's end either way (engine/prefix.py). Backend exceptions end the stream with
+    Finish(reason="error", error=exc); a set `cancel` event ends it with "cancelled" within one token
+    (or one ubatch of prefill). With a `constraint` every token is drawn from the logits it masks (no
+    device argmax, no speculation), and the output stops once the grammar is complete.
     """
     cancel = cancel or threading.Event()
     prompt = [int(t) for t in prompt]
@@ -90,6 +92,8 @@ def generate(fwd: Forward, codec: TextCodec, prompt: Sequence[int], params: Samp
     if params.max_tokens is not None:
         budget = min(budget, params.max_tokens)
     history = list(prompt)
+    prefix = fwd if isinstance(fwd, PrefixForward) else None
+    n_cached = 0
     n_out, t0 = 0, clock()
     t_prefill_end = t0
 
@@ -104,24 +108,30 @@ def generate(fwd: Forward, codec: TextCodec, prompt: Sequence[int], params: Samp
             tail += emitted + stops.flush()
         drafts = (spec.drafted, spec.accepted) if spec is not None else (None, None)
         return Finish(reason, tail, len(prompt), n_out,  # type: ignore[arg-type]
-                      Timings(len(prompt), (t_prefill_end - t0) * 1e3, n_out, (t_end - t_prefill_end) * 1e3,
-                              *drafts), error)
+                      Timings(len(prompt) - n_cached, (t_prefill_end - t0) * 1e3, n_out,
+                              (t_end - t_prefill_end) * 1e3, *drafts, cache_n=n_cached), error)
 
     try:
-        fwd.reset()
+        if prefix is not None and params.cache_prompt:
+            n_cached = prefix.reuse(prompt)
+        else:
+            fwd.reset()
+        rest = prompt[n_cached:]
         nxt: int | None = None
-        for a in range(0, len(prompt), ubatch):
+        for a in range(0, len(rest), ubatch):
             if cancel.is_set():
                 yield finish("cancelled")
                 return
-            chunk = prompt[a:a + ubatch]
-            last = a + ubatch >= len(prompt)
+            chunk = rest[a:a + ubatch]
+            last = a + ubatch >= len(rest)
             if last and fast:
                 nxt = fwd.prefill_argmax(chunk)  # type: ignore[attr-defined]
             elif last:
                 nxt = pick(fwd.prefill(chunk))
             else:
                 fwd.prefill(chunk)
+        if prefix is not None:
+            prefix.checkpoint()  # a later request may come back here, whether or not this one reused
         t_prefill_end = clock()
         assert nxt is not None
         while True:

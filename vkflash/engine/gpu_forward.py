@@ -28,6 +28,8 @@ from vkflash.engine.caches import allocate_kv, cache_type
 from vkflash.engine.dump import read_taps, tapped
 from vkflash.engine.guard import Draft, Guard, GuardConfig
 from vkflash.engine.graphs.common import Head, HeadBuffers, StepModel
+from vkflash.engine.prefix import CheckpointBook, common_prefix
+from vkflash.engine.state import recurrent_of
 from vkflash.engine.step_params import ROW_STEP_MAX, StepParams
 from vkflash.engine.weights_gpu import device_embeddable, host_row_gather, upload_weights
 from vkflash.formats.gguf_file import GGUFFile
@@ -85,6 +87,9 @@ class StepHooks(Protocol):
     def after(self, p0: int, ids: np.ndarray) -> None:
         """That step ran."""
 
+    def truncated(self, n: int) -> None:
+        """The sequence was cut to its first n tokens."""
+
 
 class GpuForward:
     """One sequence on the GPU: Forward + ArgmaxForward (vkflash.engine.api)."""
@@ -92,13 +97,15 @@ class GpuForward:
     def __init__(self, model_path: str | os.PathLike[str], ctx: int | None = None, ub: int | None = None,
                  kv: str | None = None, gpu: Gpu | None = None, logits_rows: int | None = None,
                  progress: Callable[[int, int], None] | None = None, guard: GuardConfig | None = None,
-                 mtp: bool = False) -> None:
+                 mtp: bool = False, ckpt: int | None = None, ckpt_every: int | None = None) -> None:
         """ctx/ub/kv default to the CTX/UB/KV knobs (CTX 0: the model's context length);
         logits_rows bounds the rows of one all-logits step (default: LOGITS_BUDGET / V);
         progress(done, total) is called with weight bytes uploaded (a load progress bar);
         guard defaults to the DEEPGUARD, GUARD_* and VKFLASH_MEM_BUDGET knobs; `mtp` (qwen4exp):
         keep the file's MTP block and every step's h_nextn rows for the draft head
-        (engine/draft.py), else an MTP block in the file is not uploaded."""
+        (engine/draft.py), else an MTP block in the file is not uploaded; ckpt / ckpt_every: the
+        recurrent-state checkpoints kept for prompt reuse and the tokens between them within a
+        prefill (default: the CACHE_CKPT / CACHE_CKPT_EVERY knobs; engine/prefix.py)."""
         s = settings.current()
         self.gpu = gpu or Gpu()
         gf = GGUFFile(model_path)
@@ -138,8 +145,13 @@ class GpuForward:
         """Set to {} to accumulate host seconds per part of each step (bench model): `prepare` (ids,
         step params, the arch's host rows), `submit` (the queue submission call), `finish` (after the
         GPU: state bookkeeping and the argmax read)."""
+        rec = recurrent_of(state)
+        slots = int(s["CACHE_CKPT"] if ckpt is None else ckpt) if rec is not None else 0
+        if rec is not None:
+            rec.allocate_checkpoints(slots)
+        self.book = CheckpointBook(slots, int(s["CACHE_CKPT_EVERY"] if ckpt_every is None else ckpt_every))
         self._n = 0
-        self._seq: list[int] = []  # the tokens fed (a recurrent model replays a prefix it cannot restore)
+        self._seq: list[int] = []  # the tokens fed (prompt reuse; a recurrent model replays a prefix it cannot restore)
         self.guard.start(self)
 
     # --- Forward protocol -----------------------------------------------------------------
@@ -153,6 +165,7 @@ class GpuForward:
         the guard's steps undone)."""
         self._n = 0
         self._seq = []
+        self.book.clear()
         self.guard.reset(self)
         if self.model.state is not None:
             self.model.state.reset()
@@ -161,17 +174,69 @@ class GpuForward:
 
     def truncate(self, n: int) -> None:
         """Keep the first n tokens: attention-only models just shorten the length; recurrent states
-        go back to the state plane a verify step left (engine/state.py), else the prefix is re-run."""
+        go back to the state plane a verify step left (engine/state.py), else to the nearest
+        checkpoint (or the start) and the rest of the prefix is re-run."""
         n = max(0, min(n, self._n))
         st = self.model.state
         if st is not None and n < self._n and not st.truncate(self._n - n):
             keep = self._seq[:n]
-            self.reset()
-            if keep:
-                self._feed(np.asarray(keep, np.int32))
+            p = self._restore(self.book.best(n))
+            if n > p:
+                self._feed(np.asarray(keep[p:], np.int32))
             return
+        self._cut(n)
+
+    def reuse(self, ids: Sequence[int], strict: bool = False) -> int:
+        """Keep the longest prefix of the sequence that `ids` starts with and that can be restored,
+        never all of ids (the caller needs the last one's logits): its length, the tokens of ids
+        not to feed again. Attention caches, indexer keys and summary rows are cut by position
+        (cells past it are rewritten before they are read; a summary row is pooled when its block
+        completes). Recurrent states are kept when the prefix is the whole sequence, rolled back
+        when a verify step's planes reach, else restored from the nearest checkpoint at or below
+        it (`strict`: below it, for the MTP head, whose cache cell at the restore point was
+        written with the old sequence's next token); with none, the sequence starts over (reset,
+        guard steps undone). The guard's steps in force stay: K/V cells already re-quantized stay so."""
+        c = min(common_prefix(self._seq, [int(t) for t in ids]), len(ids) - 1)
+        st = self.model.state
+        if c <= 0:
+            self.reset()
+            return 0
+        if c == self._n:
+            return c
+        if st is None or st.truncate(self._n - c):
+            self._cut(c)
+            return c
+        return self._restore(self.book.best(c - 1 if strict else c))
+
+    def checkpoint(self) -> None:
+        """Keep the recurrent state after the tokens fed so far in a checkpoint (the end of a prompt:
+        where the next turn of a conversation goes on); nothing without recurrent state."""
+        rec = recurrent_of(self.model.state)
+        slot = self.book.take(self._n) if rec is not None else None
+        if slot is not None:
+            assert rec is not None
+            rec.save(slot)
+
+    def _cut(self, n: int) -> None:
+        """The sequence is its first n tokens (the states already are)."""
         self._n = n
         del self._seq[n:]
+        self.book.drop_after(n)
+        if self.hooks is not None:
+            self.hooks.truncated(n)
+
+    def _restore(self, at: tuple[int, int] | None) -> int:
+        """The recurrent state from checkpoint (position, slot), the sequence cut there; None: a
+        new sequence. The tokens kept."""
+        if at is None:
+            self.reset()
+            return 0
+        pos, slot = at
+        rec = recurrent_of(self.model.state)
+        assert rec is not None
+        rec.load(slot, np.asarray(self._seq[:pos], np.int64))
+        self._cut(pos)
+        return pos
 
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
         """Feed ids; the next-token logits (float32[V]) after the last one."""
@@ -324,6 +389,8 @@ class GpuForward:
         """Run ids in steps of at most UB tokens; only the last step computes logits."""
         for start, n in self._steps(ids, lambda: self.ub):
             self._run(ids[start:start + n], Head.LAST if start + n == len(ids) else Head.NONE)
+            if self.book.due(self._n - n, self._n):
+                self.checkpoint()
 
     def _run(self, ids: np.ndarray, head: Head, g: Graph | None = None) -> None:
         """One replay: params for len(ids) tokens at n_past, then the graph (or `g`, a tapped copy)."""

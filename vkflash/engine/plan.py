@@ -10,7 +10,8 @@ the budget would not hold them the guard's steps engage, at the depths the plan 
 
 Parts: weights (uploaded, also by GGML type; host-gathered tables are mmapped file pages, shown
 apart and not counted: the page cache can evict them), kv (attention K/V), indexer (QSA keys and
-summary rows), states (recurrent rows, in the planes a verify step rolls back to), compute (arena and
+summary rows), states (recurrent rows, in the planes a verify step rolls back to), checkpoints (copies
+of the recurrent rows kept for prompt reuse, CACHE_CKPT of them: engine/prefix.py), compute (arena and
 graph-owned buffers), io (step params, logits, argmax ids, staging ring), draft and draft kv (the
 MTP draft's weights and its K/V cache). With a draft the forward is the speculator's (mtp=True)
 and the draft head is the real one (engine/draft.py) on the planning Gpu: its weights as uploaded,
@@ -34,7 +35,7 @@ from vkflash.engine.caches import IndexerCache, cache_type
 from vkflash.engine.gpu_forward import GpuForward
 from vkflash.engine.guard import NO_LIMIT, Event, GuardConfig, indexer_caches
 from vkflash.engine.speculate import Speculator
-from vkflash.engine.state import RecurrentState
+from vkflash.engine.state import RecurrentState, recurrent_of
 from vkflash.errors import DoesNotFit
 from vkflash.gpu.budget import Budget, detect
 from vkflash.gpu.context import PlanningGpu
@@ -54,6 +55,7 @@ class Part(str, Enum):
     KV = "kv"
     INDEXER = "indexer"
     STATES = "states"
+    CHECKPOINTS = "checkpoints"
     COMPUTE = "compute"
     IO = "io"
     DRAFT = "draft"
@@ -74,13 +76,14 @@ def buffers_by_part(fwd: GpuForward) -> dict[Part, list[Buffer]]:
     """Every buffer the forward holds, by part (each once)."""
     m = fwd.model
     st = m.state
-    rec = st if isinstance(st, RecurrentState) else getattr(st, "rec", None)
+    rec = recurrent_of(st)
     idx: dict[int, IndexerCache] = indexer_caches(st)
     parts = {
         Part.WEIGHTS: [t.buf for t in m.weights.tensors.values()],
         Part.KV: [c.buf for kv in m.kv.layers.values() for c in (kv.k, kv.v)],
         Part.INDEXER: [b for ic in idx.values() for b in (ic.keys.buf, ic.summary)],
         Part.STATES: _recurrent(rec),
+        Part.CHECKPOINTS: list(rec.saved) if rec is not None else [],
         Part.COMPUTE: list(fwd.gpu.arena.slots) + [b for g in fwd.graphs() for b in g.owned],
         Part.IO: [m.params.buf, m.head.logits, m.head.ids] + ([m.hidden] if m.hidden is not None else [])
         + fwd.gpu.staged(),

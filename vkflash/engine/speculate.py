@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vkflash.engine.api import PrefixForward
 from vkflash.engine.draft import MtpDrafter
 from vkflash.engine.gpu_forward import GpuForward
 from vkflash.engine.graphs.common import Head
@@ -187,6 +188,23 @@ class Speculator:
         self.drafted = self.accepted = self.rounds = self.plain = 0
         self.policy.first_only = 0
 
+    def reuse(self, ids: Sequence[int]) -> int:
+        """Keep the prefix ids share with the sequence (GpuForward.reuse, strictly below the common
+        prefix when a checkpoint is restored: the head's cache cell there must be right), new draft
+        counts; a forward without reuse starts over."""
+        if not isinstance(self.fwd, PrefixForward):
+            self.reset()
+            return 0
+        self.drafted = self.accepted = self.rounds = self.plain = 0
+        self.policy.first_only = 0
+        n = self.fwd.reuse(ids, strict=True)  # type: ignore[call-arg]
+        self.drafter.truncated(n)
+        return n
+
+    def checkpoint(self) -> None:
+        if isinstance(self.fwd, PrefixForward):
+            self.fwd.checkpoint()
+
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
         return self.fwd.prefill(ids)
 
@@ -201,7 +219,7 @@ class Speculator:
 
     def truncate(self, n: int) -> None:
         self.fwd.truncate(n)
-        self.drafter.truncated(n)
+        self.drafter.truncated(n)  # again when it is the forward's step hooks: the same cut
 
     # --- speculation ----------------------------------------------------------------------
     def speculate(self, x: int, sampler: Sampler, history: Sequence[int], limit: int) -> list[int]:

@@ -9,6 +9,10 @@ into plane live + 1 + t; the live index then moves n planes on. `truncate(s)` dr
 s < n tokens of that step: in place (RSROLL=1) by moving the index back s planes, no copy, or
 (RSROLL=0) by copying the plane s tokens back into the live one on the device. Both leave the live
 state bit for bit the state after the kept tokens.
+
+Checkpoints for prompt reuse (engine/prefix.py) are copies of the live plane of every state into
+`slots` planes of a buffer beside it (`save`), copied back into the live plane on `load`; the PLE
+history is the last N − 1 tokens, so the caller's token list restores it.
 """
 
 from __future__ import annotations
@@ -88,6 +92,8 @@ class RecurrentState:
     valid_slots: int = 0
     _last: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     _copies: dict[tuple[int, int], Graph] = field(default_factory=dict)
+    saved: list[Buffer] = field(default_factory=list)  # per state (states() order): its checkpoint planes
+    _ckpt: dict[tuple[str, int, int], Graph] = field(default_factory=dict)
 
     @classmethod
     def allocate(cls, gpu: "Gpu", hp: HParams, n_draft: int, ple_dilation_hist: int = 0) -> "RecurrentState":
@@ -105,6 +111,35 @@ class RecurrentState:
         st = cls(gpu, n_planes, gdn, ple, hp.N - 1 if hp.has_ple else 0, index, bool(current()["RSROLL"]))
         st.reset()
         return st
+
+    def allocate_checkpoints(self, slots: int) -> None:
+        """Room for `slots` checkpoints of every state (prompt reuse); 0: none."""
+        self.saved = [self.gpu.buffer(4 * slots * s.plane_words, f"{s.buf.name}.ckpt") for s in self.states()] \
+            if slots else []
+
+    def save(self, slot: int) -> None:
+        """Checkpoint `slot` = the live state, on the device."""
+        self._checkpoint_graph("save", self.live, slot).run()
+
+    def load(self, slot: int, tokens: np.ndarray) -> None:
+        """The live state = checkpoint `slot`, taken after `tokens` (the sequence's first tokens: the
+        PLE history is their tail); nothing left to roll back."""
+        self._checkpoint_graph("load", self.live, slot).run()
+        self.ple_history = np.asarray(tokens[max(0, len(tokens) - self.ple_keep):] if self.ple_keep else [], np.int64)
+        self._last = self.ple_history
+        self.valid_slots = 0
+
+    def _checkpoint_graph(self, way: str, plane: int, slot: int) -> Graph:
+        """Live plane `plane` → checkpoint `slot` of every state (`save`), or back (`load`)."""
+        g = self._ckpt.get((way, plane, slot))
+        if g is None:
+            g = Graph(self.gpu, f"checkpoint.{way}.{plane}.{slot}", split=False)
+            for s, saved in zip(self.states(), self.saved):
+                live, kept = (s.buf, plane * s.plane_words), (saved, slot * s.plane_words)
+                src, dst = (live, kept) if way == "save" else (kept, live)
+                copy_words(g, *src, *dst, s.plane_words, name=f"{s.buf.name}.{way}")
+            self._ckpt[(way, plane, slot)] = g
+        return g
 
     def states(self) -> list[StateBuffer]:
         """Every state buffer, GDN layers in order, then the PLE conv."""
@@ -167,3 +202,8 @@ class RecurrentState:
                            name=f"{s.buf.name}.restore")
             self._copies[(src, dst)] = g
         g.run()
+
+
+def recurrent_of(state: object) -> RecurrentState | None:
+    """The recurrent rows of an arch's per-sequence state (the state itself, or its `rec`)."""
+    return state if isinstance(state, RecurrentState) else getattr(state, "rec", None)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from vkflash.engine.api import Forward, TokenEvent
+from vkflash.engine.api import Forward, PrefixForward, TokenEvent
 
 MAX_TOP = 20  # OpenAI's bound on top_logprobs
 
@@ -45,6 +45,18 @@ class LogitsTap:
 
     def truncate(self, n: int) -> None:
         self.fwd.truncate(n)
+
+    def reuse(self, ids: Sequence[int]) -> int:
+        """Prompt reuse when the wrapped forward has it (engine/prefix.py), else a new sequence."""
+        self.logits = None
+        if isinstance(self.fwd, PrefixForward):
+            return self.fwd.reuse(ids)
+        self.fwd.reset()
+        return 0
+
+    def checkpoint(self) -> None:
+        if isinstance(self.fwd, PrefixForward):
+            self.fwd.checkpoint()
 
 
 @dataclass(frozen=True)

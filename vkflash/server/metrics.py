@@ -33,6 +33,7 @@ class Metrics:
     finishes: Counter[str] = field(default_factory=Counter)
     rejected: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     generated_tokens: int = 0
     prompt_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -61,6 +62,7 @@ class Metrics:
         with self._lock:
             self.finishes[fin.reason] += 1
             self.prompt_tokens += t.prompt_n
+            self.cached_tokens += t.cache_n
             self.generated_tokens += t.predicted_n
             self.prompt_seconds += t.prompt_ms / 1e3
             self.decode_seconds += t.predicted_ms / 1e3
@@ -104,6 +106,8 @@ class Metrics:
                 req, gen,
                 counter("vkflash_rejected", "requests refused because the queue was full", self.rejected),
                 counter("vkflash_prompt_tokens", "prompt tokens prefilled", self.prompt_tokens),
+                counter("vkflash_prompt_tokens_cached", "prompt tokens reused from the last sequence (not prefilled)",
+                        self.cached_tokens),
                 counter("vkflash_generated_tokens", "tokens generated", self.generated_tokens),
                 counter("vkflash_prompt_seconds", "time spent in prefill", self.prompt_seconds),
                 counter("vkflash_decode_seconds", "time spent decoding", self.decode_seconds),

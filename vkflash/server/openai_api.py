@@ -134,7 +134,8 @@ def sampling_params(req: SamplingFields, state: ServerState, max_tokens: int | N
                           repetition_penalty=req.repeat_penalty if req.repeat_penalty is not None
                           else req.repetition_penalty,
                           presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                          penalty_last_n=req.repeat_last_n, ignore_eos=req.ignore_eos, logit_bias=bias)
+                          penalty_last_n=req.repeat_last_n, ignore_eos=req.ignore_eos, logit_bias=bias,
+                          cache_prompt=req.cache_prompt)
 
 
 async def sampling_params_of(req: SamplingFields, state: ServerState, loaded: Loaded,
@@ -182,7 +183,8 @@ def logit_bias(raw: dict[str, Any] | list[Any] | None, loaded: Loaded) -> tuple[
 
 def chosen_tools(req: ChatRequest) -> list[dict[str, Any]] | None:
     """The tools the template shows, by tool_choice: "none" → none; "auto" / "required" → all of
-    them; {"type": "function", "function": {"name": n}} → that one (no grammar forces a call)."""
+    them; {"type": "function", "function": {"name": n}} → that one (the grammar of structured.py
+    forces the call for "required" and a named function)."""
     choice, tools = req.tool_choice, req.tools or []
     if choice is None or choice == "auto":
         return tools or None
@@ -364,10 +366,11 @@ def finish_reason(fin: Finish, n_calls: int) -> str:
     return "tool_calls" if n_calls and fin.reason == "stop" else fin.reason
 
 
-def usage(fin: Finish) -> dict[str, int]:
-    """OpenAI usage object."""
+def usage(fin: Finish) -> dict[str, Any]:
+    """OpenAI usage object (cached_tokens: prompt tokens reused from the last sequence)."""
     return {"prompt_tokens": fin.prompt_tokens, "completion_tokens": fin.completion_tokens,
-            "total_tokens": fin.prompt_tokens + fin.completion_tokens}
+            "total_tokens": fin.prompt_tokens + fin.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": fin.timings.cache_n}}
 
 
 def error_event(fin: Finish) -> str:

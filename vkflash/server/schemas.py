@@ -64,6 +64,8 @@ class SamplingFields(_Strict):
                                                description="llama-server: a JSON schema the output matches")
     logit_bias: dict[str, Any] | list[Any] | None = Field(
         default=None, description="{\"token id\": bias} or [[token id or text, bias], …]; false or ≤ -100 bans")
+    cache_prompt: bool = Field(default=True, description="reuse the prefix this prompt shares with the last one "
+                               "(timings.cache_n, usage.prompt_tokens_details.cached_tokens); false: prefill it all")
 
 
 class ChatRequest(SamplingFields):
