@@ -33,7 +33,7 @@ from vkflash.gpu.ops.attention import CacheType
 from vkflash.model import reference
 from vkflash.model.make_model import make_model
 from vkflash.model.weights import load_model
-from vkflash.server.app import _memory_gauges
+from vkflash.server.llama_api import memory_gauges
 
 pytestmark = pytest.mark.gpu
 # K/V (4 heads × 64, two layers) outweigh the compute buffers: the KV step is worth taking
@@ -96,7 +96,7 @@ def test_guard_walks_every_step_as_planned(gpu, rng, model, monkeypatch):
     assert logged.ledger.total <= budget and usage(fwd).total == plan.rows[-1].usage.total
     assert len(lines) == 3 and all(ln.startswith("deep-context guard:") and "freed" in ln for ln in lines)
     assert job_log.getvalue().count("note deep-context guard:") == 3
-    gauges = _memory_gauges(fwd)
+    gauges = memory_gauges(fwd)
     assert fwd.guard_tier == 3 and gauges["guard_freed_bytes"][1] == sum(e.freed for e in plan.events) > 0
     assert gauges["memory_budget_bytes"][1] == budget
     fwd.reset()

@@ -146,7 +146,7 @@ def _piece(tok: Tokenizer, t: int) -> str | list[int]:
         return list(b)
 
 
-def _memory_gauges(fwd: Any) -> dict[str, tuple[str, float]]:
+def memory_gauges(fwd: Any) -> dict[str, tuple[str, float]]:
     """Memory held against the budget and what the guard's steps returned (GPU forward only)."""
     guard = getattr(fwd, "guard", None)
     if guard is None:
@@ -264,7 +264,7 @@ def make_router(state: ServerState) -> APIRouter:
             "slot_busy": ("1 while a generation runs", float(slot.busy if slot else 0)),
             "kv_fill_ratio": ("fraction of the context in use", slot.kv_fill() if slot else 0.0),
             "guard_tier": ("deep-context guard steps in force (0: none)", float(getattr(fwd, "guard_tier", 0))),
-            **_memory_gauges(fwd),
+            **memory_gauges(fwd),
         }
         live = Live(processing=int(slot.busy) if slot else 0, deferred=slot.waiting if slot else 0,
                     kv_tokens=fwd.n_past if fwd is not None else 0, n_ctx=fwd.n_ctx if fwd is not None else 0)
