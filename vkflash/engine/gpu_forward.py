@@ -208,6 +208,12 @@ class GpuForward:
             return c
         return self._restore(self.book.best(c - 1 if strict else c))
 
+    def compile_checkpoints(self) -> None:
+        """Compile the checkpoint copies now (at load: the first reused prompt should not wait)."""
+        rec = recurrent_of(self.model.state)
+        if rec is not None:
+            rec.compile_checkpoints()
+
     def checkpoint(self) -> None:
         """Keep the recurrent state after the tokens fed so far in a checkpoint (the end of a prompt:
         where the next turn of a conversation goes on); nothing without recurrent state."""

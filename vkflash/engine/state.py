@@ -117,6 +117,13 @@ class RecurrentState:
         self.saved = [self.gpu.buffer(4 * slots * s.plane_words, f"{s.buf.name}.ckpt") for s in self.states()] \
             if slots else []
 
+    def compile_checkpoints(self) -> None:
+        """Record one checkpoint copy each way, so their pipeline is compiled at load and not by the
+        first request that reuses a prefix."""
+        if self.saved:
+            for way in ("save", "load"):
+                self._checkpoint_graph(way, 0, 0).record()
+
     def save(self, slot: int) -> None:
         """Checkpoint `slot` = the live state, on the device."""
         self._checkpoint_graph("save", self.live, slot).run()

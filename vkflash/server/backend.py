@@ -127,6 +127,7 @@ def warm(fwd: Forward, steps: Steps | None) -> None:
             g.record()
             if progress:
                 progress(i + 1, len(todo) + (sp is not None))
+        gpu_fwd.compile_checkpoints()
         if sp is not None:
             sp.warm()
             if progress:
