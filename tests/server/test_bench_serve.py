@@ -56,3 +56,33 @@ def test_bench_serve_table_fits_80_columns(tiny_model):
     assert "bench serve" in out and "short" in out and "long" in out and "per token" in out and "min–max" in out
     assert "agent exchange" in out and "reused" in out
     assert max(len(ln) for ln in out.splitlines()) <= 80 and "…" not in out, out
+
+
+def test_sse_reader_skips_keepalive_comments(rng):
+    """The bench's SSE reader takes the server's keep-alive comments (a long prefill on lavapipe
+    sends them) as no event, not as a JSON event."""
+    import socket
+    import threading
+
+    from vkflash.bench.serve import sse_completion
+    from vkflash.server.openai_api import KEEPALIVE, sse
+
+    events = [{"i": int(i)} for i in rng.integers(0, 1000, int(rng.integers(1, 5)))]
+    body = "".join(KEEPALIVE + sse(e) for e in events) + KEEPALIVE + sse("[DONE]")
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
+                         + body.encode())
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    try:
+        got = [ev for _, ev in sse_completion(srv.getsockname()[1], {"prompt": [1]})]
+    finally:
+        t.join(10)
+        srv.close()
+    assert got == events

@@ -246,6 +246,8 @@ def sse_completion(port: int, body: dict) -> Iterator[tuple[float, dict]]:
             events += piece
             while b"\n\n" in events:
                 ev, events = events.split(b"\n\n", 1)
+                if ev.startswith(b":"):
+                    continue  # an SSE comment: the keep-alive of a long prefill (SSE_KEEPALIVE)
                 data = ev.decode().removeprefix("data: ")
                 if data != "[DONE]":
                     yield now, json.loads(data)
