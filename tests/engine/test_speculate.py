@@ -170,14 +170,35 @@ def test_generate_with_rounds_of_several_tokens(rng):
 
 def test_confidence_cut_off(rng):
     """DRAFT_PMIN: a draft ends at its first token whose top-10 softmax weight is below p_min (a round
-    cut to nothing is a plain step); output is still greedy decoding's."""
+    cut to nothing is a plain step); output is still greedy decoding's. The target's greedy output goes
+    round a cycle through all V tokens and every draft agrees with it, so without the cut-off every
+    round drafts as many tokens as it may and keeps them all (no plain step, fewest rounds). The draft
+    row of the first round's token (and of random others, not the next one) picks its token with
+    confidence < 0.63, every other row with > 0.99: the cut run's first round is plain, its second
+    drafts, and every round stops drafting at the first unconfident row it reaches."""
     V = 12
+    cycle = rng.permutation(V)
+    succ = np.empty(V, np.int64)
+    succ[cycle] = np.roll(cycle, -1)  # greedy decoding's next token after t
     target, draft = _tables(rng, V, 0.8)
-    draft[:, 0] += 3.0  # drafting token 0 is confident, every other token much less so
+    rows, others = np.arange(V), ~np.eye(V, dtype=bool)[succ]
+    target[rows, succ] = target.max(axis=1) + 1.0
     prompt = [int(t) for t in rng.integers(0, V, 5)]
+    first = succ[prompt[-1]]  # the prefill's token: the first round drafts from its row
+    unsure = rng.random(V) < 0.25
+    unsure[first], unsure[succ[first]] = True, False
+    gap = np.where(unsure, 0.5, 8.0)  # top-10 softmax weight ≤ 1/(1+e^-0.5) < 0.63, or ≥ 1/(1+9e^-8) > 0.99
+    draft[rows, succ] = np.where(others, draft, -np.inf).max(axis=1) + gap
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     want = _tokens(ArgmaxTableForward(target, 64), prompt, params)
     free = _speculator(target, draft, 64, SpecConfig(4, 0.0, True, False))
     cut = _speculator(target, draft, 64, SpecConfig(4, 0.95, True, False))
     assert _tokens(free, prompt, params) == want == _tokens(cut, prompt, params)
-    assert cut.drafted < free.drafted and cut.plain > free.plain
+    assert free.accepted == free.drafted and cut.accepted == cut.drafted
+    assert 0 < cut.drafted < free.drafted and cut.plain > free.plain
+    i = 0  # each cut round, from want[i]: its drafts come from confident rows, up to an unconfident one
+    for call in cut.fwd.calls[1:]:  # type: ignore[attr-defined]
+        d = int(call.split()[1]) - 1 if call.startswith("verify") else 0
+        assert not unsure[want[i:i + d]].any() and (unsure[want[i + d]] or d == min(4, len(want) - 2 - i)), call
+        i += d + 1
+    assert i == len(want) - 1 and cut.fwd.calls[1] == "decode"  # type: ignore[attr-defined]

@@ -11,8 +11,9 @@ import pytest
 
 from tiny_models import tiny_arrays, tiny_meta, tiny_model
 from vkflash.model import mtp, qwen4exp, reference
-from vkflash.model.hparams import hparams_from_metadata
-from vkflash.model.weights import ArraySource, load_weights
+from vkflash.model.hparams import HParams, hparams_from_metadata
+from vkflash.model.layers.common import RefOptions
+from vkflash.model.weights import ArraySource, Weights, load_weights
 
 EOS = 2  # ple.eos_token_id of the tiny qwen4exp
 
@@ -154,6 +155,43 @@ def test_dump_names_and_tied_output(rng):
     ops = {name.split(".", 2)[2] for name in seen if name.startswith("blk.")}
     assert {"ple_out", "gdn_o", "Qcur", "qsa_mask", "ffn_moe_out", "l_out"} <= ops <= set(reference.LAYER_OPS)
     assert seen["blk.1.ple_rows"].shape == (40, hp.n_p)
+
+
+def _float_arrays(x, seen=None):
+    """Every floating-point array reachable from x (a state: dataclasses, lists), weights aside."""
+    seen = set() if seen is None else seen
+    if id(x) in seen:
+        return
+    seen.add(id(x))
+    if isinstance(x, np.ndarray):
+        if x.dtype.kind == "f":
+            yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _float_arrays(y, seen)
+    elif hasattr(x, "__dict__") and not isinstance(x, (Weights, HParams, RefOptions, type)):
+        for y in vars(x).values():
+            yield from _float_arrays(y, seen)
+
+
+@pytest.mark.parametrize("arch", ["qwen4exp", "qwen3next", "qwen2"])
+def test_float32_weights_compute_in_float32(rng, arch):
+    """With float32 weights every intermediate, the logits and the state stay float32 (chunked and
+    recurrent GDN, attention, QSA past W, PLE, MTP rows): verify sizes the GPU's float32 bounds
+    by this forward's own error. NumPy 2 makes a float32 array float64 when a float64 scalar
+    (np.sqrt of an int) or array (np.eye) joins it; the rest of the forward then ran in float64."""
+    w = tiny_model(arch, dtype=np.float32, rng=rng, mtp=arch == "qwen4exp")
+    seen: dict[str, np.ndarray] = {}
+    st = reference.new_state(w, dump=seen.__setitem__, keep_hidden=arch == "qwen4exp")
+    toks = _tokens(rng, 70)  # two GDN chunks of 64, past the QSA threshold
+    logits = [reference.prefill(toks, st), reference.prefill(toks[:1], st)]
+    if arch == "qwen4exp":
+        ms = mtp.new_mtp_state(w, dump=seen.__setitem__)
+        assert mtp.draft(st, ms, int(np.argmax(logits[-1][-1])), n_max=3)
+        logits += _float_arrays(ms)
+    wide = {n: x.dtype for n, x in seen.items() if x.dtype.kind == "f" and x.dtype != np.float32}
+    assert not wide and len(seen) > 50, wide
+    assert {x.dtype for x in (*logits, *_float_arrays(st))} == {np.dtype(np.float32)}
 
 
 # ------------------------------------------------------------------------------------ MTP

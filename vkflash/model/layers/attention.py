@@ -3,6 +3,7 @@ a KV cache rounded at write, and the masked and gathered (S1–S3) executions.""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,7 +70,7 @@ def attend(q: np.ndarray, K: np.ndarray, V: np.ndarray, mask: np.ndarray) -> np.
     """(A5)–(A6): o_h = softmax(q_h·k_{g,j}/√Dh + M)·v_g with g = ⌊h/(H/H_kv)⌋; mask (T, n) bool."""
     H, H_kv, Dh = q.shape[1], K.shape[1], q.shape[2]
     g = np.arange(H) // (H // H_kv)
-    s = np.einsum("thd,nhd->htn", q, K[:, g]) / np.sqrt(Dh)
+    s = np.einsum("thd,nhd->htn", q, K[:, g]) / math.sqrt(Dh)
     s = np.where(mask[None], s, -np.inf)
     return np.einsum("htn,nhd->thd", softmax(s, axis=-1), V[:, g])
 

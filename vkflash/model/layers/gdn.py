@@ -3,6 +3,7 @@ and the exactly equal chunked prefill (GC1–GC6)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,7 +72,7 @@ def chunked(q: np.ndarray, k: np.ndarray, v: np.ndarray, beta: np.ndarray, g: np
         diff = np.where(lower, gam[:, :, None] - gam[:, None, :], -np.inf)
         Gam = np.exp(diff)  # Γ_il = e^{γ_i−γ_l} for l ≤ i, else 0
         KK = K @ K.transpose(0, 2, 1)
-        A = np.eye(n) + np.tril(b[:, :, None] * KK * Gam, -1)  # (GC2)
+        A = np.eye(n, dtype=b.dtype) + np.tril(b[:, :, None] * KK * Gam, -1)  # (GC2)
         U = _forward_subst(A, b[:, :, None] * V)  # (GC3)
         Wk = _forward_subst(A, (b * np.exp(gam))[:, :, None] * K)
         Vp = U - Wk @ S  # (GC4)
@@ -100,7 +101,7 @@ def gdn_layer(u: np.ndarray, w: GDNW, hp: HParams, st: GDNState, opts: RefOption
     c, st.conv = causal_conv(m, st.conv, w.conv)  # (G4)
     emit(opts, i, "gdn_conv", c)
     q, k, v = np.split(c, [n_k * S, 2 * n_k * S], axis=1)  # (G5)
-    q = l2_norm(q.reshape(T, n_k, S), hp.eps) / np.sqrt(S)  # (G6)
+    q = l2_norm(q.reshape(T, n_k, S), hp.eps) / math.sqrt(S)  # (G6)
     k = l2_norm(k.reshape(T, n_k, S), hp.eps)
     v = v.reshape(T, n_v, S)
     emit(opts, i, "gdn_q", q)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numpy as np
 
 from vkflash.model.hparams import HParams
@@ -26,7 +27,7 @@ def ple(R: np.ndarray, rows: np.ndarray, w: PLEW, hp: HParams, conv_state: np.nd
     vp = e @ w.wv.T
     Kt = grouped_rms_norm(kp.reshape(T, hc, d), w.norm_key, hp.eps)  # (P6)
     Qt = grouped_rms_norm(R, w.norm_query, hp.eps)
-    s = np.sum(Kt * Qt, axis=-1) / np.sqrt(d)  # (P7)
+    s = np.sum(Kt * Qt, axis=-1) / math.sqrt(d)  # (P7)
     lam = sigmoid(np.sign(s) * np.sqrt(np.maximum(np.abs(s), GATE_CLAMP)))  # (P8)
     V = lam[:, :, None] * vp[:, None, :]
     Vt = grouped_rms_norm(V, w.norm_conv, hp.eps).reshape(T, hc * d)  # (P9)
