@@ -108,15 +108,8 @@ float qslice_dot(QSlice r, uint u) {
 
 #elif QTYPE == GGML_TYPE_Q8_0
 #define QE 32u
-struct QSlice { float d; uint q[8]; };
-QSlice qslice_fetch(uint S) {
-    QSlice r;
-    const uint b = S * 34u;
-    r.d = unpackHalf2x16(raw_u16(b)).x;
-    const uvec4 a = raw16(b + 2u), c = raw16(b + 18u);
-    [[unroll]] for (uint i = 0u; i < 4u; ++i) { r.q[i] = a[i]; r.q[i + 4u] = c[i]; }
-    return r;
-}
+#define QSlice Slice  // common/quant.glsl's fast fetch: d and the 32 codes as 8 words
+QSlice qslice_fetch(uint S) { return slice_fetch(S); }
 float qslice_dot(QSlice r, uint u) {
     int s = 0;
     [[unroll]] for (uint k = 0u; k < 4u; ++k) s += sdot4(r.q[k], xq4[2u * u][k]) + sdot4(r.q[k + 4u], xq4[2u * u + 1u][k]);
@@ -126,21 +119,8 @@ float qslice_dot(QSlice r, uint u) {
 #elif QTYPE == GGML_TYPE_Q4_0 || QTYPE == GGML_TYPE_Q5_0
 #define QE 32u
 // low nibbles: elements 0..15 (bit j of qh the 5th bit of element j), high: 16..31 (bit 16 + j)
-struct QSlice { float d; uint qh; uint q[4]; };
-QSlice qslice_fetch(uint S) {
-    QSlice r;
-#if QTYPE == GGML_TYPE_Q5_0
-    const uint b = S * 22u, qs = b + 6u;
-    r.qh = raw_u32(b + 2u);
-#else
-    const uint b = S * 18u, qs = b + 2u;
-    r.qh = 0u;
-#endif
-    r.d = unpackHalf2x16(raw_u16(b)).x;
-    const uvec4 a = raw16(qs);
-    [[unroll]] for (uint i = 0u; i < 4u; ++i) r.q[i] = a[i];
-    return r;
-}
+#define QSlice Slice  // common/quant.glsl's fast fetch: d, qh and the 16 nibble bytes as 4 words
+QSlice qslice_fetch(uint S) { return slice_fetch(S); }
 float qslice_dot(QSlice r, uint u) {
     int s = 0;
     [[unroll]] for (uint k = 0u; k < 4u; ++k) {
