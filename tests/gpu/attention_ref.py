@@ -9,7 +9,8 @@ from gguf import GGMLQuantizationType as Q
 from kv_q8 import kv_q8_0
 from vkflash.formats.quants import dequantize
 from vkflash.gpu.context import Gpu
-from vkflash.gpu.ops.attention import Cache, CacheType
+from vkflash.gpu.ops.attention import Cache, CacheType, Heads, q_and_gate
+from vkflash.gpu.ops.views import Rows
 
 TOL = 2e-5  # scalar kernel vs attend, in units of max|v|
 TOL_CM = 1.2e-3  # coopmat kernel vs attend_f16, in units of max|v|
@@ -120,3 +121,17 @@ def pack_bits(bits: np.ndarray, words: int) -> np.ndarray:
     padded[:, :n] = bits
     w = padded.reshape(T, words, 32) << np.arange(32, dtype=np.uint64)
     return w.sum(axis=-1).astype(np.uint32)
+
+
+def queries(gpu, rng, T: int, H: int, Dh: int, gated: bool):
+    """q (and the gate) in the layout the model produces: interleaved QG rows (A1) when gated,
+    plain [T, H·Dh] rows at an offset otherwise."""
+    q = rng.standard_normal((T, H, Dh)).astype(np.float32)
+    if gated:
+        gate = rng.standard_normal((T, H, Dh)).astype(np.float32) * 2
+        qg = np.stack([q, gate], axis=2).reshape(T, 2 * H * Dh)
+        qh, gh = q_and_gate(Rows(gpu.upload(qg, "qg"), T, 2 * H * Dh), H, Dh)
+        return q, gate, qh, gh
+    off = int(rng.integers(1, 7))
+    buf = gpu.upload(np.concatenate([np.zeros(off, np.float32), q.reshape(-1)]), "q")
+    return q, None, Heads(Rows(buf, T, H * Dh, off), H, Dh), None

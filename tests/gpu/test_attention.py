@@ -25,10 +25,11 @@ import numpy as np
 import pytest
 
 import flash_cm
-from attention_ref import TOL, attend, causal, check_out, check_q8, encode, make_cache, pack_bits, rounded
+from attention_ref import TOL, attend, causal, check_out, check_q8, encode, make_cache, pack_bits, queries, \
+    rounded
 from fusion_util import graph
 from vkflash.gpu.ops.attention import CM_SHAPES, Cache, CellMask, CacheType, CellList, Flash, Heads, attention, \
-    cm_fits, flash_attention, kv_append, partial_bytes, q_and_gate
+    cm_fits, flash_attention, kv_append, partial_bytes
 from vkflash.gpu.ops.views import Rows
 from vkflash.gpu.options import Fusion
 
@@ -131,20 +132,6 @@ CONFIGS = [  # (H, H_kv, Dh, cache type)
 ]
 
 
-def _queries(gpu, rng, T: int, H: int, Dh: int, gated: bool):
-    """q (and the gate) in the layout the model produces: interleaved QG rows (A1) when gated,
-    plain [T, H·Dh] rows at an offset otherwise."""
-    q = rng.standard_normal((T, H, Dh)).astype(np.float32)
-    if gated:
-        gate = rng.standard_normal((T, H, Dh)).astype(np.float32) * 2
-        qg = np.stack([q, gate], axis=2).reshape(T, 2 * H * Dh)
-        qh, gh = q_and_gate(Rows(gpu.upload(qg, "qg"), T, 2 * H * Dh), H, Dh)
-        return q, gate, qh, gh
-    off = int(rng.integers(1, 7))
-    buf = gpu.upload(np.concatenate([np.zeros(off, np.float32), q.reshape(-1)]), "q")
-    return q, None, Heads(Rows(buf, T, H * Dh, off), H, Dh), None
-
-
 def _out(gpu, T: int, H: int, Dh: int) -> tuple[Heads, object]:
     buf = gpu.buffer(4 * T * H * Dh, "o")
     buf.fill(np.nan)
@@ -159,7 +146,7 @@ def test_prefill_causal(gpu, rng, H, H_kv, Dh, ctype):
     n_ctx = p0 + T + int(rng.integers(1, 20))
     K, Kf = make_cache(gpu, rng, n_ctx, H_kv, Dh, ctype, "K")
     V, Vf = make_cache(gpu, rng, n_ctx, H_kv, Dh, ctype, "V")
-    q, gate, qh, gh = _queries(gpu, rng, T, H, Dh, gated)
+    q, gate, qh, gh = queries(gpu, rng, T, H, Dh, gated)
     params = _params(gpu, [99, p0, p0 + T])
     out, obuf = _out(gpu, T, H, Dh)
 
@@ -181,7 +168,7 @@ def test_prefill_masked(gpu, rng, H, H_kv, Dh, ctype):
     n_ctx = n + int(rng.integers(0, 40))
     K, Kf = make_cache(gpu, rng, n_ctx, H_kv, Dh, ctype, "K")
     V, Vf = make_cache(gpu, rng, n_ctx, H_kv, Dh, ctype, "V")
-    q, _, qh, _ = _queries(gpu, rng, T, H, Dh, False)
+    q, _, qh, _ = queries(gpu, rng, T, H, Dh, False)
     params = _params(gpu, [p0, n])
     words = -(-n_ctx // 32) + int(rng.integers(0, 3))
     bits = rng.random((T, n_ctx)) < 0.4
@@ -215,7 +202,7 @@ def test_gathered_equals_masked(gpu, rng, H, H_kv, Dh, ctype):
     cap = len(U) + int(rng.integers(0, 10))
     words = -(-cap // 32)
     bits = rng.random((T, len(U))) < 0.7
-    q, gate, qh, gh = _queries(gpu, rng, T, H, Dh, True)
+    q, gate, qh, gh = queries(gpu, rng, T, H, Dh, True)
     params = _params(gpu, [p0, len(U)])
     cbuf = gpu.upload(np.concatenate([np.full(3, 12345, np.uint32), U, np.full(cap - len(U), 7, np.uint32)]), "U")
     mbuf = gpu.upload(pack_bits(bits, words), "mask")
@@ -244,7 +231,7 @@ def test_decode_split_replay(gpu, rng, H, H_kv, Dh, ctype, T, n_split):
     K, Kf = make_cache(gpu, rng, n_ctx, H_kv, Dh, ctype, "K")
     V, Vf = make_cache(gpu, rng, n_ctx, H_kv, Dh, ctype, "V")
     gated = T == 1
-    q, gate, qh, gh = _queries(gpu, rng, T, H, Dh, gated)
+    q, gate, qh, gh = queries(gpu, rng, T, H, Dh, gated)
     params = _params(gpu, [0, 0])
     part = gpu.buffer(partial_bytes(T, H, Dh, n_split), "partial")
     out, obuf = _out(gpu, T, H, Dh)
@@ -277,7 +264,7 @@ def test_append_then_attend(gpu, rng):
     for T in (int(rng.integers(2, 30)), int(rng.integers(1, 30))):
         k = rng.standard_normal((T, H_kv, Dh)).astype(np.float32)
         v = rng.standard_normal((T, H_kv, Dh)).astype(np.float32)
-        q, _, qh, _ = _queries(gpu, rng, T, H, Dh, False)
+        q, _, qh, _ = queries(gpu, rng, T, H, Dh, False)
         kb, vb = gpu.upload(k, "k"), gpu.upload(v, "v")
         params = _params(gpu, [p0, p0 + T, *range(p0, p0 + T)])
         out, obuf = _out(gpu, T, H, Dh)
@@ -313,7 +300,7 @@ def test_cm_prefill(gpu, rng, monkeypatch, path, H, H_kv, Dh, ctype):
     n = p0 + T
     K, Kf = make_cache(gpu, rng, n + int(rng.integers(1, 20)), H_kv, Dh, ctype, "K")
     V, Vf = make_cache(gpu, rng, K.n_ctx, H_kv, Dh, ctype, "V")
-    q, gate, qh, gh = _queries(gpu, rng, T, H, Dh, gated)
+    q, gate, qh, gh = queries(gpu, rng, T, H, Dh, gated)
     params = _params(gpu, [p0, n])
     part = gpu.buffer(partial_bytes(T, H, Dh, n_split), "partial")
     outs = {}
@@ -344,7 +331,7 @@ def test_cm_shapes(gpu, rng, monkeypatch, path, shape):
     n = p0 + T
     K, Kf = make_cache(gpu, rng, n + 3, H_kv, Dh, ctype, "K")
     V, Vf = make_cache(gpu, rng, n + 3, H_kv, Dh, ctype, "V")
-    q, gate, qh, gh = _queries(gpu, rng, T, H, Dh, True)
+    q, gate, qh, gh = queries(gpu, rng, T, H, Dh, True)
     out, buf = _out(gpu, T, H, Dh)
     g = gpu.graph("shape")
     flash_attention(g, _params(gpu, [p0, n]), 0, qh, K, V, out, gate=gh, kind=Flash.COOPMAT, shape=shape)
@@ -367,7 +354,7 @@ def test_masked_tile_skipping(gpu, rng, monkeypatch, path):
     p0 = n - T
     K, Kf = make_cache(gpu, rng, n + 3, H_kv, Dh, ctype, "K")
     V, Vf = make_cache(gpu, rng, n + 3, H_kv, Dh, ctype, "V")
-    q, _, qh, _ = _queries(gpu, rng, T, H, Dh, False)
+    q, _, qh, _ = queries(gpu, rng, T, H, Dh, False)
     words = -(-K.n_ctx // 32)
     shared = rng.choice(n // 4, 12, replace=False)
     bits = np.zeros((T, n), bool)

@@ -22,10 +22,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from attention_ref import attend, causal, make_cache, pack_bits
+from attention_ref import attend, causal, make_cache, pack_bits, queries
 from vkflash.gpu.ops import attn_decode as dec
-from vkflash.gpu.ops.attention import Cache, CacheType, CellList, CellMask, Heads, attention, partial_bytes, \
-    q_and_gate
+from vkflash.gpu.ops.attention import Cache, CacheType, CellList, CellMask, Heads, attention, partial_bytes
 from vkflash.gpu.ops.views import Rows
 
 pytestmark = pytest.mark.gpu
@@ -37,20 +36,6 @@ def _check(got: np.ndarray, want: np.ndarray, vmax: float, what: str, tol: float
     assert np.isfinite(got).all(), f"{what}: non-finite output"
     err = np.abs(got - want).max()
     assert err <= tol * vmax, f"{what}: max |Δ| {err:.3g} > {tol * vmax:.3g}"
-
-
-def _queries(gpu, rng, T: int, H: int, Dh: int, gated: bool):
-    """q and gate as the model lays them out (interleaved QG rows) when gated, else plain rows at an
-    offset: (q, gate or None, q heads, gate heads or None)."""
-    q = rng.standard_normal((T, H, Dh)).astype(np.float32)
-    if gated:
-        gate = (rng.standard_normal((T, H, Dh)) * 2).astype(np.float32)
-        qg = np.stack([q, gate], axis=2).reshape(T, 2 * H * Dh)
-        qh, gh = q_and_gate(Rows(gpu.upload(qg, "qg"), T, 2 * H * Dh), H, Dh)
-        return q, gate, qh, gh
-    off = int(rng.integers(1, 7))
-    buf = gpu.upload(np.concatenate([np.zeros(off, np.float32), q.reshape(-1)]), "q")
-    return q, None, Heads(Rows(buf, T, H * Dh, off), H, Dh), None
 
 
 def _out(gpu, T: int, H: int, Dh: int):
@@ -87,7 +72,7 @@ def test_dense(gpu, rng, H, H_kv, Dh, ctype):
     p0 = n - T
     K, Kf = make_cache(gpu, rng, n_ctx, H_kv, Dh, ctype, "K")
     V, Vf = make_cache(gpu, rng, n_ctx, H_kv, Dh, ctype, "V")
-    q, gate, qh, gh = _queries(gpu, rng, T, H, Dh, gated)
+    q, gate, qh, gh = queries(gpu, rng, T, H, Dh, gated)
     params = gpu.upload(np.array([7, p0, n], np.int32), "params")
     out, obuf = _out(gpu, T, H, Dh)
     part = _partial(gpu, dec.decode_partial_bytes(gpu.caps, 8, H, H_kv, Dh, ctype, n_ctx)) if rng.integers(2) else None
@@ -110,7 +95,7 @@ def test_replay_grid_stride(gpu, rng, ctype, n_split):
     n_ctx = 2600 + int(rng.integers(0, 300))
     K, Kf = make_cache(gpu, rng, n_ctx, H_kv, Dh, ctype, "K")
     V, Vf = make_cache(gpu, rng, n_ctx, H_kv, Dh, ctype, "V")
-    q, gate, qh, gh = _queries(gpu, rng, T, H, Dh, True)
+    q, gate, qh, gh = queries(gpu, rng, T, H, Dh, True)
     params = gpu.upload(np.zeros(2, np.int32), "params")
     part = _partial(gpu, partial_bytes(T, H, Dh, n_split))
     out, obuf = _out(gpu, T, H, Dh)
@@ -139,7 +124,7 @@ def test_masked(gpu, rng, H, H_kv, Dh, ctype):
     n_ctx = n + int(rng.integers(0, 40))
     K, Kf = make_cache(gpu, rng, n_ctx, H_kv, Dh, ctype, "K")
     V, Vf = make_cache(gpu, rng, n_ctx, H_kv, Dh, ctype, "V")
-    q, _, qh, _ = _queries(gpu, rng, T, H, Dh, False)
+    q, _, qh, _ = queries(gpu, rng, T, H, Dh, False)
     params = gpu.upload(np.array([n - T, n], np.int32), "params")
     words = -(-n_ctx // 32) + int(rng.integers(0, 3))
     bits = rng.random((T, n_ctx)) < 0.4
@@ -171,7 +156,7 @@ def test_gathered(gpu, rng, H, H_kv, Dh, ctype):
     V, Vf = make_cache(gpu, rng, n + 7, H_kv, Dh, ctype, "V")
     U = np.sort(rng.choice(n, size=int(rng.integers(1, n + 1)), replace=False)).astype(np.uint32)
     cap = len(U) + int(rng.integers(0, 10))
-    q, gate, qh, gh = _queries(gpu, rng, T, H, Dh, True)
+    q, gate, qh, gh = queries(gpu, rng, T, H, Dh, True)
     params = gpu.upload(np.array([n - T, len(U)], np.int32), "params")
     cbuf = gpu.upload(np.concatenate([np.full(3, 12345, np.uint32), U, np.full(cap - len(U), 7, np.uint32)]), "U")
     vis = np.zeros((T, n), bool)
@@ -203,7 +188,7 @@ def test_long_context(gpu, rng):
     n = n_ctx - int(rng.integers(0, 100))
     K, Kf = make_cache(gpu, rng, n_ctx, H_kv, Dh, CacheType.F16, "K")
     V, Vf = make_cache(gpu, rng, n_ctx, H_kv, Dh, CacheType.F16, "V")
-    q, gate, qh, gh = _queries(gpu, rng, T, H, Dh, True)
+    q, gate, qh, gh = queries(gpu, rng, T, H, Dh, True)
     q *= 3  # sharper softmax: the result depends on a few keys anywhere in the context
     qh.rows.buf.write(np.stack([q, gate], axis=2).reshape(-1))
     params = gpu.upload(np.array([n - T, n], np.int32), "params")
@@ -226,7 +211,7 @@ def test_agrees_with_flash(gpu, rng, H, H_kv, Dh, ctype):
     n = int(rng.integers(T, n_ctx))
     K, Kf = make_cache(gpu, rng, n_ctx, H_kv, Dh, ctype, "K")
     V, Vf = make_cache(gpu, rng, n_ctx, H_kv, Dh, ctype, "V")
-    q, gate, qh, gh = _queries(gpu, rng, T, H, Dh, gated)
+    q, gate, qh, gh = queries(gpu, rng, T, H, Dh, gated)
     n_split = int(rng.integers(2, 9))
     cells = None
     if ctype is CacheType.F16:
@@ -264,13 +249,13 @@ def test_routing(gpu, rng):
     V, _ = make_cache(gpu, rng, 2000, 1, 64, CacheType.F16, "V")
     params = gpu.upload(np.array([0, 9], np.int32), "params")
     for T, names in ((9, ["attn_flash_f16", "attn_combine"]), (8, ["attn_decode_f16", "attn_decode_combine"])):
-        _, _, qh, _ = _queries(gpu, rng, T, 4, 64, False)
+        _, _, qh, _ = queries(gpu, rng, T, 4, 64, False)
         g = gpu.graph("r")
         attention(g, params, 0, qh, K, V, _out(gpu, T, 4, 64)[0], n_split=2,
                   partial=gpu.buffer(partial_bytes(9, 4, 64, 2), "part"))
         assert [op.kernel.name for op in g.ops] == names
     K96, _ = make_cache(gpu, rng, 64, 1, 96, CacheType.F32, "K96")
-    _, _, qh, _ = _queries(gpu, rng, 1, 4, 96, False)
+    _, _, qh, _ = queries(gpu, rng, 1, 4, 96, False)
     g = gpu.graph("r96")
     attention(g, params, 0, qh, K96, K96, _out(gpu, 1, 4, 96)[0])
     assert [op.kernel.name for op in g.ops] == ["attn_flash_f32"]
@@ -283,10 +268,10 @@ def test_rejects_bad_calls(gpu, rng):
     K, _ = make_cache(gpu, rng, 64, 2, Dh, CacheType.F16, "K")
     params = gpu.upload(np.array([0, 1], np.int32), "params")
     g = gpu.graph("bad")
-    _, _, qh9, _ = _queries(gpu, rng, 9, H, Dh, False)
+    _, _, qh9, _ = queries(gpu, rng, 9, H, Dh, False)
     with pytest.raises(ValueError, match="at most 8 queries"):
         dec.attn_decode(g, params, 0, qh9, K, K, _out(gpu, 9, H, Dh)[0])
-    _, _, qh, _ = _queries(gpu, rng, 2, H, Dh, False)
+    _, _, qh, _ = queries(gpu, rng, 2, H, Dh, False)
     with pytest.raises(ValueError, match="output is"):
         dec.attn_decode(g, params, 0, qh, K, K, _out(gpu, 2, H + 2, Dh)[0])
     with pytest.raises(ValueError, match="overlaps q"):
@@ -298,7 +283,7 @@ def test_rejects_bad_calls(gpu, rng):
         dec.attn_decode(g, params, 0, qh, K, Cache(part, 64, 2, Dh, CacheType.F16), _out(gpu, 2, H, Dh)[0],
                         partial=part)
     K96, _ = make_cache(gpu, rng, 8, 1, 96, CacheType.F32, "K96")
-    _, _, qh96, _ = _queries(gpu, rng, 1, 2, 96, False)
+    _, _, qh96, _ = queries(gpu, rng, 1, 2, 96, False)
     with pytest.raises(ValueError, match="head dim 96 f32"):
         dec.attn_decode(g, params, 0, qh96, K96, K96, _out(gpu, 1, 2, 96)[0])
     assert not g.ops
