@@ -208,6 +208,9 @@ KNOBS: tuple[Knob, ...] = (
        "(llama.cpp's q8 rounding, in the workgroup) and use packed integer dot products, where the device has "
        "them; an accuracy trade: |Δy| ≤ Σ_k |W[r,k]|·amax_b(k)/254, ~1e-2 relative at worst; needs "
        "VKFLASH_GEMV_TEAMS=1", "backend"),
+    _k("VKFLASH_PLE_RAW", _bool, True,
+       "qwen4exp: the host gathers the PLE table rows of a step as stored and the GPU decodes them "
+       "(Q4_0 rows: 7x fewer bytes to gather and stage than f32); 0: decoded to f32 on the host", "backend"),
     _k("VKFLASH_DISABLE_FUSION", _bool, False, "never use fused kernels", "backend", "GGML_VK_DISABLE_FUSION"),
     _k("VKFLASH_SPIN_WAIT", _choice("auto", "0", "1"), "auto",
        "1: poll the fence instead of sleeping in the driver (one core busy while the GPU runs; on the "

@@ -41,6 +41,10 @@
 
 #define Q8_0_ELEMS 32u
 #define Q8_0_BYTES 34u
+#define Q4_0_ELEMS 32u
+#define Q4_0_BYTES 18u
+#define Q5_0_ELEMS 32u
+#define Q5_0_BYTES 22u
 #define Q4_K_ELEMS 256u
 #define Q4_K_BYTES 144u
 #define Q6_K_ELEMS 256u
@@ -61,6 +65,18 @@ float dequant_f16(uint row, uint e) { return quant_f16(row + 2u * e); }
 
 // Q8_0: f16 d; int8 qs[32]. x = d*q
 float dequant_q8_0(uint blk, uint j) { return quant_f16(blk) * float(sbyte_lo(quant_byte(blk + 2u + j))); }
+
+// Q4_0: f16 d; u8 qs[16]; element j is the low (j < 16) or high nibble of qs[j % 16]. x = d*(q - 8)
+float dequant_q4_0(uint blk, uint j) {
+    return quant_f16(blk) * float(int((quant_byte(blk + 2u + (j & 15u)) >> (4u * (j >> 4))) & 0xFu) - 8);
+}
+
+// Q5_0: f16 d; u32 qh (bit j: the fifth bit of element j); u8 qs[16] as Q4_0. x = d*(q - 16)
+float dequant_q5_0(uint blk, uint j) {
+    const uint hi = (quant_byte(blk + 2u + (j >> 3)) >> (j & 7u)) & 1u;
+    const uint lo = (quant_byte(blk + 6u + (j & 15u)) >> (4u * (j >> 4))) & 0xFu;
+    return quant_f16(blk) * float(int(lo | (hi << 4)) - 16);
+}
 
 // Q4_K: f16 d, dmin; u8 scales[12]; u8 qs[128]. Group g = j/32 has 6-bit scale/min g and the low
 // (g even) or high (g odd) nibbles of qs[32*(g/2) + j%32]. x = d*sc*q - dmin*m

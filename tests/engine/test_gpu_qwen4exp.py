@@ -121,3 +121,20 @@ def test_rollback_in_place_equals_copy(gpu, rng, tmp_path, back):
         assert rec.live == (start + 5 - (back if roll == "1" else 0)) % rec.n_planes
         assert_same_states(live_states(fwd), want)
         np.testing.assert_array_equal(fwd.prefill(toks[36 - back:38]), want_next)
+
+
+@pytest.mark.parametrize("quant", ["mix", "Q8_0"])
+def test_ple_rows_raw_equal_host_decoded(gpu, rng, tmp_path, quant):
+    """PLE table rows staged as stored and decoded by the graph (VKFLASH_PLE_RAW=1, Q4_0 or Q8_0
+    tables) give the same logits, bit for bit, as rows decoded to f32 on the host (=0), over a
+    prefill of ragged steps and decode steps."""
+    seed = int(rng.integers(1 << 31))
+    path = make_model("qwen4exp", "tiny", quant, seed, tmp_path / f"q4e-{seed}.gguf")[0]
+    toks = _prompt(rng, 40)
+    out = {}
+    for raw in ("1", "0"):
+        with knobs(VKFLASH_PLE_RAW=raw):
+            fwd = GpuForward(path, ctx=64, ub=16, kv="f32", gpu=gpu)
+        assert (fwd.model.state.ple_type is not None) == (raw == "1")
+        out[raw] = np.vstack([fwd.prefill(toks[:37]), *(fwd.decode(int(t)) for t in toks[37:])])
+    np.testing.assert_array_equal(out["1"], out["0"])

@@ -1,5 +1,6 @@
-"""Embedding gather vs vkflash.formats.quants.dequantize: F32, F16, Q8_0, Q4_K, Q6_K tables,
-ragged token counts, repeated ids, a table at a byte offset inside a larger buffer."""
+"""Embedding gather vs vkflash.formats.quants.dequantize: F32, F16, Q8_0, Q4_0, Q5_0, Q4_K, Q6_K
+tables, ragged token counts, repeated ids, a table at a byte offset inside a larger buffer; rows
+staged in order decoded without ids (decode_rows)."""
 
 from __future__ import annotations
 
@@ -64,12 +65,31 @@ def test_embed_replay_new_ids_and_bad_ids(gpu, rng):
     np.testing.assert_array_equal(got[[2, 4]], table[[0, 1]])
 
 
+@pytest.mark.parametrize("qt", [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.F16], ids=lambda q: q.name)
+def test_decode_rows(gpu, rng, qt):
+    """Rows staged in order at a word offset decode to the NumPy decoding, row t to output row t
+    (rows of an odd byte length run on across word boundaries)."""
+    epb = BLOCK[qt][0]
+    d, n = epb * int(rng.integers(1, 7)), int(rng.integers(1, 40))
+    raw, want = _table(rng, qt, n, d)
+    pad = 4 * int(rng.integers(0, 5))
+    tb = gpu.buffer(pad + raw.nbytes + 4, "staged")
+    tb.write(raw, pad)
+    yb = gpu.buffer(4 * n * (d + 1), "y")
+    yb.fill(np.nan)
+    g = gpu.graph("decode_rows")
+    M.decode_rows(g, tb, qt, Rows(yb, n, d, 0, d + 1), table_off=pad)
+    g.run()
+    got = yb.read(np.float32).reshape(n, d + 1)[:, :d]
+    np.testing.assert_array_equal(got, want)
+
+
 def test_validation(gpu):
     tb, ib, yb = gpu.buffer(row_bytes(Q.Q8_0, 64) * 10, "t"), gpu.buffer(16, "ids"), gpu.buffer(4 * 4 * 64, "y")
     g = gpu.graph("bad")
     y = Rows(yb, 4, 64)
     with pytest.raises(ValueError, match="not supported"):
-        M.embed(g, tb, Q.Q4_0, 10, ib, 4, y)
+        M.embed(g, tb, Q.Q5_1, 10, ib, 4, y)
     with pytest.raises(ValueError, match="not whole Q8_0 blocks"):
         M.embed(g, tb, Q.Q8_0, 10, ib, 4, Rows(yb, 4, 40))
     with pytest.raises(ValueError, match="do not fit"):

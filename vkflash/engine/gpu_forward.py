@@ -134,7 +134,7 @@ class GpuForward:
         held = self.guard.held
         kv_caches = allocate_kv(self.gpu, hp, self.n_ctx, kv_type, self.arch.attention_layers(hp), held)
         state = self.arch.allocate_state(self.gpu, gf, hp, self.n_ctx, kv_type, self.ub, held)
-        params = StepParams.allocate(self.gpu, self.ub, hp.d if host_embed else 0, self.arch.extra_dim(hp))
+        params = StepParams.allocate(self.gpu, self.ub, hp.d if host_embed else 0, self.arch.extra_dim(gf, hp))
         hidden = self.gpu.buffer(4 * self.ub * hp.hc * hp.d, "h_nextn") if mtp else None
         self.model = StepModel(self.gpu, hp, weights, kv_caches, params, HeadBuffers.allocate(self.gpu, hp.V, rows),
                                state, hidden)

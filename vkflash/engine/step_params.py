@@ -14,8 +14,8 @@ shaders (positions, lengths, token ids), so graphs are recorded once and never r
                        position c + cell_shift (the MTP head has no row for position 0)
     words EMB..+ub·d   f32 embedding rows gathered on the host (only for tables the embed kernel
                        cannot decode; the graph copies them into the residual)
-    words EXTRA..+ub·x f32 per-token rows an arch fills on the host before each step
-                       (qwen4exp: the PLE table rows e of P4, x = d)
+    words EXTRA..+ub·x per-token rows an arch fills on the host before each step (qwen4exp: the
+                       PLE table rows e of P4, as f32, x = d, or as stored, decoded by the graph)
 """
 
 from __future__ import annotations
@@ -101,10 +101,12 @@ class StepParams(Layout):
         return cls(ub, emb_dim, extra_dim, cell_shift, buf=gpu.buffer(4 * words, "step_params", host=True))
 
     def set_extra(self, rows: np.ndarray) -> None:
-        """Write the arch rows of this step, (n, extra_dim) f32."""
+        """Write the arch rows of this step, (n, extra_dim) 32-bit words (f32 values or raw bits)."""
         if rows.ndim != 2 or rows.shape[1] != self.extra_dim or not 1 <= len(rows) <= self.ub:
             raise ValueError(f"arch rows must be (1..{self.ub}, {self.extra_dim}), got {rows.shape}")
-        self.buf.write(np.asarray(rows, np.float32), 4 * self.extra)
+        if rows.dtype not in (np.float32, np.uint32):
+            raise ValueError(f"arch rows must be float32 or uint32 words, got {rows.dtype}")
+        self.buf.write(np.ascontiguousarray(rows), 4 * self.extra)
 
     def _words(self) -> np.ndarray | None:
         """The buffer's mapped words as int32 (host-visible buffers; cached: the mapping is persistent)."""

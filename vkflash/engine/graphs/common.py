@@ -106,8 +106,8 @@ class ArchGraph(Protocol):
     def host_tables(self, hp: HParams) -> list[str]:
         """Tables whose rows the host gathers from the mmapped file: never uploaded."""
 
-    def extra_dim(self, hp: HParams) -> int:
-        """f32 values per token the host writes into the step params before each step (0: none)."""
+    def extra_dim(self, gf: GGUFFile, hp: HParams) -> int:
+        """32-bit words per token the host writes into the step params before each step (0: none)."""
 
     def allocate_state(self, gpu: "Gpu", gf: GGUFFile, hp: HParams, n_ctx: int, kv: CacheType,
                        ub: int, held: int) -> SequenceState | None:

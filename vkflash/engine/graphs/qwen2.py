@@ -92,7 +92,7 @@ class Qwen2Graph:
     def host_tables(self, hp: HParams) -> list[str]:
         return []
 
-    def extra_dim(self, hp: HParams) -> int:
+    def extra_dim(self, gf: GGUFFile, hp: HParams) -> int:
         return 0
 
     def allocate_state(self, gpu: "Gpu", gf: GGUFFile, hp: HParams, n_ctx: int, kv: CacheType, ub: int,

@@ -36,6 +36,7 @@ from vkflash.formats.quant_blocks import BLOCK, row_bytes
 from vkflash.gpu.ops import eltwise as E
 from vkflash.gpu.ops import gdn
 from vkflash.gpu.ops.attention import CacheType
+from vkflash.gpu.ops.embed import TABLE_TYPES, decode_rows
 from vkflash.gpu.ops.hc import hc_broadcast, hc_combine, hc_mix, hc_pre
 from vkflash.gpu.ops.matmul import matmul
 from vkflash.gpu.ops.norm import grouped_rms_norm
@@ -44,6 +45,7 @@ from vkflash.gpu.ops.views import Rows
 from vkflash.model.hparams import HParams
 from vkflash.model.ple_hash import PleHashParams, ple_row_one, ple_rows
 from vkflash.model.qwen4exp import ple_params
+from vkflash.settings import current
 
 if TYPE_CHECKING:
     from vkflash.gpu.context import Gpu
@@ -115,12 +117,14 @@ class Qwen4State:
     qsa: QSAConfig
     ple_hash: PleHashParams | None
     ple_gather: Callable[[np.ndarray], np.ndarray] | None
+    ple_type: Q | None = None  # rows travel as stored (this type), decoded by the graph; None: f32
 
     def reset(self) -> None:
         self.rec.reset()
 
     def before_step(self, params: StepParams, ids: np.ndarray) -> None:
-        """(P1)–(P4) on the host: hash the n-gram rows of the step's tokens and write the table rows e."""
+        """(P1)–(P4) on the host: hash the n-gram rows of the step's tokens and write the table rows e
+        (as f32, or as stored for the graph to decode)."""
         if self.ple_hash is None or self.ple_gather is None:
             return
         if len(ids) == 1:  # decode: the hash in Python ints, no NumPy calls
@@ -163,7 +167,12 @@ def ple_block(g: "Graph", m: StepModel, i: int, R: Rows, st: RecurrentState, rin
     hp, w, p, n = m.hp, m.weights, m.params, R.n_rows
     hc, d = hp.hc, hp.d
     b = f"blk.{i}."
-    e = Rows(p.buf, n, d, p.extra)
+    raw = m.state.ple_type
+    if raw is None:
+        e = Rows(p.buf, n, d, p.extra)
+    else:  # (P4) the rows as stored, decoded here
+        e = g.tensor(n, d, b + "ple_rows")
+        decode_rows(g, p.buf, raw, Rows(e.buf, n * hp.n_p, hp.D_p, e.off), 4 * p.extra, name=b + "ple_rows")
     kv = g.tensor(n, hc * d + d, b + "ple_kv")  # [k_p | v_p] per token
     project(g, w, e, kv, [(b + "ple_key.weight", b + "ple_key"), (b + "ple_value.weight", b + "ple_value")])  # (P5)
     kp, vp = kv.cols(0, hc * d), kv.cols(hc * d, d)
@@ -180,6 +189,27 @@ def ple_block(g: "Graph", m: StepModel, i: int, R: Rows, st: RecurrentState, rin
              name=b + "ple_conv")
     E.add(g, V, y, y, name=b + "ple_vy")  # (P10) V + y, then onto R
     E.add(g, R, y, R, name=b + "ple_out")
+
+
+PLE_TABLE = "per_layer_token_embd.weight"
+
+
+def ple_raw_type(gf: GGUFFile, hp: HParams) -> Q | None:
+    """The PLE table's type when its rows travel as stored (VKFLASH_PLE_RAW, a type the embed kernel
+    decodes, n_p rows a whole number of words), else None (f32 rows from the host)."""
+    qt = Q(gf.tensors[PLE_TABLE].ggml_type)
+    ok = current()["VKFLASH_PLE_RAW"] and qt in TABLE_TYPES and hp.n_p * row_bytes(qt, hp.D_p) % 4 == 0
+    return qt if ok else None
+
+
+def raw_row_gather(gf: GGUFFile, name: str) -> Callable[[np.ndarray], np.ndarray]:
+    """Rows of a 2-D table as stored in the mmapped file: ids → the rows' bytes, in order, as flat
+    32-bit words (the rows of a step are a whole number of words). Each row is one opaque item, so
+    the gather copies rows, not bytes (several times faster than indexing a byte matrix)."""
+    info = gf.tensors[name]
+    u8 = np.asarray(info.data).view(np.uint8).reshape(info.ne[1], -1)
+    rows = u8.view(np.dtype((np.void, u8.shape[1]))).reshape(-1)
+    return lambda idx: np.take(rows, np.asarray(idx).reshape(-1)).view(np.uint8).view(np.uint32)
 
 
 class Qwen4ExpGraph:
@@ -222,11 +252,15 @@ class Qwen4ExpGraph:
 
     def host_tables(self, hp: HParams) -> list[str]:
         """The PLE n-gram table (tens of GB in the real model): its rows travel in the step params."""
-        return ["per_layer_token_embd.weight"] if hp.has_ple else []
+        return [PLE_TABLE] if hp.has_ple else []
 
-    def extra_dim(self, hp: HParams) -> int:
-        """The PLE rows e (n_p·D_p = d floats per token) travel in the step-params buffer."""
-        return hp.d if hp.has_ple else 0
+    def extra_dim(self, gf: GGUFFile, hp: HParams) -> int:
+        """The PLE rows e travel in the step-params buffer: n_p table rows as stored (words), or
+        n_p·D_p = d floats."""
+        if not hp.has_ple:
+            return 0
+        raw = ple_raw_type(gf, hp)
+        return hp.n_p * row_bytes(raw, hp.D_p) // 4 if raw is not None else hp.d
 
     def allocate_state(self, gpu: "Gpu", gf: GGUFFile, hp: HParams, n_ctx: int, kv: CacheType,
                        ub: int, held: int) -> Qwen4State:
@@ -235,8 +269,9 @@ class Qwen4ExpGraph:
         rec = RecurrentState.allocate(gpu, hp, n_draft(), ple_taps(hp) - 1 if hp.has_ple else 0)
         idx = allocate_indexer(gpu, hp, n_ctx, kv, held)
         if hp.has_ple:
-            return Qwen4State(rec, idx, QSAConfig.from_settings(), ple_params(hp),
-                              host_row_gather(gf, "per_layer_token_embd.weight"))
+            raw = ple_raw_type(gf, hp)
+            gather = raw_row_gather(gf, PLE_TABLE) if raw is not None else host_row_gather(gf, PLE_TABLE)
+            return Qwen4State(rec, idx, QSAConfig.from_settings(), ple_params(hp), gather, raw)
         return Qwen4State(rec, idx, QSAConfig.from_settings(), None, None)
 
     def build(self, g: "Graph", m: StepModel, n: int, head: Head) -> None:
