@@ -178,6 +178,9 @@ KNOBS: tuple[Knob, ...] = (
     _k("VKFLASH_TOPK_WIDE", _bool, True,
        "0: the previous QSA selection (8 radix passes with serial bin scans) instead of a 3-pass radix select "
        "over a 1024-wide workgroup (H200, 32k: 66 vs 16 µs)", "revert"),
+    _k("VKFLASH_QSA_SCORE_TILE", _bool, True,
+       "0: prefill QSA block scores one query per workgroup (every summary row read once per query, "
+       "uncoalesced) instead of tiles of queries and blocks staged in shared memory", "revert"),
     _k("VKFLASH_ROUTER_RANK", _bool, False,
        "1: the MoE router counts every expert's rank in one pass instead of k workgroup-argmax rounds "
        "(same ids and weights; H200, E 512 k 10: 15.5 vs 9.7 µs, so off)", "backend"),

@@ -82,23 +82,17 @@ def test_repool_equals_summary_cache(gpu, rng, ctype):
     assert np.isnan(again.read(np.float32).reshape(n_blocks, D)[nb:]).all(), "an incomplete block was pooled"
 
 
-def test_block_scores(gpu, rng):
-    """s_{t,b} = Σ_h relu(qI_{t,h}·κ_b) for visible blocks only. Bound: f32 dot products, 1e-5 of
-    Σ_h Σ_d |q κ|; a missing relu or head changes scores by O(the dots)."""
-    n_I, D, r = 4, 64, 4
-    p0, T = int(rng.integers(0, 200)), int(rng.integers(1, 12))
+@pytest.mark.parametrize("T_max", [8, 70])
+def test_block_scores(gpu, rng, T_max):
+    """s_{t,b} = Σ_h relu(qI_{t,h}·κ_b) for visible blocks only, one query per workgroup (T ≤ 8) and
+    in query tiles (ragged T up to 70, two or three n_I, more blocks than a tile). Bound: f32 dot
+    products, 1e-5 of Σ_h Σ_d |q κ|; a missing relu or head changes scores by O(the dots)."""
+    n_I, D, r = int(rng.choice([2, 4])), 64, int(rng.integers(1, 5))
+    p0, T = int(rng.integers(0, 300)), int(rng.integers(1, T_max + 1))
     n_blocks = (p0 + T) // r + 3
     qI = rng.standard_normal((T, n_I * D)).astype(np.float32)
     kappa = rng.standard_normal((n_blocks, D)).astype(np.float32)
-    width = n_blocks + int(rng.integers(0, 5))
-    sbuf = gpu.buffer(4 * T * width, "scores")
-    sbuf.fill(np.nan)
-    params = gpu.upload(np.array([p0, p0 + T], np.int32), "params")
-    g = gpu.graph("scores")
-    qsa_scores(g, params, 0, Rows(gpu.upload(qI, "qI"), T, n_I * D), Rows(gpu.upload(kappa, "kappa"), n_blocks, D),
-               Rows(sbuf, T, width), n_I=n_I, r=r)
-    g.run()
-    got = sbuf.read(np.float32).reshape(T, width)
+    got = _scores(gpu, p0, qI, kappa, n_I, r, gpu.options)
     dots = np.einsum("thd,bd->tbh", qI.reshape(T, n_I, D).astype(np.float64), kappa.astype(np.float64))
     bound = 1e-5 * np.abs(np.einsum("thd,bd->tb", np.abs(qI.reshape(T, n_I, D)), np.abs(kappa)))
     want = np.maximum(dots, 0).sum(axis=-1)
@@ -106,6 +100,33 @@ def test_block_scores(gpu, rng):
         nb = (p0 + t + 1) // r
         assert (np.abs(got[t, :nb] - want[t, :nb]) <= bound[t, :nb]).all(), f"query {t}"
         assert np.isnan(got[t, nb:]).all(), f"query {t}: an invisible block was scored"
+
+
+def _scores(gpu, p0: int, qI: np.ndarray, kappa: np.ndarray, n_I: int, r: int, options) -> np.ndarray:
+    """qsa_scores of queries at p0.. against summary rows kappa, into poisoned rows of spare width."""
+    T, (n_blocks, D) = len(qI), kappa.shape
+    width = n_blocks + 3
+    sbuf = gpu.buffer(4 * T * width, "scores")
+    sbuf.fill(np.nan)
+    params = gpu.upload(np.array([p0, p0 + T], np.int32), "params")
+    g = gpu.with_options(options).graph("scores")
+    qsa_scores(g, params, 0, Rows(gpu.upload(qI, "qI"), T, n_I * D), Rows(gpu.upload(kappa, "kappa"), n_blocks, D),
+               Rows(sbuf, T, width), n_I=n_I, r=r)
+    g.run()
+    return sbuf.read(np.float32).reshape(T, width)
+
+
+def test_block_scores_tiled_equals_per_query(gpu, rng):
+    """Prefill scores in query tiles are the per-query kernel's bits (VKFLASH_QSA_SCORE_TILE=0): the
+    same dots in the same order, the same visible entries written."""
+    from dataclasses import replace
+    n_I, D, r = 4, 32 * int(rng.integers(1, 5)), int(rng.integers(1, 9))
+    p0, T = int(rng.integers(0, 2000)), int(rng.integers(9, 90))
+    kappa = rng.standard_normal(((p0 + T) // r + 2, D)).astype(np.float32)
+    qI = rng.standard_normal((T, n_I * D)).astype(np.float32)
+    a = _scores(gpu, p0, qI, kappa, n_I, r, gpu.options)
+    b = _scores(gpu, p0, qI, kappa, n_I, r, replace(gpu.options, qsa_score_tile=False))
+    np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("r,B,n_max", [(4, 16, 300), (3, 12, 200), (4, 4800, 6500)])

@@ -319,6 +319,29 @@ def selection_rows(gpu: Gpu, quick: bool) -> list[Row]:
                        gather_params=gp)
         out.append(_latency(f"{g.ops[0].kernel.name}{tag}", f"ctx={ctx} r={r} B={B} T=1 list serial", g, calls,
                             reps))
+    return out + score_rows(gpu, small)
+
+
+def score_rows(gpu: Gpu, small: bool) -> list[Row]:
+    """Prefill QSA block scores of a 512-token ubatch at depth 32k (n_I 4 heads of 128, r 4), in query
+    tiles and one query per workgroup (VKFLASH_QSA_SCORE_TILE=0): ms per call."""
+    from vkflash.gpu.ops.qsa import qsa_scores
+    from vkflash.gpu.ops.views import Rows
+
+    rng = np.random.default_rng()
+    T, ctx, n_I, D, r = (64, 2048, 4, 64, 4) if small else (512, 32768, 4, 128, 4)
+    nb = (ctx + T) // r
+    params = gpu.upload(np.array([ctx, ctx + T], np.int32), "params")
+    qI = gpu.upload(rng.standard_normal((T, n_I * D)).astype(np.float32), "qI")
+    kappa = gpu.upload(rng.standard_normal((nb, D)).astype(np.float32), "kappa")
+    s = gpu.buffer(4 * T * nb, "scores")
+    out = []
+    for tile in (gpu.options.qsa_score_tile, not gpu.options.qsa_score_tile):
+        g = gpu.with_options(replace(gpu.options, qsa_score_tile=tile)).graph("bench.qsa_scores")
+        qsa_scores(g, params, 0, Rows(qI, T, n_I * D), Rows(kappa, nb, D), Rows(s, T, nb), n_I=n_I, r=r)
+        tag = "" if tile == gpu.options.qsa_score_tile else f" (VKFLASH_QSA_SCORE_TILE={int(tile)})"
+        ms = 1e3 * timed(g, 2 if small else 20)
+        out.append(Row(f"qsa_scores{tag}", f"T={T} ctx={ctx} n_I={n_I} D_I={D} r={r}", 1e3 * ms, ms, "ms"))
     return out
 
 

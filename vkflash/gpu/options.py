@@ -52,6 +52,7 @@ class GpuOptions:
     gemv_teams: bool = True  # decode GEMVs in row groups sized from K (gemv.comp; else mul_mat_vec.comp)
     gemv_q8: bool = False  # decode GEMVs of quantized weights on 8-bit activations and integer dots
     topk_wide: bool = True  # QSA selection in few wide passes (else the previous kernel)
+    qsa_score_tile: bool = True  # prefill QSA block scores in tiles of queries × blocks
     router_rank: bool = False  # MoE router by rank counting in one pass (else k argmax rounds)
     stack_weights: bool = True  # same-type projections of one input uploaded as one buffer
     dep_barriers: bool = True  # barriers only on real dependencies (else before every dispatch)
@@ -84,6 +85,7 @@ class GpuOptions:
                    gdn_matrix=bool(s["VKFLASH_GDN_MATRIX"]), attn_decode=bool(s["VKFLASH_ATTN_DECODE"]),
                    gemv_teams=bool(s["VKFLASH_GEMV_TEAMS"]), gemv_q8=bool(s["VKFLASH_GEMV_Q8"]),
                    topk_wide=bool(s["VKFLASH_TOPK_WIDE"]), router_rank=bool(s["VKFLASH_ROUTER_RANK"]),
+                   qsa_score_tile=bool(s["VKFLASH_QSA_SCORE_TILE"]),
                    stack_weights=bool(s["VKFLASH_STACK_WEIGHTS"]), dep_barriers=bool(s["VKFLASH_DEP_BARRIERS"]),
                    submit_budget_ms=float(s["VKFLASH_SUBMIT_BUDGET_MS"]), max_inflight=int(s["VKFLASH_MAX_INFLIGHT"]),
                    serialize=bool(s["VKFLASH_SERIALIZE_SUBMISSIONS"]), spin_wait=str(s["VKFLASH_SPIN_WAIT"]),

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from vkflash.gpu.interface import PushConstants, SpecConstants, f32, u32
 from vkflash.gpu.memory import Buffer
-from vkflash.gpu.ops.attention import Cache, CacheType
+from vkflash.gpu.ops.attention import SPLIT_MAX_TOKENS, Cache, CacheType
 from vkflash.gpu.ops.views import Rows
 from vkflash.gpu.registry import Kernel
 
@@ -49,7 +49,8 @@ class HeadDimSpec(SpecConstants):
 
 @dataclass(frozen=True)
 class ScoresPush(PushConstants):
-    """qsa_scores.comp's push constants: params offset, block size, summary rows, the qI and scores views."""
+    """qsa_scores.comp's push constants: params offset, block size, summary rows, the qI and scores
+    views, queries."""
 
     param_off: u32
     r: u32
@@ -58,14 +59,16 @@ class ScoresPush(PushConstants):
     q_row: u32
     s_off: u32
     s_row: u32
+    n_tok: u32
 
 
 @dataclass(frozen=True)
 class ScoresSpec(SpecConstants):
-    """qsa_scores.comp's head dim D_I and indexer heads n_I."""
+    """qsa_scores.comp's head dim D_I, indexer heads n_I and queries per workgroup (1: one per query)."""
 
     dh: u32
     n_i: u32
+    qt: u32 = 1
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,9 @@ KERNELS = (
        Kernel("qsa_topk_wide", "qsa_topk_wide.comp", 5, local_size=1024, push=TopkPush, spec=TopkSpec),
        Kernel("qsa_union", "qsa_union.comp", 5, local_size=256, push=UnionPush, spec=UnionSpec)]
 )
-SCORE_GROUPS = 64  # workgroups per query striding over blocks (grid-stride: any depth)
+SCORE_GROUPS = 64  # workgroups per query (tile of queries) striding over blocks (grid-stride: any depth)
+SCORE_DOTS = 32  # dots an invocation of the tiled qsa_scores keeps in registers (QT·n_I)
+SCORE_DC = 32  # dims the tiled qsa_scores stages per pass (qsa_scores.comp DC)
 REPOOL_GROUPS = 256  # workgroups striding over all complete blocks when re-pooling (POOLED=0)
 
 
@@ -156,9 +161,19 @@ def qsa_scores(g: "Graph", params: Buffer, param_off: int, qI: Rows, summary: Ro
     if qI.n_cols != n_I * D or scores.n_rows != T or scores.n_cols < summary.n_rows or summary.stride != D:
         raise ValueError(f"{name}: qI {qI.n_rows}x{qI.n_cols}, summary {summary.n_rows}x{D}, scores "
                          f"{scores.n_rows}x{scores.n_cols} do not fit n_I={n_I}")
-    g.dispatch("qsa_scores", [params, qI.buf, summary.buf, scores.buf], [SCORE_GROUPS, T],
-               push=ScoresPush(param_off, r, summary.n_rows, qI.off, qI.stride, scores.off, scores.stride),
-               spec=ScoresSpec(D, n_I), name=name, desc=f"T={T} n_I={n_I} D_I={D}")
+    qt = score_tile(g, T, n_I, D)
+    g.dispatch("qsa_scores", [params, qI.buf, summary.buf, scores.buf], [SCORE_GROUPS, -(-T // qt)],
+               push=ScoresPush(param_off, r, summary.n_rows, qI.off, qI.stride, scores.off, scores.stride, T),
+               spec=ScoresSpec(D, n_I, qt), name=name, desc=f"T={T} n_I={n_I} D_I={D} QT={qt}")
+
+
+def score_tile(g: "Graph", T: int, n_I: int, D: int) -> int:
+    """Queries per qsa_scores workgroup: 1 for steps that attend row by row (decode, verify: their
+    rows stay what decode computes) or with VKFLASH_QSA_SCORE_TILE=0, else SCORE_DOTS / n_I dots
+    per invocation where the head dim is whole staging passes."""
+    if T <= SPLIT_MAX_TOKENS or not g.options.qsa_score_tile or D % SCORE_DC:
+        return 1
+    return max(1, SCORE_DOTS // n_I)
 
 
 def qsa_select(g: "Graph", params: Buffer, param_off: int, scores: Rows, out: Rows, *, r: int, B: int,
