@@ -7,13 +7,16 @@
 // MODE 2 (fused gate/up): weight block 0 is the gate rows, block 1 the up rows of the same BM
 // outputs; a warp tile holds both accumulators and stores silu(gate)·up (cm_combine, per element).
 // MODE 3 (down): the routing weight w[t, j] multiplies each output in the store.
-// K step (spec constants 11, 12: moe.CmStep): KG 32-groups per step, A_ALL: the whole workgroup
-// fetches weights (common/mm_cm.glsl), chosen for tiles of few rows (VKFLASH_MMID_WIDE).
+// K step and fetch (spec constants 11–13: moe.CmStep): KG 32-groups per step, A_ALL: the whole
+// workgroup fetches weights, FAST: groups decoded from wide loads (common/mm_cm.glsl,
+// common/quant_group.glsl; VKFLASH_MMID_WIDE).
 // Every store is rounded step by step (`precise`) exactly as mul_mat_id.comp rounds it.
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"
 #define QUANT_BINDING 0
+#define QUANT_FAST_CVT  // the word view common/quant_group.glsl reads 2-byte aligned blocks through
 #include "common/quant.glsl"
+#include "common/quant_group.glsl"
 
 layout(constant_id = 1) const uint MODE = 0;
 layout(constant_id = 10) const bool COMPACT = true;

@@ -24,10 +24,11 @@
 //   2. every subgroup runs its MMAs on stage u & 1;
 //   3. the registers are converted and stored into stage (u+1) & 1.
 // So one barrier per step, and the activation (and f16 weight) loads are in flight during the MMAs.
-// KG and A_ALL are spec constants 11 and 12 where the includer defines CM_STEP_SPEC (the expert
-// GEMM: a tile of few tokens has little MMA work per step, so a step's weight loads are its whole
-// latency: wider steps and all invocations fetching put more of them in flight per barrier); else
-// KG = 1, A_ALL = false.
+// KG, A_ALL and FAST are spec constants 11–13 where the includer defines CM_STEP_SPEC (the expert
+// GEMM: a tile of few tokens has little MMA work per step, so the weight fetch is its pace: wider
+// steps and all invocations fetching put more loads in flight per barrier, and FAST decodes each
+// group from wide loads, cm_group of common/quant_group.glsl where the includer has it); else
+// KG = 1, A_ALL = FAST = false.
 // Epilogue: KHR leaves the accumulator's element layout opaque and y's stride and offset need not
 // meet coopMatStore's 16-B alignment, so each subgroup stages its warp tile through shared memory,
 // WM × TN f32 at a time (its own region of the now idle pipeline memory), and its lanes call
@@ -54,9 +55,11 @@ layout(constant_id = 9) const uint WN = 32;      // warp tile tokens
 #ifdef CM_STEP_SPEC
 layout(constant_id = 11) const uint KG = 1;        // 32-groups per weight row and step
 layout(constant_id = 12) const bool A_ALL = false;  // every invocation fetches weights and activations
+layout(constant_id = 13) const bool FAST = false;   // groups decoded by cm_group (wide loads) where QTYPE has it
 #else
 const uint KG = 1u;
 const bool A_ALL = false;
+const bool FAST = false;
 #endif
 const uint BK = 32u * KG;            // k per step
 const uint SA4 = 4u * KG + 1u;       // shared row pitch in uvec4 (BK + 8 pad halves)
@@ -110,7 +113,12 @@ void cm_fetch(uint u) {
                 cm_ra[j] = qw[4u * (cm_wb[j] + u * KG) + i % A_IPR];
 #else
                 vec4 w[8];
+#ifdef CM_GROUP_FAST
+                if (FAST) cm_group(cm_wb[j] + u * KG + i % A_IPR, w);
+                else dequant_group(cm_wb[j] + u * KG + i % A_IPR, w);
+#else
                 dequant_group(cm_wb[j] + u * KG + i % A_IPR, w);
+#endif
                 CM_UNROLL for (uint c = 0u; c < 4u; ++c) cm_ra[4u * j + c] = cm_h8(w[2u * c], w[2u * c + 1u]);
 #endif
             }

@@ -127,11 +127,12 @@ def test_expert_specialized(profile, tmp_path):
 @pytest.mark.parametrize("profile", PROFILES)
 def test_expert_wide_specialized(profile, tmp_path):
     """The expert GEMM's wide K steps (moe.WIDE_STEPS, and the one cm_step picks) fused and as down at
-    the tile widths that take them, decoded (Q4_K) and raw (F16) weights: valid when specialized, and
-    the folded shared memory is CmTile.smem for the step, within the limit with the row tables."""
+    the tile widths that take them, decoded (Q4_K, Q5_0: the wide-load decoders) and raw (F16)
+    weights: valid when specialized, and the folded shared memory is CmTile.smem for the step,
+    within the limit with the row tables."""
     caps = PROFILES[profile]
     shape = cm_shape(caps)
-    for q in (Q.Q4_K, Q.F16):
+    for q in (Q.Q4_K, Q.Q5_0, Q.F16):
         spv = compile_variant("mul_mat_id_cm.comp", {"QTYPE": int(q)})
         for mode, nb in ((moe.Mode.GATE_UP, 2), (moe.Mode.DOWN, 1)):
             for bn in (16, moe.WIDE_MAX_BN):
@@ -141,8 +142,8 @@ def test_expert_wide_specialized(profile, tmp_path):
                     tile = moe.cm_expert_tile(caps, bn, nb, st)
                     if tile is None:
                         continue
-                    dis = _specialize(spv, [CM_WG, int(mode), *cm_spec(caps, tile), 1, st.kg, int(st.a_all)],
-                                      tmp_path)
+                    dis = _specialize(spv, [CM_WG, int(mode), *cm_spec(caps, tile), 1, st.kg, int(st.a_all),
+                                            int(st.fast)], tmp_path)
                     smem = 16 * _smem_uvec4(dis)
                     what = f"{profile} {q.name} {mode.name} bn={bn} {tile} {st}: {smem} B"
                     assert smem == tile.smem(shape.n, nb, st.kg), what

@@ -17,17 +17,18 @@ from gguf import GGMLQuantizationType as Q
 from cm_util import SHAPE_16, U16, select
 from moe_util import experts, poisoned, read_rows, routed_reference, routing, rows_view, tol
 from vkflash.gpu.options import GpuOptions
-from vkflash.gpu.ops.moe import (NARROW, WIDE_MAX_BN, WIDE_STEPS, CmStep, MoEPlan, cm_expert_tile, cm_step,
+from vkflash.gpu.ops.moe import (FAST, NARROW, WIDE_MAX_BN, WIDE_STEPS, CmStep, MoEPlan, cm_expert_tile, cm_step,
                                  moe_routed, plan_words)
 
 pytestmark = pytest.mark.gpu
 
-# the default wide steps, and smaller tiles of the same kinds that fit lavapipe's 32 KiB
-STEPS = (CmStep(2, True, 2), CmStep(2, False, 2), CmStep(4, True, 4)) + WIDE_STEPS
+# the default steps, and smaller tiles of more kinds (fitting lavapipe's 32 KiB), with and without
+# the wide-load decode
+STEPS = (CmStep(2, True, 2), CmStep(2, False, 2, True), CmStep(4, True, 4, True), CmStep(4, False, 4), FAST) + WIDE_STEPS
 # the shape-8L experts' types (Q4_K gate/up, Q5_0 down) on every step that fits, with the narrow step's
 # bits; the other types of those files (Q5_K, Q6_K, Q8_0) on the widest step vs float64 only (every
 # type's groups go through the same dequant_group call: the emulated pipelines are the test's cost)
-CASES = [(Q.Q4_K, Q.Q5_0, True), (Q.Q5_K, Q.Q8_0, False), (Q.Q6_K, Q.Q6_K, False)]
+CASES = [(Q.Q4_K, Q.Q5_0, True), (Q.Q5_K, Q.Q8_0, False), (Q.Q6_K, Q.Q4_0, False)]
 
 
 @pytest.fixture
@@ -58,8 +59,8 @@ def _fits(caps, bn: int, d: int, F: int, step: CmStep) -> bool:
 @pytest.mark.parametrize("path", ["device", "emulated"])
 @pytest.mark.parametrize("q_gu,q_down,every", CASES, ids=lambda v: getattr(v, "name", "all" if v is True else "one"))
 def test_wide_steps(gpu, rng, monkeypatch, path, q_gu, q_down, every):
-    """Fused gate/up and down on the wide steps that fit (every: all of them, ragged T, and bit for bit
-    the narrow step's result; else the widest on one T), bn 16 or 32, vs float64."""
+    """Fused gate/up and down on the steps that fit (every: all of them, ragged T, and bit for bit the
+    narrow step's result; else the widest with the wide-load decode, on one T), bn 16 or 32, vs float64."""
     label = select(path, gpu, monkeypatch)
     E, k = int(rng.choice([13, 16])), int(rng.integers(2, 5))
     d, F = 256, 128 * int(rng.integers(1, 3))  # K-quant rows; 4- and 8-group steps divide both
@@ -69,7 +70,7 @@ def test_wide_steps(gpu, rng, monkeypatch, path, q_gu, q_down, every):
     assert any(st.kg == 2 for st in steps), f"{gpu.caps.name} bn={bn}: {steps}"
     assert not every or any(st.kg == 4 for st in steps), f"{gpu.caps.name} bn={bn}: {steps}"
     if not every:
-        steps = [max(steps, key=lambda st: st.kg)]
+        steps = [max((st for st in steps if st.fast), key=lambda st: st.kg)]
     for T in (int(rng.integers(9, 40)), int(rng.integers(60, 130)))[:2 if every else 1]:
         x = rng.standard_normal((T, d), dtype=np.float32)
         ids, wts = routing(T, k, E, rng)
@@ -88,7 +89,7 @@ def test_wide_steps(gpu, rng, monkeypatch, path, q_gu, q_down, every):
 
 def test_knob_chooses(gpu):
     """VKFLASH_MMID_WIDE=1 picks a wide step for tiles of ≤ WIDE_MAX_BN rows on a 48 KiB device (the H200's
-    limit) and the narrow one when off, for wider tiles, or where K's groups do not divide."""
+    limit; one whose kg divides K's groups), FAST for wider tiles; off, the narrow step everywhere."""
     caps = replace(gpu.caps, shared_memory=48 << 10, coopmat=(SHAPE_16,))
     assert GpuOptions.from_knobs(VKFLASH_MMID_WIDE="1").mmid_wide is True
     for bn in (16, WIDE_MAX_BN):
@@ -96,5 +97,6 @@ def test_knob_chooses(gpu):
             st = cm_step(caps, bn, nb, 2048, True)
             assert st in WIDE_STEPS and st.kg > 1 and cm_expert_tile(caps, bn, nb, st) is not None
             assert cm_step(caps, bn, nb, 2048, False) == NARROW
-    assert cm_step(caps, 48, 2, 2048, True) == NARROW
-    assert cm_step(caps, 16, 2, 32 * 3, True) == NARROW  # 3 groups per row: no 2- or 4-group step
+    assert cm_step(caps, 48, 2, 2048, True) == FAST and cm_step(caps, 48, 2, 2048, False) == NARROW
+    st = cm_step(caps, 16, 2, 32 * 3, True)  # 3 groups per row
+    assert st in WIDE_STEPS and st.kg == 1

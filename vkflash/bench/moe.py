@@ -95,8 +95,8 @@ def _routed_graph(gpu: Gpu, name: str, s: Shape, T: int, calls: int, compact: bo
 
 
 PASS_TOKENS = (512, 2048)  # prefill ubatches: ~10 and ~40 rows per expert at E 512, k 10
-BENCH_STEPS = (NARROW, CmStep(1, True), CmStep(2, False), CmStep(2, True), CmStep(2, True, 2), CmStep(4, True, 2),
-               CmStep(4, False, 2))
+BENCH_STEPS = (NARROW, CmStep(2, True, 2), CmStep(fast=True), CmStep(1, True, 1, True), CmStep(2, False, 1, True),
+               CmStep(2, True, 1, True), CmStep(2, True, 2, True), CmStep(4, True, 2, True))
 """K steps timed by expert_pass_rates (those whose tile fits the device), the old one first."""
 
 

@@ -250,26 +250,31 @@ class ExpertGemmCmSpec(SpecConstants):
     compact: boolean
     kg: u32 = 1
     a_all: boolean = False
+    fast: boolean = False
 
 
 @dataclass(frozen=True)
 class CmStep:
-    """The coopmat expert GEMM's K step (mul_mat_id_cm.comp spec constants 11, 12): kg 32-groups per
-    weight row and step; a_all: every invocation fetches weights (else half, the other half the
-    activations); the tile's output rows per weight block are cm_expert_tile's divided by bm_div."""
+    """The coopmat expert GEMM's K step and weight fetch (mul_mat_id_cm.comp spec constants 11–13): kg
+    32-groups per weight row and step; a_all: every invocation fetches weights (else half, the other
+    half the activations); fast: groups decoded from wide loads (common/quant_group.glsl); the
+    tile's output rows per weight block are cm_expert_tile's divided by bm_div."""
 
     kg: int = 1
     a_all: bool = False
     bm_div: int = 1
+    fast: bool = False
 
     def __str__(self) -> str:
-        return f"k{32 * self.kg}{' all' if self.a_all else ''}{f' bm/{self.bm_div}' if self.bm_div > 1 else ''}"
+        return (f"k{32 * self.kg}{' all' if self.a_all else ''}{f' bm/{self.bm_div}' if self.bm_div > 1 else ''}"
+                f"{' fast' if self.fast else ''}")
 
 
-NARROW = CmStep()  # the step before VKFLASH_MMID_WIDE: 32 wide, half the workgroup fetching weights
-WIDE_STEPS = (CmStep(4, True, 2), CmStep(2, True), CmStep(2, False))
-"""Wide steps for tiles of few rows, preferred first; the first whose tile fits and whose kg divides
-the 32-groups per row is taken (else NARROW)."""
+NARROW = CmStep()  # the fetch before VKFLASH_MMID_WIDE: 32-wide steps, half the workgroup, per-element loads
+FAST = CmStep(fast=True)  # VKFLASH_MMID_WIDE's fetch for tiles wider than WIDE_MAX_BN
+WIDE_STEPS = (CmStep(2, True, 2, True), CmStep(1, True, 1, True))
+"""VKFLASH_MMID_WIDE's steps for tiles of few rows, preferred first; the first whose tile fits and whose
+kg divides the 32-groups per row is taken (else FAST)."""
 WIDE_MAX_BN = 32  # plan tile widths that take a wide step (a tile of more rows has MMA work to hide loads)
 
 
@@ -459,13 +464,15 @@ def cm_expert_tile(caps, bn: int, nb: int, step: CmStep = NARROW) -> CmTile | No
 
 
 def cm_step(caps, bn: int, nb: int, K: int, wide: bool) -> CmStep:
-    """The K step of a coopmat expert pass: with `wide` (VKFLASH_MMID_WIDE) and bn ≤ WIDE_MAX_BN the
-    first of WIDE_STEPS that fits and divides K's 32-groups, else NARROW."""
-    if wide and bn <= WIDE_MAX_BN:
+    """The K step and fetch of a coopmat expert pass: without `wide` (VKFLASH_MMID_WIDE) NARROW; with it,
+    for bn ≤ WIDE_MAX_BN the first of WIDE_STEPS that fits and divides K's 32-groups, else FAST."""
+    if not wide:
+        return NARROW
+    if bn <= WIDE_MAX_BN:
         for st in WIDE_STEPS:
             if (K // 32) % st.kg == 0 and cm_expert_tile(caps, bn, nb, st) is not None:
                 return st
-    return NARROW
+    return FAST
 
 
 def _folded(caps, n: int) -> tuple[int, int]:
@@ -506,7 +513,7 @@ def expert_gemm(g: "Graph", plan: MoEPlan, mode: Mode, w: ExpertStack, x: Rows, 
         if tile is None or not kernel(f"mul_mat_id_cm_{w.type_name}").usable(caps):
             raise ValueError(f"{name}: {caps.name} has no coopmat expert GEMM for tile width {plan.bn} ({step})")
         kname, bm = f"{CM_KERNEL}_{w.type_name}", tile.bm
-        spec: SpecConstants = ExpertGemmCmSpec(mode, *cm_spec(caps, tile), cm, step.kg, step.a_all)
+        spec: SpecConstants = ExpertGemmCmSpec(mode, *cm_spec(caps, tile), cm, step.kg, step.a_all, step.fast)
         if kernel(kname).workgroup(caps) != CM_WG:
             raise ValueError(f"{name}: the coopmat expert GEMM needs {CM_WG} invocations per workgroup")
     else:
