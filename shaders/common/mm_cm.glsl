@@ -11,24 +11,21 @@
 // subgroup, is sized for the fewest subgroups, WG / SG_MAX). With NB = 2 a warp tile holds the gate
 // and the up accumulators of the same (row, token) elements, combined component-wise at the end.
 //
-// K loop: steps of KG 32-wide groups (BK = 32·KG per weight row; the caller's group count per row
-// is a multiple of KG, so no tail), two shared-memory stages. Step u's tiles sit in stage u & 1 as
-// f16, rows of BK + 8 pad halves (an odd number of 16-B units: coopMatLoad rows hit distinct 16-B
-// bank groups); A is row major (weight row, k), B is token-major (token, k), read as a column-major
-// K×N matrix. Per step, after one barrier:
+// K loop: 32-wide steps (one quant group per weight row; every K is a multiple of 32, so no tail),
+// two shared-memory stages. Step u's tiles sit in stage u & 1 as f16, rows of 32 + 8 pad halves
+// (80 B: coopMatLoad rows hit distinct 16-B bank groups); A is row major (weight row, k), B is
+// token-major (token, k), read as a column-major K×N matrix. Per step, after one barrier:
 //   1. the first half of the workgroup fetches step u+1's weights (raw f16 / bf16 words, 8 per
-//      item, 4 lanes to a 32-group; or one 32-group per item: dequant_group of common/quant.glsl
-//      rounded to f16) and the second half its activations (8 floats per item, raw f32) into
-//      registers; with A_ALL every invocation fetches both (weight items spread over the whole
-//      workgroup: twice the loads in flight where the activation tile is small);
+//      item, 4 lanes to a row; or one 32-group per row: dequant_group of common/quant.glsl rounded
+//      to f16) and the second half its activations (8 floats per item, raw f32) into registers;
 //   2. every subgroup runs its MMAs on stage u & 1;
 //   3. the registers are converted and stored into stage (u+1) & 1.
 // So one barrier per step, and the activation (and f16 weight) loads are in flight during the MMAs.
-// KG, A_ALL and FAST are spec constants 11–13 where the includer defines CM_STEP_SPEC (the expert
-// GEMM: a tile of few tokens has little MMA work per step, so the weight fetch is its pace: wider
-// steps and all invocations fetching put more loads in flight per barrier, and FAST decodes each
-// group from wide loads, cm_group of common/quant_group.glsl where the includer has it); else
-// KG = 1, A_ALL = FAST = false.
+// FAST (spec constant 11 where the includer defines CM_FAST_SPEC and has cm_group, the expert GEMM):
+// groups are decoded by common/quant_group.glsl's cm_group (the same values from wide loads) instead
+// of dequant_group. A fetch lane decodes a group of its own weight row (rows 1–2 KB apart), so each
+// narrow load of a warp touches as many cache lines as it has lanes: with few tokens per tile (little
+// MMA work per step) those load instructions, not DRAM, set the pace.
 // Epilogue: KHR leaves the accumulator's element layout opaque and y's stride and offset need not
 // meet coopMatStore's 16-B alignment, so each subgroup stages its warp tile through shared memory,
 // WM × TN f32 at a time (its own region of the now idle pipeline memory), and its lanes call
@@ -52,34 +49,28 @@ layout(constant_id = 7) const uint BN = 128;     // tokens per workgroup tile
 layout(constant_id = 8) const uint WM = 64;      // warp tile rows
 layout(constant_id = 9) const uint WN = 32;      // warp tile tokens
 
-#ifdef CM_STEP_SPEC
-layout(constant_id = 11) const uint KG = 1;        // 32-groups per weight row and step
-layout(constant_id = 12) const bool A_ALL = false;  // every invocation fetches weights and activations
-layout(constant_id = 13) const bool FAST = false;   // groups decoded by cm_group (wide loads) where QTYPE has it
+#ifdef CM_FAST_SPEC
+layout(constant_id = 11) const bool FAST = false;  // groups decoded by cm_group (wide loads)
 #else
-const uint KG = 1u;
-const bool A_ALL = false;
 const bool FAST = false;
 #endif
-const uint BK = 32u * KG;            // k per step
-const uint SA4 = 4u * KG + 1u;       // shared row pitch in uvec4 (BK + 8 pad halves)
+const uint BK = 32u;                 // k per step: one 32-group per weight row
+const uint SA4 = 5u;                 // shared row pitch in uvec4 (40 halves = 32 + 8 pad; 80 B)
 const uint WG = gl_WorkGroupSize.x;
-const uint WG_A = A_ALL ? WG : WG / 2u, WG_B = A_ALL ? WG : WG - WG_A;  // weight, activation fetchers
-const uint B_T0 = A_ALL ? 0u : WG_A;  // first activation fetcher
+const uint WG_A = WG / 2u, WG_B = WG - WG_A;  // weight fetchers, activation fetchers
 const uint WARPS_M = BM / WM, NWT = WARPS_M * (BN / WN), CM = WM / TM, CN = WN / TN;
 const uint NSG_MIN = WG / SG_MAX;
 const uint PER_SG = (NWT + NSG_MIN - 1u) / NSG_MIN;
 const uint A_ROWS = NB * BM;
 #if QTYPE == GGML_TYPE_F16 || QTYPE == GGML_TYPE_BF16
 #define CM_RAW
-const uint A_IPR = 4u * KG, A_U4 = 1u;  // raw weights: items of 8 halves (4 lanes read a 32-group's 64 B)
+const uint A_IPR = 4u, A_U4 = 1u;  // raw weights: 4 items of 8 halves per row (4 lanes read a row's 64 B)
 #else
-const uint A_IPR = KG, A_U4 = 4u;  // decoded weights: one item = one 32-group of a row (dequant_group)
+const uint A_IPR = 1u, A_U4 = 4u;  // decoded weights: one item = one row's 32-group (dequant_group)
 #endif
 const uint A_ITEMS = A_ROWS * A_IPR;
 const uint A_PER = (A_ITEMS + WG_A - 1u) / WG_A;   // weight items per fetcher and step
-const uint B_IPR = 4u * KG;                        // 8-float activation items per token and step
-const uint B_PER = (BN * B_IPR + WG_B - 1u) / WG_B;  // activation items per fetcher and step
+const uint B_PER = (BN * 4u + WG_B - 1u) / WG_B;   // 8-float activation items per fetcher and step
 const uint A_SZ = A_ROWS * SA4, B_SZ = BN * SA4, ST_SZ = A_SZ + B_SZ;
 const uint STAGE = NWT * WM * TN / 4u;             // epilogue staging (uvec4), after the K loop
 const uint SMEM = 2u * ST_SZ > STAGE ? 2u * ST_SZ : STAGE;
@@ -95,8 +86,8 @@ float cm_combine(float g, float u);  // NB = 2: the value stored for gate g and 
 
 uvec4 cm_ra[A_PER * A_U4];  // fetched weights: 8 halves per uvec4 (F16/BF16: the raw words)
 vec4 cm_rx[B_PER * 2u];     // fetched activations: 8 f32 per item
-uint cm_wb[A_PER];          // weight group index of k-group 0 of the item's row
-uint cm_xb[B_PER];          // activation vec4 index of the item's token row (at k = 0)
+uint cm_wb[A_PER];          // weight group index of k-group 0 per item
+uint cm_xb[B_PER];        // activation vec4 index per item (at k = 0)
 
 uvec4 cm_h8(vec4 a, vec4 b) {  // 8 floats → 8 halves
     return uvec4(packFloat2x16(f16vec2(a.xy)), packFloat2x16(f16vec2(a.zw)),
@@ -105,30 +96,30 @@ uvec4 cm_h8(vec4 a, vec4 b) {  // 8 floats → 8 halves
 
 void cm_fetch(uint u) {
     const uint tid = gl_LocalInvocationID.x;
-    if (A_ALL || tid < WG_A) {
+    if (tid < WG_A) {
         CM_UNROLL for (uint j = 0u; j < A_PER; ++j) {
             uint i = tid + j * WG_A;
             if (i < A_ITEMS) {
+                uint G = cm_wb[j] + u;
 #ifdef CM_RAW
-                cm_ra[j] = qw[4u * (cm_wb[j] + u * KG) + i % A_IPR];
+                cm_ra[j] = qw[4u * G + i % 4u];
 #else
                 vec4 w[8];
 #ifdef CM_GROUP_FAST
-                if (FAST) cm_group(cm_wb[j] + u * KG + i % A_IPR, w);
-                else dequant_group(cm_wb[j] + u * KG + i % A_IPR, w);
+                if (FAST) cm_group(G, w);
+                else dequant_group(G, w);
 #else
-                dequant_group(cm_wb[j] + u * KG + i % A_IPR, w);
+                dequant_group(G, w);
 #endif
                 CM_UNROLL for (uint c = 0u; c < 4u; ++c) cm_ra[4u * j + c] = cm_h8(w[2u * c], w[2u * c + 1u]);
 #endif
             }
         }
-    }
-    if (A_ALL || tid >= WG_A) {
+    } else {
         CM_UNROLL for (uint j = 0u; j < B_PER; ++j) {
-            uint i = tid - B_T0 + j * WG_B;
-            if (i < BN * B_IPR) {
-                uint v = cm_xb[j] + 8u * KG * u + 2u * (i % B_IPR);
+            uint i = tid - WG_A + j * WG_B;
+            if (i < BN * 4u) {
+                uint v = cm_xb[j] + 8u * u + 2u * (i % 4u);
                 cm_rx[2u * j] = xv[v];
                 cm_rx[2u * j + 1u] = xv[v + 1u];
             }
@@ -138,7 +129,7 @@ void cm_fetch(uint u) {
 
 void cm_put(uint s) {
     const uint tid = gl_LocalInvocationID.x;
-    if (A_ALL || tid < WG_A) {
+    if (tid < WG_A) {
         CM_UNROLL for (uint j = 0u; j < A_PER; ++j) {
             uint i = tid + j * WG_A;
             if (i < A_ITEMS) {
@@ -150,19 +141,16 @@ void cm_put(uint s) {
                           vec4(uintBitsToFloat(h.z << 16), uintBitsToFloat(h.z & 0xFFFF0000u),
                                uintBitsToFloat(h.w << 16), uintBitsToFloat(h.w & 0xFFFF0000u)));
 #endif
-                cm_sh[s * ST_SZ + (i / A_IPR) * SA4 + i % A_IPR] = h;
+                cm_sh[s * ST_SZ + (i / 4u) * SA4 + i % 4u] = h;
 #else
-                const uint o = s * ST_SZ + (i / A_IPR) * SA4 + 4u * (i % A_IPR);
-                CM_UNROLL for (uint c = 0u; c < 4u; ++c) cm_sh[o + c] = cm_ra[4u * j + c];
+                CM_UNROLL for (uint c = 0u; c < 4u; ++c) cm_sh[s * ST_SZ + i * SA4 + c] = cm_ra[4u * j + c];
 #endif
             }
         }
-    }
-    if (A_ALL || tid >= WG_A) {
+    } else {
         CM_UNROLL for (uint j = 0u; j < B_PER; ++j) {
-            uint i = tid - B_T0 + j * WG_B;
-            if (i < BN * B_IPR)
-                cm_sh[s * ST_SZ + A_SZ + (i / B_IPR) * SA4 + i % B_IPR] = cm_h8(cm_rx[2u * j], cm_rx[2u * j + 1u]);
+            uint i = tid - WG_A + j * WG_B;
+            if (i < BN * 4u) cm_sh[s * ST_SZ + A_SZ + (i / 4u) * SA4 + i % 4u] = cm_h8(cm_rx[2u * j], cm_rx[2u * j + 1u]);
         }
     }
 }
@@ -221,27 +209,24 @@ void cm_store_acc(uint c, uint off, uint stride) {  // column major: (r, n) at f
 
 void cm_gemm(uint gpr) {
     const uint tid = gl_LocalInvocationID.x, sg = gl_SubgroupID, nsg = gl_NumSubgroups;
-    if (A_ALL || tid < WG_A) {
+    if (tid < WG_A) {
         CM_UNROLL for (uint j = 0u; j < A_PER; ++j) {
             uint row = min(tid + j * WG_A, A_ITEMS - 1u) / A_IPR;
             cm_wb[j] = cm_w_row(row / BM, row % BM) * gpr;
         }
-    }
-    if (A_ALL || tid >= WG_A) {
-        CM_UNROLL for (uint j = 0u; j < B_PER; ++j)
-            cm_xb[j] = cm_x_base(min((tid - B_T0 + j * WG_B) / B_IPR, BN - 1u));
+    } else {
+        CM_UNROLL for (uint j = 0u; j < B_PER; ++j) cm_xb[j] = cm_x_base(min((tid - WG_A + j * WG_B) / 4u, BN - 1u));
     }
 
     CM_ACC_DECL;
     CM_UNROLL for (uint i = 0u; i < NACC; ++i) CM_ZERO(i);
 
-    const uint steps = gpr / KG;
     cm_fetch(0u);
     cm_put(0u);
-    for (uint u = 0u; u < steps; ++u) {
+    for (uint u = 0u; u < gpr; ++u) {
         const uint s = u & 1u;
         barrier();  // stage s is complete; every subgroup is done reading stage s ^ 1
-        if (u + 1u < steps) cm_fetch(u + 1u);
+        if (u + 1u < gpr) cm_fetch(u + 1u);
         CM_UNROLL for (uint q = 0u; q < PER_SG; ++q) {
             const uint t = sg + q * nsg;
             if (t < NWT) {
@@ -263,7 +248,7 @@ void cm_gemm(uint gpr) {
                 }
             }
         }
-        if (u + 1u < steps) cm_put(s ^ 1u);
+        if (u + 1u < gpr) cm_put(s ^ 1u);
     }
     barrier();  // the pipeline stages become the epilogue staging area
 

@@ -1,10 +1,10 @@
-// Group decoders on wide loads for the coopmat expert GEMM's weight fetch (common/mm_cm.glsl, FAST):
+// Group decoders on wide loads for the coopmat expert GEMM's weight fetch (common/mm_cm.glsl FAST):
 // cm_group(G, v) gives exactly common/quant.glsl's dequant_group(G, v) — the same expressions on the
 // same raw values — but reads the group's bytes with 16-byte loads (Q4_K, Q5_K: 4-byte aligned
 // blocks) or whole 32-bit words realigned in registers (Q4_0, Q5_0, Q8_0: 2-byte aligned blocks),
 // instead of one 16- or 32-bit load per 2–4 bytes. A fetch lane decodes one group of a weight row;
 // with rows 1–2 KB apart every narrow load of a warp touches as many cache lines as it has lanes,
-// so the number of load instructions, not DRAM, set the GEMM's pace when its tile has few tokens.
+// so the number of load instructions, not DRAM, sets the GEMM's pace when its tile has few tokens.
 // Include after common/quant.glsl with QUANT_FAST_CVT defined (its qwu word view); defines
 // CM_GROUP_FAST where QTYPE has one (the other types keep dequant_group).
 

@@ -1,6 +1,7 @@
-"""MoE benchmarks for `vkflash bench kernels`: routed-expert GEMM TFLOP/s (prefill), per coopmat
-expert pass and K step at the prefill regimes (`moe_pass`), and routed decode GEMV weight GB/s, at
-Flash-Next shapes (d 2560 ↔ F 640, E 512, top-10; gate/up Q4_K, down Q5_0) and Qwen3-Next's (d 2048 ↔ F 512).
+"""MoE benchmarks for `vkflash bench kernels`: routed-expert GEMM TFLOP/s (prefill), the coopmat expert
+passes at the prefill regimes with the old and the wide-load weight fetch (`moe_pass`), and routed
+decode GEMV weight GB/s, at Flash-Next shapes (d 2560 ↔ F 640, E 512, top-10; gate/up Q4_K, down Q5_0)
+and Qwen3-Next's (d 2048 ↔ F 512).
 
 One routed-expert stack set is ~1.5 GB (far beyond any last-level cache), and every call in a
 recorded graph gets its own routing (ids rotate among several buffers), so no call re-reads the
@@ -21,8 +22,8 @@ from vkflash.formats.quants import random_blocks
 from vkflash.gpu.context import Gpu
 from vkflash.gpu.graph import Graph
 from vkflash.gpu.ops.matmul import coopmat_possible, q8_possible
-from vkflash.gpu.ops.moe import (DECODE_MAX_T, NARROW, CmStep, ExpertStack, MoEPlan, RoutedExperts, cm_expert_tile,
-                                 cm_step, moe_routed, plan_words, split_gate_up, tile_width)
+from vkflash.gpu.ops.moe import (DECODE_MAX_T, ExpertStack, MoEPlan, RoutedExperts, cm_expert_tile, moe_routed,
+                                 plan_words, split_gate_up, tile_width)
 from vkflash.gpu.ops.views import Rows
 
 
@@ -75,9 +76,9 @@ def _fused_experts(gpu: Gpu, s: Shape, rng: np.random.Generator) -> RoutedExpert
 
 def _routed_graph(gpu: Gpu, name: str, s: Shape, T: int, calls: int, compact: bool | None,
                   rng: np.random.Generator, coopmat: bool | None = None,
-                  ex: RoutedExperts | None = None, step: CmStep | None = None) -> tuple[Graph, RoutedExperts]:
+                  ex: RoutedExperts | None = None, fast: bool | None = None) -> tuple[Graph, RoutedExperts]:
     """A graph of `calls` routed-expert passes over one stack set (`ex`, or new random experts), each
-    with the next rotated routing (step: the coopmat K step, default cm_step's)."""
+    with the next rotated routing (fast: the coopmat fetch, default the options')."""
     ex = ex or _experts(gpu, s, rng)
     x = Rows(gpu.upload(rng.standard_normal((T, s.d), dtype=np.float32), "bench.x"), T, s.d)
     h = Rows(gpu.buffer(4 * T * s.k * s.F, "bench.h"), T * s.k, s.F)
@@ -90,14 +91,11 @@ def _routed_graph(gpu: Gpu, name: str, s: Shape, T: int, calls: int, compact: bo
     routings = _routings(gpu, T, s, rng)
     for i in range(calls):
         ids, w = routings[i % ROTATE]
-        moe_routed(g, x, ids, w, ex, ys, h, plan=plan, compact=compact, name=f"moe{i}", coopmat=coopmat, step=step)
+        moe_routed(g, x, ids, w, ex, ys, h, plan=plan, compact=compact, name=f"moe{i}", coopmat=coopmat, fast=fast)
     return g, ex
 
 
 PASS_TOKENS = (512, 2048)  # prefill ubatches: ~10 and ~40 rows per expert at E 512, k 10
-BENCH_STEPS = (NARROW, CmStep(2, True, 2), CmStep(fast=True), CmStep(1, True, 1, True), CmStep(2, False, 1, True),
-               CmStep(2, True, 1, True), CmStep(2, True, 2, True), CmStep(4, True, 2, True))
-"""K steps timed by expert_pass_rates (those whose tile fits the device), the old one first."""
 
 
 def _op_seconds(g: Graph, reps: int) -> dict[str, float]:
@@ -119,13 +117,14 @@ def _op_seconds(g: Graph, reps: int) -> dict[str, float]:
 
 def expert_pass_rates(gpu: Gpu, quick: bool = False) -> list[dict]:
     """The coopmat expert passes (fused gate/up, down) at the prefill regimes, T 512 and 2048 tokens at
-    the Qwen3-Next and Flash-Next expert shapes (quick: QUICK, T 64), for each K step of BENCH_STEPS
-    that fits: GPU seconds per pass (timestamps), TFLOP/s, and in the shape column the weight GB/s
-    (the bytes of the distinct experts the pass reads, each once). `(wide pick)` marks cm_step's choice
-    under VKFLASH_MMID_WIDE=1."""
+    the Qwen3-Next and Flash-Next expert shapes (quick: QUICK, T 64), with the old weight fetch and the
+    wide-load one (VKFLASH_MMID_FAST_FETCH): GPU seconds per pass (timestamps), TFLOP/s, and in the
+    shape column the weight GB/s (the bytes of the distinct experts the pass reads, each once)."""
     caps = gpu.caps
     shapes = (QUICK,) if quick else (QWEN3_NEXT, FLASH_NEXT)
-    if not all(coopmat_possible(caps, q) for s in shapes for q in (s.q_gu, s.q_down)):
+    if not all(coopmat_possible(caps, q) and all(cm_expert_tile(caps, tile_width(T, s.k, s.E), nb) is not None
+                                                 for T in ((64,) if quick else PASS_TOKENS) for nb in (1, 2))
+               for s in shapes for q in (s.q_gu, s.q_down)):
         return []
     rng = np.random.default_rng()
     calls, reps = (2, 1) if quick else (8, 5)
@@ -135,17 +134,13 @@ def expert_pass_rates(gpu: Gpu, quick: bool = False) -> list[dict]:
         for T in (64,) if quick else PASS_TOKENS:
             bn = tile_width(T, s.k, s.E)
             live = min(s.E, T * s.k)
-            for step in BENCH_STEPS:
-                if any(cm_expert_tile(caps, bn, nb, step) is None or (K // 32) % step.kg
-                       for nb, K in ((2, s.d), (1, s.F))):
-                    continue
-                g, _ = _routed_graph(gpu, "bench.moe_pass", s, T, calls, True, rng, coopmat=True, ex=ex, step=step)
+            for fast in (False, True):
+                g, _ = _routed_graph(gpu, "bench.moe_pass", s, T, calls, True, rng, coopmat=True, ex=ex, fast=fast)
                 sec = _op_seconds(g, reps)
                 for label, nb, w in (("gate_up", 2, ex.gate), ("down", 1, ex.down)):
                     t = sum(v for k, v in sec.items() if k.endswith(f".{label}")) / calls
-                    pick = cm_step(caps, bn, nb, w.k, True) == step
                     gbs = nb * live * w.expert_bytes / t / 1e9
-                    rows.append({"name": f"moe {label} {step}{' (wide pick)' if pick else ''}",
+                    rows.append({"name": f"moe {label} {'wide-load' if fast else 'old'} fetch",
                                  "shape": f"{s} T={T} bn={bn} {gbs:.0f} GB/s", "seconds": t,
                                  "TFLOP/s": 2.0 * nb * T * s.k * w.k * w.n_out / t / 1e12})
         for b in {ex.gate.buf, ex.down.buf}:

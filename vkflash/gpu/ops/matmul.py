@@ -270,11 +270,10 @@ class CmTile:
     def warp_tiles(self) -> int:
         return (self.bm // self.wm) * (self.bn // self.wn)
 
-    def smem(self, tn: int, nb: int = 1, kg: int = 1) -> int:
-        """Shared bytes: two pipeline stages of nb·bm weight rows and bn tokens (kg 32-groups per
-        step), or the epilogue staging (a wm × tn f32 block per warp tile) where that is larger."""
-        pitch = CM_PITCH + (kg - 1) * 2 * CM_BK
-        return max(2 * (nb * self.bm + self.bn) * pitch, 4 * self.warp_tiles * self.wm * tn)
+    def smem(self, tn: int, nb: int = 1) -> int:
+        """Shared bytes: two pipeline stages of nb·bm weight rows and bn tokens, or the epilogue
+        staging (a wm × tn f32 block per warp tile) where that is larger."""
+        return max(2 * (nb * self.bm + self.bn) * CM_PITCH, 4 * self.warp_tiles * self.wm * tn)
 
     def valid(self, shape: "CoopmatShape") -> bool:
         """Whether the tile is made of whole warp tiles and coopmat tiles of this shape."""

@@ -7,8 +7,9 @@ w_i = p_{I_i} / max(Σ p_I, 2⁻¹⁴) (f32, T × k).
 Routed experts: for prefill a one-workgroup prepass (moe_prepass.comp) sorts the T·k (token, slot)
 rows by expert into a plan (counts, offsets, rows, live (expert, row-tile) pairs) on the GPU; the
 tiled expert GEMM (mul_mat_id.comp, scalar f32; or mul_mat_id_cm.comp on cooperative matrices where
-matmul.use_coopmat says so, the dense coopmat GEMM's core) then launches a fixed grid of live_cap()
-slots whose dead workgroups exit at once (VKFLASH_MMID_COMPACT=0: every expert × max tiles instead). Decode
+matmul.use_coopmat says so, the dense coopmat GEMM's core, its weight groups decoded from wide loads:
+VKFLASH_MMID_FAST_FETCH) then launches a fixed grid of live_cap() slots whose dead workgroups exit at
+once (VKFLASH_MMID_COMPACT=0: every expert × max tiles instead). Decode
 (T ≤ 8) skips the plan: the expert GEMV reads the ids itself, one dispatch per pass over (row tile ×
 (token, slot) pair) (gemv_id.comp's row groups, on 8-bit activations with VKFLASH_GEMV_Q8; with
 VKFLASH_GEMV_TEAMS=0 mul_mat_id_vec.comp). Each
@@ -236,7 +237,8 @@ class MoeCombineSpec(SpecConstants):
 
 @dataclass(frozen=True)
 class ExpertGemmCmSpec(SpecConstants):
-    """mul_mat_id_cm.comp's store (Mode), the coopmat shape, subgroup bound and tile (cm_spec), grid kind."""
+    """mul_mat_id_cm.comp's store (Mode), the coopmat shape, subgroup bound and tile (cm_spec), grid kind,
+    and whether weight groups are decoded from wide loads (common/quant_group.glsl)."""
 
     mode: u32
     tm: u32
@@ -248,34 +250,7 @@ class ExpertGemmCmSpec(SpecConstants):
     wm: u32
     wn: u32
     compact: boolean
-    kg: u32 = 1
-    a_all: boolean = False
     fast: boolean = False
-
-
-@dataclass(frozen=True)
-class CmStep:
-    """The coopmat expert GEMM's K step and weight fetch (mul_mat_id_cm.comp spec constants 11–13): kg
-    32-groups per weight row and step; a_all: every invocation fetches weights (else half, the other
-    half the activations); fast: groups decoded from wide loads (common/quant_group.glsl); the
-    tile's output rows per weight block are cm_expert_tile's divided by bm_div."""
-
-    kg: int = 1
-    a_all: bool = False
-    bm_div: int = 1
-    fast: bool = False
-
-    def __str__(self) -> str:
-        return (f"k{32 * self.kg}{' all' if self.a_all else ''}{f' bm/{self.bm_div}' if self.bm_div > 1 else ''}"
-                f"{' fast' if self.fast else ''}")
-
-
-NARROW = CmStep()  # the fetch before VKFLASH_MMID_WIDE: 32-wide steps, half the workgroup, per-element loads
-FAST = CmStep(fast=True)  # VKFLASH_MMID_WIDE's fetch for tiles wider than WIDE_MAX_BN
-WIDE_STEPS = (CmStep(2, True, 2, True), CmStep(1, True, 1, True))
-"""VKFLASH_MMID_WIDE's steps for tiles of few rows, preferred first; the first whose tile fits and whose
-kg divides the 32-groups per row is taken (else FAST)."""
-WIDE_MAX_BN = 32  # plan tile widths that take a wide step (a tile of more rows has MMA work to hide loads)
 
 
 def _expert_kernels() -> list[Kernel]:
@@ -445,34 +420,22 @@ def _io_check(name: str, w: ExpertStack, x: Rows, y: Rows, x_rows: int, y_rows: 
         raise ValueError(f"{name}: y overlaps x")
 
 
-def cm_expert_tile(caps, bn: int, nb: int, step: CmStep = NARROW) -> CmTile | None:
+def cm_expert_tile(caps, bn: int, nb: int) -> CmTile | None:
     """The coopmat expert GEMM's tile for plan tile width bn and nb weight blocks (2: fused gate/up):
-    128 output rows (64 when fused: the gate and up rows make 128; both ÷ step.bm_div), all bn rows
-    of the plan tile; warp tiles of 32 × bn/2 (fused: 16 × bn/2), or where bn/2 is no multiple of 16
-    (bn = 16, 48) of 16 × bn. None where the shape or shared memory (step.kg wide) do not allow."""
+    128 output rows (64 when fused: the gate and up rows make 128), all bn rows of the plan tile;
+    8 warp tiles of 32 × bn/2 (fused: 16 × bn/2), or where bn/2 is no multiple of 16 (bn = 16, 48)
+    warp tiles of 16 × bn (8 of them; fused 4). None where the shape or shared memory do not allow."""
     shape = cm_shape(caps)
     if shape is None:
         return None
-    bm = (128 if nb == 1 else 64) // step.bm_div
+    bm = 128 if nb == 1 else 64
     half = bn // 2
     if half % 16 == 0:
         t = CmTile(bm, bn, 32 if nb == 1 else 16, half)
     else:
         t = CmTile(bm, bn, 16, bn)
     extra = 12 * bn  # the tile's x rows, output rows and routing weights
-    return t if t.valid(shape) and t.smem(shape.n, nb, step.kg) + extra <= caps.shared_memory else None
-
-
-def cm_step(caps, bn: int, nb: int, K: int, wide: bool) -> CmStep:
-    """The K step and fetch of a coopmat expert pass: without `wide` (VKFLASH_MMID_WIDE) NARROW; with it,
-    for bn ≤ WIDE_MAX_BN the first of WIDE_STEPS that fits and divides K's 32-groups, else FAST."""
-    if not wide:
-        return NARROW
-    if bn <= WIDE_MAX_BN:
-        for st in WIDE_STEPS:
-            if (K // 32) % st.kg == 0 and cm_expert_tile(caps, bn, nb, st) is not None:
-                return st
-    return FAST
+    return t if t.valid(shape) and t.smem(shape.n, nb) + extra <= caps.shared_memory else None
 
 
 def _folded(caps, n: int) -> tuple[int, int]:
@@ -483,13 +446,13 @@ def _folded(caps, n: int) -> tuple[int, int]:
 
 def expert_gemm(g: "Graph", plan: MoEPlan, mode: Mode, w: ExpertStack, x: Rows, y: Rows, wts: Rows | None = None,
                 w2: ExpertStack | None = None, compact: bool | None = None, name: str = "mul_mat_id",
-                coopmat: bool | None = None, step: CmStep | None = None) -> None:
+                coopmat: bool | None = None, fast: bool | None = None) -> None:
     """One prefill expert pass over the plan's rows (mode: see Mode; rows of h follow the plan order).
 
     x is u (T × K) for the gate/up modes, h (T·k × K, plan order) for DOWN; y is h (T·k × n_out) or,
     for DOWN, the slot outputs (T·k × n_out, row t·k + j). wts (T × k) only for DOWN; w2 only for GATE_UP.
     coopmat defaults to matmul.use_coopmat for the weight type (VKFLASH_DISABLE_COOPMAT; never F32);
-    step (coopmat only) to cm_step's choice under VKFLASH_MMID_WIDE.
+    fast (the coopmat GEMM's wide-load group decode, same values) to VKFLASH_MMID_FAST_FETCH.
     """
     T, k = plan.T, plan.k
     _check_pass(name, mode, w, w2, wts, x, y, T, k, plan.E)
@@ -497,6 +460,7 @@ def expert_gemm(g: "Graph", plan: MoEPlan, mode: Mode, w: ExpertStack, x: Rows, 
         raise ValueError(f"{name}: the plan shares a buffer with x or y")
     caps = g.gpu.caps
     cm = g.options.mmid_compact if compact is None else compact
+    fast = g.options.mmid_fast_fetch if fast is None else fast
     slots = plan.live_cap if cm else plan.E * plan.max_tiles
     gy, gz = _folded(caps, slots)
     nb = 2 if w2 is not None else 1
@@ -506,14 +470,11 @@ def expert_gemm(g: "Graph", plan: MoEPlan, mode: Mode, w: ExpertStack, x: Rows, 
     if use_cm:
         if Q(w.qtype) not in COOPMAT_TYPES:
             raise ValueError(f"{name}: {Q(w.qtype).name} weights have no cooperative-matrix expert GEMM")
-        step = step or cm_step(caps, plan.bn, nb, w.k, g.options.mmid_wide)
-        if (w.k // 32) % step.kg:
-            raise ValueError(f"{name}: K = {w.k} is no multiple of the {32 * step.kg}-wide step")
-        tile = cm_expert_tile(caps, plan.bn, nb, step)
+        tile = cm_expert_tile(caps, plan.bn, nb)
         if tile is None or not kernel(f"mul_mat_id_cm_{w.type_name}").usable(caps):
-            raise ValueError(f"{name}: {caps.name} has no coopmat expert GEMM for tile width {plan.bn} ({step})")
+            raise ValueError(f"{name}: {caps.name} has no coopmat expert GEMM for tile width {plan.bn}")
         kname, bm = f"{CM_KERNEL}_{w.type_name}", tile.bm
-        spec: SpecConstants = ExpertGemmCmSpec(mode, *cm_spec(caps, tile), cm, step.kg, step.a_all, step.fast)
+        spec: SpecConstants = ExpertGemmCmSpec(mode, *cm_spec(caps, tile), cm, fast)
         if kernel(kname).workgroup(caps) != CM_WG:
             raise ValueError(f"{name}: the coopmat expert GEMM needs {CM_WG} invocations per workgroup")
     else:
@@ -527,7 +488,7 @@ def expert_gemm(g: "Graph", plan: MoEPlan, mode: Mode, w: ExpertStack, x: Rows, 
                                    wts.stride if wts else 0),
                spec=spec, name=name,
                desc=(f"{w.type_name} {w.k}x{w.n_out} T={T} k={k} E={plan.E} bn={plan.bn}{'' if cm else ' plain'}"
-                     f"{f' cm {tile} {step}' if tile else ''}"),
+                     f"{f' cm {tile}' if tile else ''}{' fast' if tile and fast else ''}"),
                nbytes=nb * min(plan.E, T * k) * w.expert_bytes + 4 * (x.size + y.size),
                flops=2 * nb * w.k * w.n_out * T * k)
 
@@ -586,14 +547,14 @@ class RoutedExperts:
 
 def moe_routed(g: "Graph", x: Rows, ids: Rows, wts: Rows, w: RoutedExperts, ys: Rows, h: Rows | None = None,
                plan: MoEPlan | None = None, compact: bool | None = None, name: str = "moe",
-               coopmat: bool | None = None, step: CmStep | None = None) -> None:
+               coopmat: bool | None = None, fast: bool | None = None) -> None:
     """ys[t·k + j] = w[t, j]·W_d^{(e)}(silu(W_g^{(e)} x_t) ⊙ W_u^{(e)} x_t), e = ids[t, j] (M4, routed part).
 
     Up to DECODE_MAX_T tokens (decode) the expert GEMV reads the ids directly; more tokens go
     through the prepass `plan` (default: an intermediate) and the tiled expert GEMM. h (T·k × F,
     default: an intermediate) holds the expert hidden rows. coopmat (prefill GEMMs; default:
-    use_coopmat per weight type) applies to the passes whose weight type has a coopmat GEMM, and so does
-    step (the coopmat K step; default cm_step's).
+    use_coopmat per weight type) applies to the passes whose weight type has a coopmat GEMM, and so
+    does fast (their wide-load group decode; default VKFLASH_MMID_FAST_FETCH).
     """
     T, k = ids.n_rows, ids.n_cols
     if h is None:
@@ -619,13 +580,13 @@ def moe_routed(g: "Graph", x: Rows, ids: Rows, wts: Rows, w: RoutedExperts, ys: 
 
     if w.fused:
         expert_gemm(g, plan, Mode.GATE_UP, w.gate, x, h, w2=w.up, compact=compact, name=f"{name}.gate_up",
-                    coopmat=cm(w.gate), step=step)
+                    coopmat=cm(w.gate), fast=fast)
     else:
         expert_gemm(g, plan, Mode.GATE, w.gate, x, h, compact=compact, name=f"{name}.gate", coopmat=cm(w.gate),
-                    step=step)
-        expert_gemm(g, plan, Mode.UP, w.up, x, h, compact=compact, name=f"{name}.up", coopmat=cm(w.up), step=step)
+                    fast=fast)
+        expert_gemm(g, plan, Mode.UP, w.up, x, h, compact=compact, name=f"{name}.up", coopmat=cm(w.up), fast=fast)
     expert_gemm(g, plan, Mode.DOWN, w.down, h, ys, wts=wts, compact=compact, name=f"{name}.down",
-                coopmat=cm(w.down), step=step)
+                coopmat=cm(w.down), fast=fast)
 
 
 @dataclass(frozen=True)
