@@ -7,11 +7,15 @@
 // MODE 2 (fused gate/up): weight block 0 is the gate rows, block 1 the up rows of the same BM
 // outputs; a warp tile holds both accumulators and stores silu(gate)·up (cm_combine, per element).
 // MODE 3 (down): the routing weight w[t, j] multiplies each output in the store.
+// FAST (spec constant 11): weight groups decoded from wide loads (common/quant_group.glsl's
+// cm_group, the same values as dequant_group; VKFLASH_MMID_FAST_FETCH).
 // Every store is rounded step by step (`precise`) exactly as mul_mat_id.comp rounds it.
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"
 #define QUANT_BINDING 0
+#define QUANT_FAST_CVT  // the word view common/quant_group.glsl reads 2-byte aligned blocks through
 #include "common/quant.glsl"
+#include "common/quant_group.glsl"
 
 layout(constant_id = 1) const uint MODE = 0;
 layout(constant_id = 10) const bool COMPACT = true;
@@ -28,6 +32,7 @@ layout(push_constant) uniform P {
 
 const uint NB = MODE == 2u ? 2u : 1u;
 #define CM_COMBINE
+#define CM_FAST_SPEC  // FAST: spec constant 11 (VKFLASH_MMID_FAST_FETCH)
 #include "common/mm_cm.glsl"
 
 shared uint xrow[BN];

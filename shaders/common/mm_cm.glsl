@@ -21,6 +21,11 @@
 //   2. every subgroup runs its MMAs on stage u & 1;
 //   3. the registers are converted and stored into stage (u+1) & 1.
 // So one barrier per step, and the activation (and f16 weight) loads are in flight during the MMAs.
+// FAST (spec constant 11 where the includer defines CM_FAST_SPEC and has cm_group, the expert GEMM):
+// groups are decoded by common/quant_group.glsl's cm_group (the same values from wide loads) instead
+// of dequant_group. A fetch lane decodes a group of its own weight row (rows 1–2 KB apart), so each
+// narrow load of a warp touches as many cache lines as it has lanes: with few tokens per tile (little
+// MMA work per step) those load instructions, not DRAM, set the pace.
 // Epilogue: KHR leaves the accumulator's element layout opaque and y's stride and offset need not
 // meet coopMatStore's 16-B alignment, so each subgroup stages its warp tile through shared memory,
 // WM × TN f32 at a time (its own region of the now idle pipeline memory), and its lanes call
@@ -44,6 +49,11 @@ layout(constant_id = 7) const uint BN = 128;     // tokens per workgroup tile
 layout(constant_id = 8) const uint WM = 64;      // warp tile rows
 layout(constant_id = 9) const uint WN = 32;      // warp tile tokens
 
+#ifdef CM_FAST_SPEC
+layout(constant_id = 11) const bool FAST = false;  // groups decoded by cm_group (wide loads)
+#else
+const bool FAST = false;
+#endif
 const uint BK = 32u;                 // k per step: one 32-group per weight row
 const uint SA4 = 5u;                 // shared row pitch in uvec4 (40 halves = 32 + 8 pad; 80 B)
 const uint WG = gl_WorkGroupSize.x;
@@ -95,7 +105,12 @@ void cm_fetch(uint u) {
                 cm_ra[j] = qw[4u * G + i % 4u];
 #else
                 vec4 w[8];
+#ifdef CM_GROUP_FAST
+                if (FAST) cm_group(G, w);
+                else dequant_group(G, w);
+#else
                 dequant_group(G, w);
+#endif
                 CM_UNROLL for (uint c = 0u; c < 4u; ++c) cm_ra[4u * j + c] = cm_h8(w[2u * c], w[2u * c + 1u]);
 #endif
             }

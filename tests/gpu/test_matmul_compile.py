@@ -123,6 +123,22 @@ def test_expert_specialized(profile, tmp_path):
         assert smem + 12 * bn <= caps.shared_memory
 
 
+@needs_compiler
+@pytest.mark.parametrize("profile", PROFILES)
+def test_expert_fast_specialized(profile, tmp_path):
+    """The expert GEMM with the wide-load fetch (FAST, spec constant 11) for every type with a
+    wide-load decoder (and F16, which has none), fused and as down: valid when specialized, and the
+    same folded shared memory as without it."""
+    caps = PROFILES[profile]
+    shape = cm_shape(caps)
+    for q in (Q.Q4_K, Q.Q5_K, Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.F16):
+        spv = compile_variant("mul_mat_id_cm.comp", {"QTYPE": int(q)})
+        for mode, nb, bn in ((moe.Mode.GATE_UP, 2, 16), (moe.Mode.DOWN, 1, 48)):
+            tile = moe.cm_expert_tile(caps, bn, nb)
+            dis = _specialize(spv, [CM_WG, int(mode), *cm_spec(caps, tile), 1, 1], tmp_path)
+            assert 16 * _smem_uvec4(dis) == tile.smem(shape.n, nb), f"{profile} {q.name} {mode.name} bn={bn} {tile}"
+
+
 def test_subgroup_bound():
     """SG_MAX is the largest subgroup size the driver may pick (RADV: 64 of 32..64): the shaders size
     their per-subgroup accumulators for the fewest subgroups (256 / 64 = 4, two of the 8 warp tiles

@@ -215,6 +215,13 @@ def moe_gemm_rows(gpu: Gpu, quick: bool) -> list[Row]:
     return _rows(moe.expert_gemm_tflops(gpu, quick=quick or gpu.caps.device_type == "cpu"), "TFLOP/s")
 
 
+def moe_pass_rows(gpu: Gpu, quick: bool) -> list[Row]:
+    """Coopmat routed-expert passes, old vs wide-load fetch, at the prefill regimes (weight GB/s in the shape)."""
+    from vkflash.bench import moe
+
+    return _rows(moe.expert_pass_rates(gpu, quick=quick or gpu.caps.device_type == "cpu"), "TFLOP/s")
+
+
 def moe_gemv_rows(gpu: Gpu, quick: bool) -> list[Row]:
     """Routed decode GEMV weight GB/s on each path."""
     from vkflash.bench import moe
@@ -347,8 +354,8 @@ def score_rows(gpu: Gpu, small: bool) -> list[Row]:
 
 KERNEL_BENCHES: dict[str, Callable[..., list[Row]]] = {
     "eltwise": elementwise_rows, "gemv": gemv_rows, "gemm": gemm_rows, "moe_gemm": moe_gemm_rows,
-    "moe_gemv": moe_gemv_rows, "select": selection_rows, "gdn": gdn_delta_rows, "attn_decode": attention_rows,
-    "attn_prefill": attention_prefill_rows}
+    "moe_pass": moe_pass_rows, "moe_gemv": moe_gemv_rows, "select": selection_rows, "gdn": gdn_delta_rows,
+    "attn_decode": attention_rows, "attn_prefill": attention_prefill_rows}
 """Kernel families of `vkflash bench kernels`, by the names --only takes."""
 
 

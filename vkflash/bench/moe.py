@@ -1,5 +1,7 @@
-"""MoE benchmarks for `vkflash bench kernels`: routed-expert GEMM TFLOP/s (prefill) and routed
-decode GEMV weight GB/s, at Flash-Next shapes (d 2560 ↔ F 640, E 512, top-10; gate/up Q4_K, down Q5_0).
+"""MoE benchmarks for `vkflash bench kernels`: routed-expert GEMM TFLOP/s (prefill), the coopmat expert
+passes at the prefill regimes with the old and the wide-load weight fetch (`moe_pass`), and routed
+decode GEMV weight GB/s, at Flash-Next shapes (d 2560 ↔ F 640, E 512, top-10; gate/up Q4_K, down Q5_0)
+and Qwen3-Next's (d 2048 ↔ F 512).
 
 One routed-expert stack set is ~1.5 GB (far beyond any last-level cache), and every call in a
 recorded graph gets its own routing (ids rotate among several buffers), so no call re-reads the
@@ -15,12 +17,13 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from vkflash.bench.kernels import timed
+from vkflash.bench.model import stamped
 from vkflash.formats.quants import random_blocks
 from vkflash.gpu.context import Gpu
 from vkflash.gpu.graph import Graph
 from vkflash.gpu.ops.matmul import coopmat_possible, q8_possible
 from vkflash.gpu.ops.moe import (DECODE_MAX_T, ExpertStack, MoEPlan, RoutedExperts, cm_expert_tile, moe_routed,
-                                 plan_words, tile_width)
+                                 plan_words, split_gate_up, tile_width)
 from vkflash.gpu.ops.views import Rows
 
 
@@ -40,6 +43,7 @@ class Shape:
 
 
 FLASH_NEXT = Shape(2560, 640, 512, 10)
+QWEN3_NEXT = Shape(2048, 512, 512, 10)  # qwen3next shape-8L's routed experts
 QUICK = Shape(256, 256, 16, 4)  # lavapipe: K-quant rows need d % 256 == 0
 ROTATE = 4  # routings rotated among the calls of one graph
 
@@ -62,11 +66,19 @@ def _routings(gpu: Gpu, T: int, s: Shape, rng: np.random.Generator) -> list[tupl
     return out
 
 
+def _fused_experts(gpu: Gpu, s: Shape, rng: np.random.Generator) -> RoutedExperts:
+    """Random gate/up as one fused {d, 2F, E} stack (as the models store it) and down {F, d, E}."""
+    gu = gpu.upload(random_blocks(s.q_gu, s.E * 2 * s.F * s.d, rng), "bench.gate_up")
+    down = ExpertStack(gpu.upload(random_blocks(s.q_down, s.E * s.d * s.F, rng), "bench.down"), int(s.q_down), s.F,
+                       s.d, s.E)
+    return RoutedExperts(*split_gate_up(gu, int(s.q_gu), s.d, s.F, s.E), down)
+
+
 def _routed_graph(gpu: Gpu, name: str, s: Shape, T: int, calls: int, compact: bool | None,
                   rng: np.random.Generator, coopmat: bool | None = None,
-                  ex: RoutedExperts | None = None) -> tuple[Graph, RoutedExperts]:
+                  ex: RoutedExperts | None = None, fast: bool | None = None) -> tuple[Graph, RoutedExperts]:
     """A graph of `calls` routed-expert passes over one stack set (`ex`, or new random experts), each
-    with the next rotated routing."""
+    with the next rotated routing (fast: the coopmat fetch, default the options')."""
     ex = ex or _experts(gpu, s, rng)
     x = Rows(gpu.upload(rng.standard_normal((T, s.d), dtype=np.float32), "bench.x"), T, s.d)
     h = Rows(gpu.buffer(4 * T * s.k * s.F, "bench.h"), T * s.k, s.F)
@@ -79,8 +91,61 @@ def _routed_graph(gpu: Gpu, name: str, s: Shape, T: int, calls: int, compact: bo
     routings = _routings(gpu, T, s, rng)
     for i in range(calls):
         ids, w = routings[i % ROTATE]
-        moe_routed(g, x, ids, w, ex, ys, h, plan=plan, compact=compact, name=f"moe{i}", coopmat=coopmat)
+        moe_routed(g, x, ids, w, ex, ys, h, plan=plan, compact=compact, name=f"moe{i}", coopmat=coopmat, fast=fast)
     return g, ex
+
+
+PASS_TOKENS = (512, 2048)  # prefill ubatches: ~10 and ~40 rows per expert at E 512, k 10
+
+
+def _op_seconds(g: Graph, reps: int) -> dict[str, float]:
+    """GPU seconds per replay of each op of g, by name (timestamps around every op), after warm-up."""
+    out: dict[str, float] = {}
+
+    def run() -> None:
+        timed(g, 1)
+        period = g.gpu.caps.timestamp_period_ns
+        for _ in range(reps):
+            g.run()
+            for sub in g.submissions:
+                ts = sub.seq.get_timestamps()
+                for op, slot in zip(sub.ops, sub.op_slots):
+                    out[op.name] = out.get(op.name, 0.0) + (ts[slot + 1] - ts[slot]) * period / 1e9 / reps
+    stamped(g, run)
+    return out
+
+
+def expert_pass_rates(gpu: Gpu, quick: bool = False) -> list[dict]:
+    """The coopmat expert passes (fused gate/up, down) at the prefill regimes, T 512 and 2048 tokens at
+    the Qwen3-Next and Flash-Next expert shapes (quick: QUICK, T 64), with the old weight fetch and the
+    wide-load one (VKFLASH_MMID_FAST_FETCH): GPU seconds per pass (timestamps), TFLOP/s, and in the
+    shape column the weight GB/s (the bytes of the distinct experts the pass reads, each once)."""
+    caps = gpu.caps
+    shapes = (QUICK,) if quick else (QWEN3_NEXT, FLASH_NEXT)
+    if not all(coopmat_possible(caps, q) and all(cm_expert_tile(caps, tile_width(T, s.k, s.E), nb) is not None
+                                                 for T in ((64,) if quick else PASS_TOKENS) for nb in (1, 2))
+               for s in shapes for q in (s.q_gu, s.q_down)):
+        return []
+    rng = np.random.default_rng()
+    calls, reps = (2, 1) if quick else (8, 5)
+    rows = []
+    for s in shapes:
+        ex = _fused_experts(gpu, s, rng)
+        for T in (64,) if quick else PASS_TOKENS:
+            bn = tile_width(T, s.k, s.E)
+            live = min(s.E, T * s.k)
+            for fast in (False, True):
+                g, _ = _routed_graph(gpu, "bench.moe_pass", s, T, calls, True, rng, coopmat=True, ex=ex, fast=fast)
+                sec = _op_seconds(g, reps)
+                for label, nb, w in (("gate_up", 2, ex.gate), ("down", 1, ex.down)):
+                    t = sum(v for k, v in sec.items() if k.endswith(f".{label}")) / calls
+                    gbs = nb * live * w.expert_bytes / t / 1e9
+                    rows.append({"name": f"moe {label} {'wide-load' if fast else 'old'} fetch",
+                                 "shape": f"{s} T={T} bn={bn} {gbs:.0f} GB/s", "seconds": t,
+                                 "TFLOP/s": 2.0 * nb * T * s.k * w.k * w.n_out / t / 1e12})
+        for b in {ex.gate.buf, ex.down.buf}:
+            gpu.free(b)
+    return rows
 
 
 def expert_gemm_tflops(gpu: Gpu, T: int | None = None, shape: Shape | None = None, quick: bool = False) -> list[dict]:

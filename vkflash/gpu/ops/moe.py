@@ -7,8 +7,9 @@ w_i = p_{I_i} / max(Σ p_I, 2⁻¹⁴) (f32, T × k).
 Routed experts: for prefill a one-workgroup prepass (moe_prepass.comp) sorts the T·k (token, slot)
 rows by expert into a plan (counts, offsets, rows, live (expert, row-tile) pairs) on the GPU; the
 tiled expert GEMM (mul_mat_id.comp, scalar f32; or mul_mat_id_cm.comp on cooperative matrices where
-matmul.use_coopmat says so, the dense coopmat GEMM's core) then launches a fixed grid of live_cap()
-slots whose dead workgroups exit at once (VKFLASH_MMID_COMPACT=0: every expert × max tiles instead). Decode
+matmul.use_coopmat says so, the dense coopmat GEMM's core, its weight groups decoded from wide loads:
+VKFLASH_MMID_FAST_FETCH) then launches a fixed grid of live_cap() slots whose dead workgroups exit at
+once (VKFLASH_MMID_COMPACT=0: every expert × max tiles instead). Decode
 (T ≤ 8) skips the plan: the expert GEMV reads the ids itself, one dispatch per pass over (row tile ×
 (token, slot) pair) (gemv_id.comp's row groups, on 8-bit activations with VKFLASH_GEMV_Q8; with
 VKFLASH_GEMV_TEAMS=0 mul_mat_id_vec.comp). Each
@@ -236,7 +237,8 @@ class MoeCombineSpec(SpecConstants):
 
 @dataclass(frozen=True)
 class ExpertGemmCmSpec(SpecConstants):
-    """mul_mat_id_cm.comp's store (Mode), the coopmat shape, subgroup bound and tile (cm_spec), grid kind."""
+    """mul_mat_id_cm.comp's store (Mode), the coopmat shape, subgroup bound and tile (cm_spec), grid kind,
+    and whether weight groups are decoded from wide loads (common/quant_group.glsl)."""
 
     mode: u32
     tm: u32
@@ -248,6 +250,7 @@ class ExpertGemmCmSpec(SpecConstants):
     wm: u32
     wn: u32
     compact: boolean
+    fast: boolean = False
 
 
 def _expert_kernels() -> list[Kernel]:
@@ -443,12 +446,13 @@ def _folded(caps, n: int) -> tuple[int, int]:
 
 def expert_gemm(g: "Graph", plan: MoEPlan, mode: Mode, w: ExpertStack, x: Rows, y: Rows, wts: Rows | None = None,
                 w2: ExpertStack | None = None, compact: bool | None = None, name: str = "mul_mat_id",
-                coopmat: bool | None = None) -> None:
+                coopmat: bool | None = None, fast: bool | None = None) -> None:
     """One prefill expert pass over the plan's rows (mode: see Mode; rows of h follow the plan order).
 
     x is u (T × K) for the gate/up modes, h (T·k × K, plan order) for DOWN; y is h (T·k × n_out) or,
     for DOWN, the slot outputs (T·k × n_out, row t·k + j). wts (T × k) only for DOWN; w2 only for GATE_UP.
-    coopmat defaults to matmul.use_coopmat for the weight type (VKFLASH_DISABLE_COOPMAT; never F32).
+    coopmat defaults to matmul.use_coopmat for the weight type (VKFLASH_DISABLE_COOPMAT; never F32);
+    fast (the coopmat GEMM's wide-load group decode, same values) to VKFLASH_MMID_FAST_FETCH.
     """
     T, k = plan.T, plan.k
     _check_pass(name, mode, w, w2, wts, x, y, T, k, plan.E)
@@ -456,6 +460,7 @@ def expert_gemm(g: "Graph", plan: MoEPlan, mode: Mode, w: ExpertStack, x: Rows, 
         raise ValueError(f"{name}: the plan shares a buffer with x or y")
     caps = g.gpu.caps
     cm = g.options.mmid_compact if compact is None else compact
+    fast = g.options.mmid_fast_fetch if fast is None else fast
     slots = plan.live_cap if cm else plan.E * plan.max_tiles
     gy, gz = _folded(caps, slots)
     nb = 2 if w2 is not None else 1
@@ -469,7 +474,7 @@ def expert_gemm(g: "Graph", plan: MoEPlan, mode: Mode, w: ExpertStack, x: Rows, 
         if tile is None or not kernel(f"mul_mat_id_cm_{w.type_name}").usable(caps):
             raise ValueError(f"{name}: {caps.name} has no coopmat expert GEMM for tile width {plan.bn}")
         kname, bm = f"{CM_KERNEL}_{w.type_name}", tile.bm
-        spec: SpecConstants = ExpertGemmCmSpec(mode, *cm_spec(caps, tile), cm)
+        spec: SpecConstants = ExpertGemmCmSpec(mode, *cm_spec(caps, tile), cm, fast)
         if kernel(kname).workgroup(caps) != CM_WG:
             raise ValueError(f"{name}: the coopmat expert GEMM needs {CM_WG} invocations per workgroup")
     else:
@@ -483,7 +488,7 @@ def expert_gemm(g: "Graph", plan: MoEPlan, mode: Mode, w: ExpertStack, x: Rows, 
                                    wts.stride if wts else 0),
                spec=spec, name=name,
                desc=(f"{w.type_name} {w.k}x{w.n_out} T={T} k={k} E={plan.E} bn={plan.bn}{'' if cm else ' plain'}"
-                     f"{f' cm {tile}' if tile else ''}"),
+                     f"{f' cm {tile}' if tile else ''}{' fast' if tile and fast else ''}"),
                nbytes=nb * min(plan.E, T * k) * w.expert_bytes + 4 * (x.size + y.size),
                flops=2 * nb * w.k * w.n_out * T * k)
 
@@ -542,13 +547,14 @@ class RoutedExperts:
 
 def moe_routed(g: "Graph", x: Rows, ids: Rows, wts: Rows, w: RoutedExperts, ys: Rows, h: Rows | None = None,
                plan: MoEPlan | None = None, compact: bool | None = None, name: str = "moe",
-               coopmat: bool | None = None) -> None:
+               coopmat: bool | None = None, fast: bool | None = None) -> None:
     """ys[t·k + j] = w[t, j]·W_d^{(e)}(silu(W_g^{(e)} x_t) ⊙ W_u^{(e)} x_t), e = ids[t, j] (M4, routed part).
 
     Up to DECODE_MAX_T tokens (decode) the expert GEMV reads the ids directly; more tokens go
     through the prepass `plan` (default: an intermediate) and the tiled expert GEMM. h (T·k × F,
     default: an intermediate) holds the expert hidden rows. coopmat (prefill GEMMs; default:
-    use_coopmat per weight type) applies to the passes whose weight type has a coopmat GEMM.
+    use_coopmat per weight type) applies to the passes whose weight type has a coopmat GEMM, and so
+    does fast (their wide-load group decode; default VKFLASH_MMID_FAST_FETCH).
     """
     T, k = ids.n_rows, ids.n_cols
     if h is None:
@@ -574,12 +580,13 @@ def moe_routed(g: "Graph", x: Rows, ids: Rows, wts: Rows, w: RoutedExperts, ys: 
 
     if w.fused:
         expert_gemm(g, plan, Mode.GATE_UP, w.gate, x, h, w2=w.up, compact=compact, name=f"{name}.gate_up",
-                    coopmat=cm(w.gate))
+                    coopmat=cm(w.gate), fast=fast)
     else:
-        expert_gemm(g, plan, Mode.GATE, w.gate, x, h, compact=compact, name=f"{name}.gate", coopmat=cm(w.gate))
-        expert_gemm(g, plan, Mode.UP, w.up, x, h, compact=compact, name=f"{name}.up", coopmat=cm(w.up))
+        expert_gemm(g, plan, Mode.GATE, w.gate, x, h, compact=compact, name=f"{name}.gate", coopmat=cm(w.gate),
+                    fast=fast)
+        expert_gemm(g, plan, Mode.UP, w.up, x, h, compact=compact, name=f"{name}.up", coopmat=cm(w.up), fast=fast)
     expert_gemm(g, plan, Mode.DOWN, w.down, h, ys, wts=wts, compact=compact, name=f"{name}.down",
-                coopmat=cm(w.down))
+                coopmat=cm(w.down), fast=fast)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,83 @@
+// Group decoders on wide loads for the coopmat expert GEMM's weight fetch (common/mm_cm.glsl FAST):
+// cm_group(G, v) gives exactly common/quant.glsl's dequant_group(G, v) — the same expressions on the
+// same raw values — but reads the group's bytes with 16-byte loads (Q4_K, Q5_K: 4-byte aligned
+// blocks) or whole 32-bit words realigned in registers (Q4_0, Q5_0, Q8_0: 2-byte aligned blocks),
+// instead of one 16- or 32-bit load per 2–4 bytes. A fetch lane decodes one group of a weight row;
+// with rows 1–2 KB apart every narrow load of a warp touches as many cache lines as it has lanes,
+// so the number of load instructions, not DRAM, sets the GEMM's pace when its tile has few tokens.
+// Include after common/quant.glsl with QUANT_FAST_CVT defined (its qwu word view); defines
+// CM_GROUP_FAST where QTYPE has one (the other types keep dequant_group).
+
+#if QTYPE == GGML_TYPE_Q4_K || QTYPE == GGML_TYPE_Q5_K
+#define CM_GROUP_FAST
+void cm_group(uint G, out vec4 v[8]) {
+    const uint ib = G >> 3, g = G & 7u, b = ib * KQ_VEC4;
+    const uvec4 hdr = qw4[b];  // dm, scales
+    const uvec4 q0 = qw4[b + KQ_QS + 2u * (g >> 1)], q1 = qw4[b + KQ_QS + 2u * (g >> 1) + 1u];
+#if QTYPE == GGML_TYPE_Q5_K
+    const uvec4 h0 = qw4[b + 1u], h1 = qw4[b + 2u];
+#endif
+    const vec2 dm = unpackHalf2x16(hdr.x), sm = k_scale_min(hdr.yzw, g);
+    const float d = dm.x * sm.x, mn = dm.y * sm.y;
+    const uint s = 4u * (g & 1u);
+    for (uint i = 0u; i < 4u; ++i) {
+        vec4 a = nib4(q0[i], s), c = nib4(q1[i], s);
+#if QTYPE == GGML_TYPE_Q5_K
+        const uint ha = h0[i] >> g, hc = h1[i] >> g;
+        a += 16.0 * vec4(ha & 1u, (ha >> 8) & 1u, (ha >> 16) & 1u, (ha >> 24) & 1u);
+        c += 16.0 * vec4(hc & 1u, (hc >> 8) & 1u, (hc >> 16) & 1u, (hc >> 24) & 1u);
+#endif
+        v[i] = d * a - mn;
+        v[i + 4u] = d * c - mn;
+    }
+}
+
+#elif QTYPE == GGML_TYPE_Q4_0 || QTYPE == GGML_TYPE_Q5_0 || QTYPE == GGML_TYPE_Q8_0
+#define CM_GROUP_FAST
+#if QTYPE == GGML_TYPE_Q4_0
+const uint CG_BYTES = 18u, CG_WORDS = 5u;
+#elif QTYPE == GGML_TYPE_Q5_0
+const uint CG_BYTES = 22u, CG_WORDS = 6u;
+#else
+const uint CG_BYTES = 34u, CG_WORDS = 9u;
+#endif
+// The block's bytes from its (even) start B as words b[0..] (byte B + j is byte j % 4 of b[j / 4]):
+// the CG_WORDS aligned words that hold them, shifted down by 2 bytes where B is 2 mod 4.
+void cm_block_words(uint B, out uint b[CG_WORDS]) {
+    const uint w = B >> 2;
+    uint a[CG_WORDS];
+    for (uint i = 0u; i < CG_WORDS; ++i) a[i] = qwu[w + i];
+    const bool odd = (B & 2u) != 0u;
+    for (uint i = 0u; i + 1u < CG_WORDS; ++i) b[i] = odd ? (a[i] >> 16) | (a[i + 1u] << 16) : a[i];
+    b[CG_WORDS - 1u] = odd ? a[CG_WORDS - 1u] >> 16 : a[CG_WORDS - 1u];
+}
+uint cm_u32_at2(uint b[CG_WORDS], uint i) { return (b[i] >> 16) | (b[i + 1u] << 16); }  // bytes 4i+2 .. 4i+5
+
+void cm_group(uint G, out vec4 v[8]) {
+    uint b[CG_WORDS];
+    cm_block_words(G * CG_BYTES, b);
+    const float d = unpackHalf2x16(b[0]).x;
+#if QTYPE == GGML_TYPE_Q8_0
+    for (uint i = 0u; i < 8u; ++i) {
+        const uint q = cm_u32_at2(b, i);  // qs bytes 4i .. 4i+3
+        v[i] = d * vec4(sbyte_lo(q & 0xFFFFu), sbyte_hi(q & 0xFFFFu), sbyte_lo(q >> 16), sbyte_hi(q >> 16));
+    }
+#elif QTYPE == GGML_TYPE_Q4_0
+    for (uint i = 0u; i < 4u; ++i) {
+        const uint w = cm_u32_at2(b, i);
+        v[i] = d * (nib4(w, 0u) - 8.0);
+        v[i + 4u] = d * (nib4(w, 4u) - 8.0);
+    }
+#else
+    const uint qh = cm_u32_at2(b, 0u);
+    for (uint i = 0u; i < 4u; ++i) {
+        const uint w = cm_u32_at2(b, i + 1u);  // qs bytes 4i .. 4i+3 (block bytes 6 + 4i ..)
+        const uint hl = qh >> (4u * i), hh = qh >> (4u * i + 16u);
+        vec4 lo = nib4(w, 0u) + 16.0 * vec4(hl & 1u, (hl >> 1) & 1u, (hl >> 2) & 1u, (hl >> 3) & 1u);
+        vec4 hi = nib4(w, 4u) + 16.0 * vec4(hh & 1u, (hh >> 1) & 1u, (hh >> 2) & 1u, (hh >> 3) & 1u);
+        v[i] = d * (lo - 16.0);
+        v[i + 4u] = d * (hi - 16.0);
+    }
+#endif
+}
+#endif
