@@ -166,6 +166,10 @@ KNOBS: tuple[Knob, ...] = (
     _k("TPLFIX", _bool, True, "0: raw chat template (no mid-conversation system fix)", "revert"),
     _k("VKFLASH_MM_TILE_EPILOG", _bool, True, "0: separate epilogue ops instead of fused GEMM stores", "revert"),
     _k("VKFLASH_MMID_COMPACT", _bool, True, "0: plain MoE grid instead of live (expert, tile) pairs", "revert"),
+    _k("VKFLASH_MM_SPLITK", _bool, True,
+       "0: prefill GEMMs whose output tiles leave compute units idle run unsplit instead of split-K (K cut into "
+       "chunks summed by a reduce pass in a fixed order: a different f32 summation order), and the transposed "
+       "GEMV (HC inject) at 8 tokens per workgroup", "revert"),
     _k("VKFLASH_HC_FUSE", _bool, True, "0: unfused hyper-connection mix/combine", "revert"),
     _k("VKFLASH_STACK_WEIGHTS", _bool, True,
        "0: every projection its own buffer and matmul (no stacking of same-type projections of one input)",
