@@ -206,14 +206,16 @@ def split_gemm_tflops(gpu: Gpu, shapes: Iterable[tuple[Q, int, int, int]] | None
                       splits: Iterable[int] = ()) -> list[dict]:
     """TFLOP/s of the prefill GEMMs with few output tiles (default SPLIT_GEMMS), coopmat where the device
     offers it: unsplit, and as split_k chooses with VKFLASH_MM_SPLITK=1 (the path the options pick is
-    marked (default)); `splits`: also about that many K chunks each (tuning split_k)."""
+    marked (default)); `splits`: also about that many K chunks each (tuning split_k). The calls write
+    one output, so each waits for the one before, as in a prefill step (independent calls would
+    overlap and fill the GPU, which is what a lone small grid cannot)."""
     rng = np.random.default_rng()
     rows = []
     for q, k, n_out, n_tok in shapes or (SPLIT_GEMMS_QUICK if quick else SPLIT_GEMMS):
         nbytes = n_out * row_bytes(q, k)
         ws = _weights(gpu, q, k, n_out, _rotation(nbytes, quick), rng)
         x = gpu.upload(rng.standard_normal(n_tok * k, dtype=np.float32), "bench.x")
-        ys = [gpu.buffer(4 * n_tok * n_out, f"bench.y{i}") for i in range(3)]
+        y = gpu.buffer(4 * n_tok * n_out, "bench.y")
         cm = coopmat_possible(gpu.caps, q)
         picked = "split-K" if gpu.options.mm_splitk else "unsplit"
         variants: list[tuple[str, Gpu, int | None]] = [
@@ -223,33 +225,35 @@ def split_gemm_tflops(gpu: Gpu, shapes: Iterable[tuple[Q, int, int, int]] | None
         for label, gg, split in variants:
             g = gg.graph("bench.gemm_split")
             for i in range(calls):
-                matmul(g, ws[i % len(ws)], Rows(x, n_tok, k), Rows(ys[i % 3], n_tok, n_out), name=f"gemm{i}",
+                matmul(g, ws[i % len(ws)], Rows(x, n_tok, k), Rows(y, n_tok, n_out), name=f"gemm{i}",
                        coopmat=cm, split=split)
             desc = g.ops[0].desc.split(" ", 3)[3] if len(g.ops[0].desc.split(" ", 3)) == 4 else ""
             s = timed(g, 1 if quick else 5) / calls
             mark = " (default)" if label == picked else ""
-            rows.append({"name": f"gemm {q.name.lower()} {label}{mark}", "shape": f"{k}x{n_out} n={n_tok} {desc}",
+            rows.append({"name": f"gemm {q.name.lower()} {label}{mark}",
+                         "shape": f"{k}x{n_out} n={n_tok} {desc} serial",
                          "seconds": s, "TFLOP/s": 2.0 * k * n_out * n_tok / s / 1e12})
     return rows
 
 
 def inject_bandwidth(gpu: Gpu, quick: bool = False) -> list[dict]:
     """GB/s (activation bytes read) of the transposed GEMV of prefill, the HC inject ι = W_inj X (F32
-    {hc·d, hc}) at 512 and 2048 tokens: 8 tokens per workgroup (VKFLASH_MM_SPLITK=0) vs tiny_tokens'."""
+    {hc·d, hc}) at 512 and 2048 tokens: 8 tokens per workgroup (VKFLASH_MM_SPLITK=0) vs tiny_tokens';
+    serial calls into one output, as split_gemm_tflops."""
     rng = np.random.default_rng()
     k, n_out = (512, HC) if quick else INJECT
     w = QWeight(gpu.upload(rng.standard_normal(k * n_out, dtype=np.float32), "bench.w_inj"), int(Q.F32), k, n_out)
     rows = []
     for n_tok in (64,) if quick else (512, 2048):
         x = gpu.upload(rng.standard_normal(n_tok * k, dtype=np.float32), "bench.x")
-        ys = [gpu.buffer(4 * n_tok * n_out, f"bench.y{i}") for i in range(3)]
+        y = gpu.buffer(4 * n_tok * n_out, "bench.y")
         for on in (False, True):
             g = gpu.with_options(replace(gpu.options, mm_splitk=on)).graph("bench.inject")
             calls = 3 if quick else 24
             for i in range(calls):
-                matmul(g, w, Rows(x, n_tok, k), Rows(ys[i % 3], n_tok, n_out), name=f"inject{i}")
+                matmul(g, w, Rows(x, n_tok, k), Rows(y, n_tok, n_out), name=f"inject{i}")
             s = timed(g, 1 if quick else 10) / calls
             mark = " (default)" if on == gpu.options.mm_splitk else ""
             rows.append({"name": f"gemv inject f32 {tiny_tokens(n_tok, on)} tok/wg{mark}",
-                         "shape": f"{k}x{n_out} n={n_tok}", "seconds": s, "GB/s": 4 * n_tok * k / s / 1e9})
+                         "shape": f"{k}x{n_out} n={n_tok} serial", "seconds": s, "GB/s": 4 * n_tok * k / s / 1e9})
     return rows
