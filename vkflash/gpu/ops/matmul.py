@@ -16,6 +16,14 @@ The coopmat GEMM (shaders/mul_mat_cm.comp on common/mm_cm.glsl) takes its tile (
 × tokens per workgroup, warp tile), the coopmat shape and the subgroup bound as specialization
 constants chosen here from the capabilities (cm_shape, cm_tile): 128×128 tiles of 8 warp tiles where
 the shape and shared memory allow, smaller ones for short outputs or few tokens.
+Split-K (VKFLASH_MM_SPLITK): a tiled GEMM whose grid of output tiles leaves compute units idle (the
+HC down projection ℓ_pre = W_dn X: 320 rows × 512 tokens = 12 tiles of 128×128 on 132 SMs, K = 10240)
+cuts K into S chunks of whole 32-groups over grid z (split_k: about SPLIT_WAVES workgroups per compute
+unit); each chunk stores its raw f32 partial tile into a temp buffer [S, n_tok, n_out] and
+shaders/mm_reduce.comp sums the S partials in order s = 0, 1, … (deterministic; no atomics) and
+applies the epilogue through the same store. The sum's order differs from the unsplit kernel's
+(within the f32 accumulation bound; the f16 rounding of coopmat inputs is the same).
+The transposed GEMV (n_out ≤ 8) takes fewer tokens per workgroup at prefill sizes (tiny_tokens).
 The epilogue (scale, bias, sigmoid/silu, ⊙ tensor, + residual) is applied in the store: the
 fusion pass folds the eltwise ops after a matmul into it (Fusion.EPILOGUE); an explicit epilogue
 with that fusion off runs as separate eltwise dispatches. An expert stack {K, out, E} is addressed
