@@ -7,10 +7,13 @@
 // tile is then reused by every token of the tile. Invocation (tx, ty) accumulates rows
 // tx + 16i and tokens ty + 16j (i, j < 4): conflict-free shared reads, coalesced stores.
 // MoE: expert e of a stack {K, out, E} is w_row0 = e*out (push constant).
+// Split-K (grid z = S > 1): as mul_mat_cm.comp, workgroup z sums 32-groups z·k_chunk .. and stores
+// raw partials as token rows z·n_tok + n for mm_reduce.comp.
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"
 #define QUANT_BINDING 0
 #include "common/quant.glsl"
+#define MM_PUSH_MORE uint k_chunk;
 #include "common/mm.glsl"
 
 const uint BM = 64u, BN = 64u, BK = 32u, SK = BK + 1u, TI = 4u, TJ = 4u;
@@ -20,12 +23,12 @@ shared float Bs[BN * SK];
 void main() {
     const uint tid = gl_LocalInvocationID.x, tx = tid % 16u, ty = tid / 16u;
     const uint r0 = gl_WorkGroupID.x * BM, n0 = gl_WorkGroupID.y * BN;
-    const uint gpr = p.K / 32u;
+    const uint gpr = p.K / 32u, u0 = gl_WorkGroupID.z * p.k_chunk, u1 = min(u0 + p.k_chunk, gpr);
 
     float acc[TI * TJ];
     for (uint a = 0u; a < TI * TJ; ++a) acc[a] = 0.0;
 
-    for (uint u = 0u; u < gpr; ++u) {
+    for (uint u = u0; u < u1; ++u) {
         if (tid < BM) {
             vec4 w[8];
             dequant_group((p.w_row0 + min(r0 + tid, p.n_out - 1u)) * gpr + u, w);
@@ -51,7 +54,7 @@ void main() {
     for (uint i = 0u; i < TI; ++i) {
         for (uint j = 0u; j < TJ; ++j) {
             uint r = r0 + tx + 16u * i, n = n0 + ty + 16u * j;
-            if (r < p.n_out && n < p.n_tok) store_out(acc[i * TJ + j], r, n);
+            if (r < p.n_out && n < p.n_tok) store_out(acc[i * TJ + j], r, n + gl_WorkGroupID.z * p.n_tok);
         }
     }
 }

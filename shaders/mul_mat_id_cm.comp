@@ -85,5 +85,5 @@ void main() {
     cm_rows = rows;
     cm_wbase = p.w_row0 + e * p.w_estride;
     cm_wbase2 = p.w_row0b + e * p.w_estride;
-    cm_gemm(p.K / 32u);
+    cm_gemm(p.K / 32u, 0u, p.K / 32u);
 }

@@ -84,6 +84,7 @@ def info(as_json: bool = typer.Option(False, "--json", help="machine-readable ou
     rows = [
         ("driver", f"{caps.driver} ({caps.driver_info})"), ("Vulkan API", caps.api_version),
         ("type", f"{caps.device_type}, UMA={caps.uma}"),
+        ("compute units", str(caps.compute_units or "not reported")),
         ("memory heaps", "; ".join(f"{h.size / 2**30:.1f} GiB{' device-local' if h.device_local else ''}"
                                    f", budget {h.budget / 2**30:.1f} GiB" for h in caps.heaps)),
         ("subgroup", f"{caps.subgroup_size} (min {caps.subgroup_min}, max {caps.subgroup_max}, "

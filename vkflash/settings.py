@@ -169,6 +169,11 @@ KNOBS: tuple[Knob, ...] = (
     _k("VKFLASH_MMID_FAST_FETCH", _bool, True,
        "0: the coopmat MoE prefill GEMM decodes weight groups with one 16/32-bit load per 2-4 bytes instead of "
        "16-byte / whole-word loads (same values; H200 qwen3next gate_up at 512 tokens: 2.20 vs 1.00 ms)", "revert"),
+    _k("VKFLASH_MM_SPLITK", _bool, True,
+       "0: prefill GEMMs whose output tiles leave compute units idle run unsplit instead of split-K (K cut into "
+       "chunks summed by a reduce pass in a fixed order: a different f32 summation order), and the transposed "
+       "GEMV (HC inject) at 8 tokens per workgroup (H200, HC down 10240→320 at 512 tokens: 0.58 vs 0.075 ms)",
+       "revert"),
     _k("VKFLASH_HC_FUSE", _bool, True, "0: unfused hyper-connection mix/combine", "revert"),
     _k("VKFLASH_STACK_WEIGHTS", _bool, True,
        "0: every projection its own buffer and matmul (no stacking of same-type projections of one input)",

@@ -2,7 +2,8 @@
 // mul_mat_cm.comp (dense) and mul_mat_id_cm.comp (routed experts). Include after common/quant.glsl
 // (QTYPE decoders at binding 0) and after declaring `xv` (vec4 activations) and NB (weight blocks:
 // 1, or 2 = gate and up rows of one output tile). The includer defines the hooks declared below and
-// calls cm_gemm(K / 32) from uniform control flow once it knows its tile.
+// calls cm_gemm(K / 32, u0, steps) from uniform control flow once it knows its tile: the K loop
+// covers 32-groups u0 .. u0 + steps - 1 of each row (the whole row: 0, K / 32; split-K: one chunk).
 //
 // Tile: a workgroup owns BM output rows × BN tokens (NB·BM weight rows). It is cut into warp tiles
 // of WM × WN, each a grid of CM × CN coopmat tiles of TM × TN (the device's f16×f16→f32 shape;
@@ -207,15 +208,16 @@ void cm_store_acc(uint c, uint off, uint stride) {  // column major: (r, n) at f
 #define CM_STORE(i, off, stride) cm_store_acc(i, off, stride)
 #endif
 
-void cm_gemm(uint gpr) {
+void cm_gemm(uint gpr, uint u0, uint steps) {
     const uint tid = gl_LocalInvocationID.x, sg = gl_SubgroupID, nsg = gl_NumSubgroups;
     if (tid < WG_A) {
         CM_UNROLL for (uint j = 0u; j < A_PER; ++j) {
             uint row = min(tid + j * WG_A, A_ITEMS - 1u) / A_IPR;
-            cm_wb[j] = cm_w_row(row / BM, row % BM) * gpr;
+            cm_wb[j] = cm_w_row(row / BM, row % BM) * gpr + u0;
         }
     } else {
-        CM_UNROLL for (uint j = 0u; j < B_PER; ++j) cm_xb[j] = cm_x_base(min((tid - WG_A + j * WG_B) / 4u, BN - 1u));
+        CM_UNROLL for (uint j = 0u; j < B_PER; ++j)
+            cm_xb[j] = cm_x_base(min((tid - WG_A + j * WG_B) / 4u, BN - 1u)) + 8u * u0;
     }
 
     CM_ACC_DECL;
@@ -223,10 +225,10 @@ void cm_gemm(uint gpr) {
 
     cm_fetch(0u);
     cm_put(0u);
-    for (uint u = 0u; u < gpr; ++u) {
+    for (uint u = 0u; u < steps; ++u) {
         const uint s = u & 1u;
         barrier();  // stage s is complete; every subgroup is done reading stage s ^ 1
-        if (u + 1u < gpr) cm_fetch(u + 1u);
+        if (u + 1u < steps) cm_fetch(u + 1u);
         CM_UNROLL for (uint q = 0u; q < PER_SG; ++q) {
             const uint t = sg + q * nsg;
             if (t < NWT) {
@@ -248,7 +250,7 @@ void cm_gemm(uint gpr) {
                 }
             }
         }
-        if (u + 1u < gpr) cm_put(s ^ 1u);
+        if (u + 1u < steps) cm_put(s ^ 1u);
     }
     barrier();  // the pipeline stages become the epilogue staging area
 

@@ -38,7 +38,7 @@ def emulated_kernels() -> list[Kernel]:
     out = []
     for t in mm.COOPMAT_TYPES:
         for fam, shader, n_buf, push, spec in (
-                ("mul_mat_cmx", "mul_mat_cm.comp", 6, mm.MatMulPush, mm.MatMulCmSpec),
+                ("mul_mat_cmx", "mul_mat_cm.comp", 6, mm.MatMulSplitPush, mm.MatMulCmSpec),
                 ("mul_mat_id_cmx", "mul_mat_id_cm.comp", 5, moe.ExpertGemmPush, moe.ExpertGemmCmSpec)):
             out.append(Kernel(f"{fam}_{t.name.lower()}", shader, n_buf, (("QTYPE", int(t)), ("CM_EMULATE", 1)),
                               local_size=mm.CM_WG, push=push, spec=spec))

@@ -33,3 +33,16 @@ def test_gemv_sweep(gpu):
     rows = [r for r in gemv_bandwidth(gpu, shapes=[], quick=True, sweep=True)]
     assert rows and all(r["name"].startswith(("gemv q4_k sweep tpr=", "gemv q6_k sweep tpr=")) for r in rows)
     assert all(r["GB/s"] > 0 for r in rows)
+
+
+def test_split_rows(gpu):
+    """The split-K rows (unsplit, split_k's choice, an explicit split) and the inject rows run end to end."""
+    from vkflash.bench.matmul import inject_bandwidth, split_gemm_tflops
+
+    rows = split_gemm_tflops(gpu, quick=True, splits=(3,))
+    assert [r["name"].split(" ", 2)[2] for r in rows] == ["unsplit", "split-K (default)", "split 3"], rows
+    assert "split=3x" in rows[2]["shape"], rows[2]
+    inject = inject_bandwidth(gpu, quick=True)
+    assert sum("(default)" in r["name"] for r in inject) == 1, inject
+    for r in rows + inject:
+        assert r["seconds"] > 0 and r.get("GB/s", r.get("TFLOP/s")) > 0, r

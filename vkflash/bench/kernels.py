@@ -208,6 +208,16 @@ def gemm_rows(gpu: Gpu, quick: bool) -> list[Row]:
     return _rows(matmul.gemm_tflops(gpu, quick=quick or gpu.caps.device_type == "cpu"), "TFLOP/s")
 
 
+def split_rows(gpu: Gpu, quick: bool) -> list[Row]:
+    """Prefill GEMMs with few output tiles, unsplit vs split-K (TFLOP/s), and the HC inject's
+    transposed GEMV at 8 vs fewer tokens per workgroup (GB/s of activations): VKFLASH_MM_SPLITK."""
+    from vkflash.bench import matmul
+
+    small = quick or gpu.caps.device_type == "cpu"
+    return (_rows(matmul.split_gemm_tflops(gpu, quick=small), "TFLOP/s")
+            + _rows(matmul.inject_bandwidth(gpu, quick=small), "GB/s"))
+
+
 def moe_gemm_rows(gpu: Gpu, quick: bool) -> list[Row]:
     """Routed-expert GEMM TFLOP/s (compact vs plain grid)."""
     from vkflash.bench import moe
@@ -353,7 +363,7 @@ def score_rows(gpu: Gpu, small: bool) -> list[Row]:
 
 
 KERNEL_BENCHES: dict[str, Callable[..., list[Row]]] = {
-    "eltwise": elementwise_rows, "gemv": gemv_rows, "gemm": gemm_rows, "moe_gemm": moe_gemm_rows,
+    "eltwise": elementwise_rows, "gemv": gemv_rows, "gemm": gemm_rows, "splitk": split_rows, "moe_gemm": moe_gemm_rows,
     "moe_pass": moe_pass_rows, "moe_gemv": moe_gemv_rows, "select": selection_rows, "gdn": gdn_delta_rows,
     "attn_decode": attention_rows, "attn_prefill": attention_prefill_rows}
 """Kernel families of `vkflash bench kernels`, by the names --only takes."""

@@ -19,7 +19,7 @@ from vkflash.formats.quant_blocks import row_bytes
 from vkflash.formats.quants import random_blocks
 from vkflash.gpu.context import Gpu
 from vkflash.gpu.ops.matmul import (CM_TILES, TEAM_TPR_MIN, TEAM_WG, TEAMS_SLOWER, CmTile, GemvPlan, HcMixGemv,
-                                    QWeight, cm_shape, cm_tile, coopmat_possible, matmul, q8_possible)
+                                    QWeight, cm_shape, cm_tile, coopmat_possible, matmul, q8_possible, tiny_tokens)
 from vkflash.gpu.ops.views import Rows
 
 GEMV_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS, Q.F16, Q.BF16)
@@ -36,6 +36,12 @@ GEMMS = ((Q.F16, 4096, 4096, 4096), (Q.Q4_K, 2560, 12288, 2048))
 """Prefill GEMMs (type, K, n_out, n_tok): f16 4096³, and a Q4_K dense Flash-Next projection over a
 2048-token ubatch (the issue's goals: ≥ 150 and ≥ 100 TFLOP/s on the H200)."""
 GEMMS_QUICK = ((Q.F16, 128, 128, 128), (Q.Q4_K, 256, 192, 80))
+SPLIT_GEMMS = tuple((q, HC * 2560, 320, n) for n in (512, 2048) for q in (Q.Q4_K, Q.Q5_0)) + ((Q.Q4_K, 6144, 2560, 512),)
+"""Prefill GEMMs with few output tiles (type, K, n_out, n_tok): the HC down projection ℓ_pre = W_dn X
+(K = hc·d, lr = 320 rows; Q4_K attention mixers, Q5_0 FFN mixers) at 512 and 2048 tokens, and
+attn_out (K = H·Dh = 6144 → d) at 512, for split-K (VKFLASH_MM_SPLITK)."""
+SPLIT_GEMMS_QUICK = ((Q.Q4_K, 2048, 64, 64),)
+INJECT = (HC * 2560, HC)  # W_inj {hc·d, hc} in F32: the transposed GEMV of prefill
 
 
 def _weights(gpu: Gpu, q: Q, k: int, n_out: int, n_bufs: int, rng: np.random.Generator) -> list[QWeight]:
@@ -193,4 +199,61 @@ def gemm_tflops(gpu: Gpu, shapes: Iterable[tuple[Q, int, int, int]] | None = Non
             s = timed(g, 1 if quick else 5) / calls
             rows.append({"name": f"gemm {q.name.lower()} {label}", "shape": f"{k}x{n_out} n={n_tok}", "seconds": s,
                          "TFLOP/s": 2.0 * k * n_out * n_tok / s / 1e12, "weight_bytes": nbytes})
+    return rows
+
+
+def split_gemm_tflops(gpu: Gpu, shapes: Iterable[tuple[Q, int, int, int]] | None = None, quick: bool = False,
+                      splits: Iterable[int] = ()) -> list[dict]:
+    """TFLOP/s of the prefill GEMMs with few output tiles (default SPLIT_GEMMS), coopmat where the device
+    offers it: unsplit, and as split_k chooses with VKFLASH_MM_SPLITK=1 (the path the options pick is
+    marked (default)); `splits`: also about that many K chunks each (tuning split_k). The calls write
+    one output, so each waits for the one before, as in a prefill step (independent calls would
+    overlap and fill the GPU, which is what a lone small grid cannot)."""
+    rng = np.random.default_rng()
+    rows = []
+    for q, k, n_out, n_tok in shapes or (SPLIT_GEMMS_QUICK if quick else SPLIT_GEMMS):
+        nbytes = n_out * row_bytes(q, k)
+        ws = _weights(gpu, q, k, n_out, _rotation(nbytes, quick), rng)
+        x = gpu.upload(rng.standard_normal(n_tok * k, dtype=np.float32), "bench.x")
+        y = gpu.buffer(4 * n_tok * n_out, "bench.y")
+        cm = coopmat_possible(gpu.caps, q)
+        picked = "split-K" if gpu.options.mm_splitk else "unsplit"
+        variants: list[tuple[str, Gpu, int | None]] = [
+            ("unsplit", gpu, 1), ("split-K", gpu.with_options(replace(gpu.options, mm_splitk=True)), None)]
+        variants += [(f"split {s}", gpu, s) for s in splits]
+        calls = max(3 if quick else 12, len(ws))
+        for label, gg, split in variants:
+            g = gg.graph("bench.gemm_split")
+            for i in range(calls):
+                matmul(g, ws[i % len(ws)], Rows(x, n_tok, k), Rows(y, n_tok, n_out), name=f"gemm{i}",
+                       coopmat=cm, split=split)
+            desc = g.ops[0].desc.split(" ", 3)[3] if len(g.ops[0].desc.split(" ", 3)) == 4 else ""
+            s = timed(g, 1 if quick else 5) / calls
+            mark = " (default)" if label == picked else ""
+            rows.append({"name": f"gemm {q.name.lower()} {label}{mark}",
+                         "shape": f"{k}x{n_out} n={n_tok} {desc} serial",
+                         "seconds": s, "TFLOP/s": 2.0 * k * n_out * n_tok / s / 1e12})
+    return rows
+
+
+def inject_bandwidth(gpu: Gpu, quick: bool = False) -> list[dict]:
+    """GB/s (activation bytes read) of the transposed GEMV of prefill, the HC inject ι = W_inj X (F32
+    {hc·d, hc}) at 512 and 2048 tokens: 8 tokens per workgroup (VKFLASH_MM_SPLITK=0) vs tiny_tokens';
+    serial calls into one output, as split_gemm_tflops."""
+    rng = np.random.default_rng()
+    k, n_out = (512, HC) if quick else INJECT
+    w = QWeight(gpu.upload(rng.standard_normal(k * n_out, dtype=np.float32), "bench.w_inj"), int(Q.F32), k, n_out)
+    rows = []
+    for n_tok in (64,) if quick else (512, 2048):
+        x = gpu.upload(rng.standard_normal(n_tok * k, dtype=np.float32), "bench.x")
+        y = gpu.buffer(4 * n_tok * n_out, "bench.y")
+        for on in (False, True):
+            g = gpu.with_options(replace(gpu.options, mm_splitk=on)).graph("bench.inject")
+            calls = 3 if quick else 24
+            for i in range(calls):
+                matmul(g, w, Rows(x, n_tok, k), Rows(y, n_tok, n_out), name=f"inject{i}")
+            s = timed(g, 1 if quick else 10) / calls
+            mark = " (default)" if on == gpu.options.mm_splitk else ""
+            rows.append({"name": f"gemv inject f32 {tiny_tokens(n_tok, on)} tok/wg{mark}",
+                         "shape": f"{k}x{n_out} n={n_tok} serial", "seconds": s, "GB/s": 4 * n_tok * k / s / 1e9})
     return rows

@@ -80,6 +80,7 @@ class Capabilities:
     heaps: tuple[MemoryHeap, ...]
     host_visible_device_local: bool  # a memory type is both (ReBAR / UMA)
     extensions: frozenset[str] = field(repr=False)
+    compute_units: int = 0  # SMs / CUs where the driver reports them (VK_NV_shader_sm_builtins, VK_AMD_shader_core_properties); 0 unknown
 
     def coopmat_shape(self, a: str, c: str) -> CoopmatShape | None:
         """The largest M·N·K coopmat shape with these input/accumulator types, if any."""
@@ -133,6 +134,15 @@ def _coopmat_shapes(inst: _Instance, pd: Any, exts: frozenset[str]) -> tuple[Coo
     return tuple(out)
 
 
+def _compute_units(exts: frozenset[str], nv: Any, amd: Any) -> int:
+    """SMs (NVIDIA) or CUs (AMD) from the property structs _probe chained, 0 where neither was."""
+    if "VK_NV_shader_sm_builtins" in exts:
+        return int(nv.shaderSMCount)
+    if "VK_AMD_shader_core_properties" in exts:
+        return int(amd.shaderEngineCount * amd.shaderArraysPerEngineCount * amd.computeUnitsPerShaderArray)
+    return 0
+
+
 def _probe(inst: _Instance, index: int, pd: Any) -> Capabilities:
     exts = frozenset(e.extensionName for e in vk.vkEnumerateDeviceExtensionProperties(pd, None))
     # properties chain (each struct kept alive by a local name until the call returns)
@@ -140,7 +150,11 @@ def _probe(inst: _Instance, index: int, pd: Any) -> Capabilities:
     ssc = vk.VkPhysicalDeviceSubgroupSizeControlProperties(pNext=vk.ffi.addressof(sub))
     drv = vk.VkPhysicalDeviceDriverProperties(pNext=vk.ffi.addressof(ssc))
     m3 = vk.VkPhysicalDeviceMaintenance3Properties(pNext=vk.ffi.addressof(drv))
-    props2 = vk.VkPhysicalDeviceProperties2(pNext=vk.ffi.addressof(m3))
+    # compute units: only chained where the extension exists (an unknown struct in pNext is invalid)
+    nv = vk.VkPhysicalDeviceShaderSMBuiltinsPropertiesNV(pNext=vk.ffi.addressof(m3))
+    amd = vk.VkPhysicalDeviceShaderCorePropertiesAMD(pNext=vk.ffi.addressof(m3))
+    head = nv if "VK_NV_shader_sm_builtins" in exts else amd if "VK_AMD_shader_core_properties" in exts else m3
+    props2 = vk.VkPhysicalDeviceProperties2(pNext=vk.ffi.addressof(head))
     vk.vkGetPhysicalDeviceProperties2(pd, props2)
     p = props2.properties
     lim = p.limits
@@ -193,6 +207,7 @@ def _probe(inst: _Instance, index: int, pd: Any) -> Capabilities:
         heaps=heaps,
         host_visible_device_local=hvdl,
         extensions=exts,
+        compute_units=_compute_units(exts, nv, amd),
     )
 
 

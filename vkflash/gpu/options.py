@@ -48,6 +48,7 @@ class GpuOptions:
     fa_coopmat: bool = True  # cooperative-matrix flash-attention prefill over f16 / q8_0 caches, where possible
     mmid_compact: bool = True  # MoE prefill launches only live (expert, tile) pairs
     mmid_fast_fetch: bool = True  # the coopmat MoE prefill GEMM decodes weight groups from wide loads
+    mm_splitk: bool = True  # split-K for tiled GEMMs with few output tiles; more workgroups for the transposed GEMV
     gdn_matrix: bool = True  # chunked GDN prefill in matrix form (else the scalar chunked kernel)
     attn_decode: bool = True  # attention of ≤ 8 queries on the decode kernel (else the flash kernel)
     gemv_teams: bool = True  # decode GEMVs in row groups sized from K (gemv.comp; else mul_mat_vec.comp)
@@ -83,6 +84,7 @@ class GpuOptions:
         return cls(fusions=frozenset() if off else frozenset(fusions), hc_tails=bool(s["VKFLASH_HC_FUSE"]) and not off,
                    coopmat=not s["VKFLASH_DISABLE_COOPMAT"], fa_coopmat=bool(s["VKFLASH_FA_COOPMAT"]),
                    mmid_compact=bool(s["VKFLASH_MMID_COMPACT"]), mmid_fast_fetch=bool(s["VKFLASH_MMID_FAST_FETCH"]),
+                   mm_splitk=bool(s["VKFLASH_MM_SPLITK"]),
                    gdn_matrix=bool(s["VKFLASH_GDN_MATRIX"]), attn_decode=bool(s["VKFLASH_ATTN_DECODE"]),
                    gemv_teams=bool(s["VKFLASH_GEMV_TEAMS"]), gemv_q8=bool(s["VKFLASH_GEMV_Q8"]),
                    topk_wide=bool(s["VKFLASH_TOPK_WIDE"]), router_rank=bool(s["VKFLASH_ROUTER_RANK"]),

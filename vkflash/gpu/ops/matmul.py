@@ -16,6 +16,14 @@ The coopmat GEMM (shaders/mul_mat_cm.comp on common/mm_cm.glsl) takes its tile (
 × tokens per workgroup, warp tile), the coopmat shape and the subgroup bound as specialization
 constants chosen here from the capabilities (cm_shape, cm_tile): 128×128 tiles of 8 warp tiles where
 the shape and shared memory allow, smaller ones for short outputs or few tokens.
+Split-K (VKFLASH_MM_SPLITK): a tiled GEMM whose grid of output tiles leaves compute units idle (the
+HC down projection ℓ_pre = W_dn X: 320 rows × 512 tokens = 12 tiles of 128×128 on 132 SMs, K = 10240)
+cuts K into S chunks of whole 32-groups over grid z (split_k: about SPLIT_WAVES workgroups per compute
+unit); each chunk stores its raw f32 partial tile into a temp buffer [S, n_tok, n_out] and
+shaders/mm_reduce.comp sums the S partials in order s = 0, 1, … (deterministic; no atomics) and
+applies the epilogue through the same store. The sum's order differs from the unsplit kernel's
+(within the f32 accumulation bound; the f16 rounding of coopmat inputs is the same).
+The transposed GEMV (n_out ≤ 8) takes fewer tokens per workgroup at prefill sizes (tiny_tokens).
 The epilogue (scale, bias, sigmoid/silu, ⊙ tensor, + residual) is applied in the store: the
 fusion pass folds the eltwise ops after a matmul into it (Fusion.EPILOGUE); an explicit epilogue
 with that fusion off runs as separate eltwise dispatches. An expert stack {K, out, E} is addressed
@@ -65,7 +73,10 @@ GEMV_ROWS_CPU = 2  # CPU drivers (lavapipe): LLVM compile time grows with NDEC, 
 GEMV_STACK_ROWS_CPU = 4  # fused-mode GEMV rows there: 2 output rows per block (GLU, hc = 2) for the tests to cover
 GEMV_MAX_COLS = 8  # token columns of one GEMV (handled one after the other in the shader)
 TINY_OUT = 8  # outputs at most this many rows go through the transposed GEMV
-TINY_TOKENS = 8  # tokens per workgroup of the transposed GEMV
+TINY_TOKENS = 8  # most tokens per workgroup of the transposed GEMV
+TINY_GROUPS = 512
+"""Workgroups the transposed GEMV aims for (fewer tokens each: 8 per workgroup left 64 of 64 lanes on
+132 SMs at 512 tokens, ~0.1 ms for the HC inject's 4×10240 on the H200)."""
 TILE = 64  # scalar GEMM tile: 64 weight rows × 64 tokens
 CM_WG = 256
 """Invocations of a coopmat GEMM workgroup: 8 subgroups of 32 (on a device whose subgroups may be
@@ -73,6 +84,11 @@ CM_WG = 256
 CM_BK = 32  # k per pipeline step of the coopmat GEMMs: one 32-element group per weight row
 CM_PITCH = 80  # bytes per shared-memory row of a step: 32 f16 + 8 pad (rows hit distinct 16-B bank groups)
 CM_KERNEL = "mul_mat_cm"  # kernel family of the coopmat GEMM (tests swap in an emulated build)
+
+SPLIT_WAVES = 2  # workgroups per compute unit a split-K GEMM aims for (a tile's 8 warps: two fit an SM)
+SPLIT_MIN_STEPS = 8  # fewest 32-groups per split-K chunk (each chunk pays a tile prologue and a partial store)
+SPLIT_CU_GPU = 64  # compute units assumed on a GPU that does not report them
+REDUCE_WG = 256  # invocations of an mm_reduce.comp workgroup (one output element each)
 
 TEAM_WG = 128  # invocations of a row-group GEMV workgroup (gemv.comp): WG / TPR teams
 TEAM_TPR_MIN = 8
@@ -105,6 +121,21 @@ class MatMulPush(PushConstants):
     mul_off: u32
     res_off: u32
     scale: f32
+
+
+@dataclass(frozen=True)
+class MatMulSplitPush(MatMulPush):
+    """The tiled GEMMs' (mul_mat.comp, mul_mat_cm.comp): common/mm.glsl's, then the 32-groups per
+    split-K chunk (K / 32 unsplit; grid z = the chunks)."""
+
+    k_chunk: u32
+
+
+@dataclass(frozen=True)
+class MatMulReducePush(MatMulPush):
+    """mm_reduce.comp's: common/mm.glsl's, then the number of split-K partials summed."""
+
+    n_split: u32
 
 
 @dataclass(frozen=True)
@@ -189,10 +220,11 @@ def _kernels() -> list[Kernel]:
         out.append(Kernel(f"mul_mat_vec_{t.name.lower()}", "mul_mat_vec.comp", 9, d,
                           local_size=GEMV_WG_K if t in GEMV_K_QUANTS else GEMV_WG, push=MatVecPush, spec=MatVecSpec))
         out.append(Kernel(f"mul_mat_{t.name.lower()}", "mul_mat.comp", 6, d, local_size=256,
-                          push=MatMulPush, spec=MatMulSpec))
+                          push=MatMulSplitPush, spec=MatMulSpec))
         if t in COOPMAT_TYPES:
             out.append(Kernel(f"mul_mat_cm_{t.name.lower()}", "mul_mat_cm.comp", 6, d, local_size=CM_WG,
-                              needs=frozenset({"coopmat_f16"}), push=MatMulPush, spec=MatMulCmSpec))
+                              needs=frozenset({"coopmat_f16"}), push=MatMulSplitPush, spec=MatMulCmSpec))
+    out.append(Kernel("mm_reduce", "mm_reduce.comp", 6, local_size=REDUCE_WG, push=MatMulReducePush, spec=MatMulSpec))
     return out
 
 
@@ -360,6 +392,15 @@ def _check(w: QWeight, x: Rows, y: Rows, ep: Epilogue) -> None:
             raise ValueError(f"matmul: {nm} partly overlaps y (in place needs the identical view)")
 
 
+def tiny_tokens(n_tok: int, on: bool = True) -> int:
+    """Tokens per workgroup of the transposed GEMV: TINY_TOKENS, halved while the grid has fewer
+    than TINY_GROUPS workgroups (`on` off, VKFLASH_MM_SPLITK=0: always TINY_TOKENS)."""
+    t = TINY_TOKENS
+    while on and t > 1 and -(-n_tok // t) < TINY_GROUPS:
+        t //= 2
+    return t
+
+
 def gemv_rows(caps: "Capabilities", qtype: int, n_out: int, cpu_rows: int = GEMV_ROWS_CPU) -> int:
     """Weight rows a mul_mat_vec.comp workgroup decodes (VKFLASH_GEMV_TEAMS=0, transposed GEMV): per
     type (cpu_rows on CPU drivers), halved while the n_out output rows would give fewer than
@@ -478,7 +519,7 @@ def _grid(caps: "Capabilities", n: int) -> tuple[int, int]:
 
 
 def _dispatch(g: "Graph", w: QWeight, x: Rows, y: Rows, ep: Epilogue, coopmat: bool, name: str,
-              tile: CmTile | None = None, plan: GemvPlan | None = None) -> None:
+              tile: CmTile | None = None, plan: GemvPlan | None = None, split: int | None = None) -> None:
     caps = g.gpu.caps
     n_tok, t = x.n_rows, w.type_name
     bias, mul, res = ep.bias, ep.mul, ep.res
@@ -496,27 +537,61 @@ def _dispatch(g: "Graph", w: QWeight, x: Rows, y: Rows, ep: Epilogue, coopmat: b
     if n_tok <= GEMV_MAX_COLS or w.n_out <= TINY_OUT:
         tr = n_tok > GEMV_MAX_COLS
         rows = gemv_rows(caps, w.qtype, w.n_out)
-        ndec, nplain = (w.n_out, TINY_TOKENS) if tr else (rows, n_tok)
+        ndec, nplain = (w.n_out, tiny_tokens(n_tok, g.options.mm_splitk)) if tr else (rows, n_tok)
         groups = _grid(caps, -(-(n_tok if tr else w.n_out) // (nplain if tr else ndec)))
         spec = MatVecSpec(ep.flags, ndec, nplain, tr, max(1, caps.subgroup_min))
         g.dispatch(f"mul_mat_vec_{t}", bufs + [x.buf] * 3, groups, MatVecPush(*push), spec, name=name, writes=[5],
                    desc=desc, nbytes=w.nbytes + 4 * (x.size + y.size), flops=flops)
         return
-    groups = (-(-w.n_out // TILE), -(-n_tok // TILE))
     if coopmat:
         shape, tile = cm_shape(caps), tile or cm_tile(caps, w.n_out, n_tok)
         if shape is None or tile is None or tile.smem(shape.n) > caps.shared_memory:
             raise ValueError(f"matmul: no coopmat tile {tile or ''} fits {caps.name}")
         if kernel(f"{CM_KERNEL}_{t}").workgroup(caps) != CM_WG:
             raise ValueError(f"matmul: the coopmat GEMM needs {CM_WG} invocations per workgroup")
-        g.dispatch(f"{CM_KERNEL}_{t}", bufs, (-(-w.n_out // tile.bm), -(-n_tok // tile.bn)), MatMulPush(*push),
-                   MatMulCmSpec(ep.flags, *cm_spec(caps, tile)), name=name, desc=f"{desc} cm {tile}",
-                   nbytes=w.nbytes + 4 * (x.size + y.size), flops=flops)
+        kname, bm, bn, spec = f"{CM_KERNEL}_{t}", tile.bm, tile.bn, MatMulCmSpec(0, *cm_spec(caps, tile))
+        desc += f" cm {tile}"
     else:
         if kernel(f"mul_mat_{t}").workgroup(caps) != 256:
             raise ValueError("matmul: the scalar GEMM needs 256 invocations per workgroup")
-        g.dispatch(f"mul_mat_{t}", bufs, groups, MatMulPush(*push), MatMulSpec(ep.flags), name=name, desc=desc,
-                   nbytes=w.nbytes + 4 * (x.size + y.size), flops=flops)
+        kname, bm, bn, spec = f"mul_mat_{t}", TILE, TILE, MatMulSpec(0)
+    grid = (-(-w.n_out // bm), -(-n_tok // bn))
+    n_split, k_chunk = split_chunks(w.k, split) if split is not None else \
+        split_k(caps, grid[0] * grid[1], w.k, g.options.mm_splitk)
+    nbytes = w.nbytes + 4 * (x.size + y.size)
+    if n_split == 1:
+        g.dispatch(kname, bufs, grid, MatMulSplitPush(*push, k_chunk), replace(spec, epilogue=ep.flags), name=name,
+                   desc=desc, nbytes=nbytes, flops=flops)
+        return
+    # split-K: raw partial tiles [S, n_tok, n_out] (EPILOGUE 0), then mm_reduce sums them in order and stores y
+    plane = n_tok * w.n_out
+    part = g.temp(4 * n_split * plane, f"{name}.splitk")
+    push_p = (w.k, w.n_out, n_tok, w.row0, x.off, x.stride, 0, w.n_out, 0, 0, 0, 1.0)
+    g.dispatch(kname, [w.buf, x.buf, x.buf, x.buf, x.buf, part], grid + (n_split,), MatMulSplitPush(*push_p, k_chunk),
+               spec, name=name, desc=f"{desc} split={n_split}x{32 * k_chunk}",
+               nbytes=nbytes + 4 * n_split * plane, flops=flops)
+    g.dispatch("mm_reduce", [part, part] + bufs[2:], _grid(caps, -(-plane // REDUCE_WG)),
+               MatMulReducePush(*push, n_split), MatMulSpec(ep.flags), name=name,
+               desc=f"{t} reduce {n_split}x{n_tok}x{w.n_out}", nbytes=4 * (n_split * plane + y.size))
+
+
+def split_chunks(k: int, n_split: int) -> tuple[int, int]:
+    """(S, k_chunk) for rows of k cut into about n_split chunks of whole 32-groups, none empty:
+    k_chunk = ⌈(k/32) / n_split⌉ groups, S = ⌈(k/32) / k_chunk⌉ (S = 1: the whole row)."""
+    gpr = k // 32
+    chunk = -(-gpr // max(1, min(n_split, gpr)))
+    return -(-gpr // chunk), chunk
+
+
+def split_k(caps: "Capabilities", groups: int, k: int, on: bool = True) -> tuple[int, int]:
+    """(S, k_chunk): the split-K of a tiled GEMM whose grid has `groups` workgroups, over rows of k.
+    Only a grid that leaves compute units idle (groups < CUs) is split: into enough chunks for about
+    SPLIT_WAVES workgroups per CU, each at least SPLIT_MIN_STEPS 32-groups long. Never with `on`
+    off (VKFLASH_MM_SPLITK=0) nor on CPU drivers (speed is moot; tests ask for splits themselves)."""
+    cu = caps.compute_units or (0 if caps.device_type == "cpu" else SPLIT_CU_GPU)
+    if not on or groups >= cu:
+        return split_chunks(k, 1)
+    return split_chunks(k, min(-(-SPLIT_WAVES * cu // groups), k // 32 // SPLIT_MIN_STEPS))
 
 
 def _plain_epilogue(g: "Graph", tmp: Rows, y: Rows, ep: Epilogue, name: str) -> None:
@@ -550,6 +625,7 @@ class MatMul(Node):
     coopmat: bool | None = None
     tile: CmTile | None = None  # a coopmat tile instead of cm_tile's choice
     plan: GemvPlan | None = None  # a row-group GEMV plan instead of gemv_plan's (≤ GEMV_MAX_COLS tokens)
+    split: int | None = None  # split-K chunks of a tiled GEMM instead of split_k's choice (1: unsplit)
 
     def __post_init__(self) -> None:
         _check(self.w, self.x, self.y, self.epilogue)
@@ -567,26 +643,28 @@ class MatMul(Node):
         cm = use_coopmat(g.gpu, self.w.qtype) if self.coopmat is None else self.coopmat
         if cm and not kernel(f"mul_mat_cm_{self.w.type_name}").usable(g.gpu.caps):
             raise ValueError(f"matmul: {g.gpu.caps.name} offers no f16 cooperative matrix")
-        _dispatch(g, self.w, self.x, self.y, self.epilogue, cm, self.name, self.tile, self.plan)
+        _dispatch(g, self.w, self.x, self.y, self.epilogue, cm, self.name, self.tile, self.plan, self.split)
 
 
 def matmul(g: "Graph", w: QWeight, x: Rows, y: Rows, epilogue: Epilogue = PLAIN, name: str = "mul_mat",
-           coopmat: bool | None = None, tile: CmTile | None = None, plan: GemvPlan | None = None) -> None:
+           coopmat: bool | None = None, tile: CmTile | None = None, plan: GemvPlan | None = None,
+           split: int | None = None) -> None:
     """y[n, r] = epilogue(Σ_k W[r, k]·x[n, k]) for every token row n of x.
 
     coopmat defaults to the device and options (use_coopmat); tests pass it to compare the paths.
     tile overrides cm_tile's choice for a coopmat GEMM (benchmarks and tests of other tiles); plan
-    gemv_plan's for a decode GEMV (a row-group GEMV even with VKFLASH_GEMV_TEAMS=0).
+    gemv_plan's for a decode GEMV (a row-group GEMV even with VKFLASH_GEMV_TEAMS=0); split split_k's
+    for a tiled GEMM (about that many K chunks: split_chunks; 1 unsplit).
     An epilogue with Fusion.EPILOGUE off runs as eltwise ops after a plain matmul.
     """
     if epilogue.flags == 0 or g.options.fuses(Fusion.EPILOGUE):
-        g.add(MatMul(w, x, y, epilogue, name, coopmat, tile, plan))
+        g.add(MatMul(w, x, y, epilogue, name, coopmat, tile, plan, split))
         return
     _check(w, x, y, epilogue)
     # plain path: matmul into y, or into a scratch view when an epilogue input aliases y
     aliased = any(v is not None and v.buf is y.buf and v.overlaps(y) for v in (epilogue.mul, epilogue.res))
     tmp = g.tensor(y.n_rows, y.n_cols, f"{name}.tmp") if aliased else y
-    g.add(MatMul(w, x, tmp, PLAIN, name, coopmat, tile, plan))
+    g.add(MatMul(w, x, tmp, PLAIN, name, coopmat, tile, plan, split))
     _plain_epilogue(g, tmp, y, epilogue, name)
 
 
