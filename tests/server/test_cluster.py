@@ -5,7 +5,8 @@ whose conversations share one system prompt, through the official openai client.
 Each conversation sticks to one replica and reuses its prefix there (cache_n > 0 on every repeat);
 a replica killed (SIGKILL) in the middle of a request loses nothing (HAProxy sends the request again,
 to the other replica), and every later request succeeds on the survivor; the replica restarted on its
-port is checked back in and takes new conversations. Also: the launcher's refusals."""
+port is checked back in and takes new conversations; stopped with SIGTERM (DRAIN) in the middle of a
+request, it finishes that request and leaves. Also: the launcher's config and refusals."""
 
 from __future__ import annotations
 
@@ -75,6 +76,15 @@ def start_cluster(tmp: Path, replicas: list[Server]) -> Cluster:
     return c
 
 
+def signal_when_running(s: Server, sig: signal.Signals) -> None:
+    """Send `sig` to a replica as soon as its slot runs a request (seen on /slots)."""
+    end = time.monotonic() + 30
+    while not call(s.base, "GET", "/slots", timeout=5).body[0]["is_processing"]:
+        assert time.monotonic() < end, "the replica never ran the request"
+        time.sleep(0.01)
+    s.proc.send_signal(sig)
+
+
 @dataclass
 class Agent:
     """One conversation: a shared system prompt and its own task, then turns; records what answered."""
@@ -125,8 +135,8 @@ def together(jobs: list[Callable[[], None]]) -> None:
 
 @pytest.fixture
 def replicas(tmp_path: Path, tiny_model: Path) -> Iterator[list[Server]]:
-    """Two replicas of the tiny model (NumPy reference); the test may replace one."""
-    started = [start_server(tmp_path, {"MODEL": str(tiny_model)}) for _ in range(2)]
+    """Two replicas of the tiny model (NumPy reference, DRAIN 30 s); the test may replace one."""
+    started = [start_server(tmp_path, {"MODEL": str(tiny_model), "DRAIN": "30"}) for _ in range(2)]
     yield started
     for s in started:
         if s.proc.poll() is None:
@@ -170,15 +180,7 @@ def test_affinity_failover_and_rejoin(cluster: Cluster, replicas: list[Server], 
     victim = next(s for s in replicas if name_of(s) == a.served[0][0])
     survivor = next(s for s in replicas if s is not victim)
 
-    def kill_when_running() -> None:
-        end = time.monotonic() + 30
-        while not call(victim.base, "GET", "/slots", timeout=5).body[0]["is_processing"]:
-            assert time.monotonic() < end, "the victim never ran agent a's request"
-            time.sleep(0.01)
-        victim.proc.send_signal(signal.SIGKILL)
-        victim.proc.wait()
-
-    together([lambda: a.turn(max_tokens=48), kill_when_running])
+    together([lambda: a.turn(max_tokens=48), lambda: signal_when_running(victim, signal.SIGKILL)])
     assert a.served[-1][0] == name_of(survivor), a.served  # the request in flight was sent again
     cluster.wait_state(name_of(victim), 0)
 
@@ -188,7 +190,7 @@ def test_affinity_failover_and_rejoin(cluster: Cluster, replicas: list[Server], 
 
     def restart() -> None:
         port = int(name_of(victim).rsplit(":", 1)[1])
-        restarted.append(start_server(tmp_path, {"MODEL": str(tiny_model)}, port=port))
+        restarted.append(start_server(tmp_path, {"MODEL": str(tiny_model), "DRAIN": "30"}, port=port))
         replicas[replicas.index(victim)] = restarted[0]
         cluster.wait_state(name_of(victim), 2)
 
@@ -202,11 +204,20 @@ def test_affinity_failover_and_rejoin(cluster: Cluster, replicas: list[Server], 
 
     # the restarted replica takes new conversations again (two arriving together: one each) and
     # reuses their prefixes
-    c, d = (Agent(client, tiny_model.stem, system, say(), [say() for _ in range(1 + REJOIN_TURNS)]) for _ in range(2))
+    c, d = (Agent(client, tiny_model.stem, system, say(), [say() for _ in range(3 + REJOIN_TURNS)]) for _ in range(2))
     together([lambda ag=ag: [ag.turn() for _ in range(1 + REJOIN_TURNS)] for ag in (c, d)])
     assert {ag.served[0][0] for ag in (c, d)} == {name_of(victim), name_of(survivor)}, (c.served, d.served)
     for ag in (c, d):
         assert {r for r, _ in ag.served} == {ag.served[0][0]} and all(n > 0 for _, n in ag.served[1:]), ag.served
+
+    # drain: SIGTERM to a replica (DRAIN > 0) in the middle of a request lets that request finish
+    # there; the replica leaves, and the conversation's next request goes to the other one
+    ag = next(ag for ag in (c, d) if ag.served[0][0] == name_of(victim))
+    together([lambda: ag.turn(max_tokens=48), lambda: signal_when_running(restarted[0], signal.SIGTERM)])
+    assert ag.served[-1][0] == name_of(victim), ag.served
+    assert restarted[0].proc.wait(timeout=30) == 0, restarted[0].output()
+    ag.turn()
+    assert ag.served[-1][0] == name_of(survivor), ag.served
     log = cluster.log.read_text()
     assert "is DOWN" in log and "is UP" in log, log
 
