@@ -13,6 +13,7 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -259,3 +260,22 @@ def test_cluster_config_has_every_replica_once(tmp_path: Path, rng) -> None:
     servers = [line.split()[1:3] for line in text.splitlines() if line.strip().startswith("server ")]
     assert servers == [[r, r] for r in reps]
     assert f"bind {listen} " in text and f"inter {check_ms}ms " in text and f"stats socket {admin} " in text
+
+
+def test_bench_cluster_against_one_server(tmp_path: Path, tiny_model: Path, rng) -> None:
+    """`vkflash bench cluster` counts what it sent and what was cached (one agent: every repeat reuses
+    its prefix), names no replica for a server without HAProxy, and says in one line when the URL is dead."""
+    from vkflash.bench.cluster import run
+
+    s = start_server(tmp_path, {"MODEL": str(tiny_model)})
+    try:
+        turns, m = int(rng.integers(2, 5)), int(rng.integers(1, 4))
+        r = run(s.base, agents=1, turns=turns, max_tokens=m)
+        assert (r.requests, r.completion_tokens, r.replicas) == (turns, turns * m, {"direct": turns})
+        assert 0 < r.cached_tokens < r.prompt_tokens and r.seconds > 0
+    finally:
+        stop_server(s)
+    dead = subprocess.run([sys.executable, "-m", "vkflash.cli", "bench", "cluster", f"http://127.0.0.1:{free_port()}"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert dead.returncode == 1 and dead.stderr.startswith("error: no model listed at"), dead.stderr
+    assert len(dead.stderr.strip().splitlines()) == 1, dead.stderr
