@@ -262,6 +262,58 @@ def test_cluster_config_has_every_replica_once(tmp_path: Path, rng) -> None:
     assert f"bind {listen} " in text and f"inter {check_ms}ms " in text and f"stats socket {admin} " in text
 
 
+def test_affinity_key_rules(tmp_path: Path, rng) -> None:
+    """launcher/haproxy.cfg's key rules, run by haproxy itself (a frontend that answers with the key):
+    one key for every turn of a conversation, string or parts content alike; another task, another
+    key; the header wins; completions keyed on their first 256 bytes; token ids: no key."""
+    import json
+    import urllib.request
+
+    rules = [line for line in (ROOT / "launcher" / "haproxy.cfg").read_text().splitlines()
+             if line.strip().startswith("http-request set-var")]
+    port = free_port()
+    cfg = tmp_path / "keys.cfg"
+    cfg.write_text("\n".join(["global", "    tune.bufsize 1048576", "defaults", "    mode http", "    timeout client 5s",
+                              "frontend keys", f"    bind 127.0.0.1:{port}", "    option http-buffer-request", *rules,
+                              '    http-request return status 200 content-type text/plain lf-string "%[var(txn.key),hex]"',
+                              ""]))
+    proc = subprocess.Popen(["haproxy", "-db", "-f", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                            env={"PATH": "/usr/sbin:/usr/local/sbin:/usr/bin:/bin"})
+
+    def key(body: dict, headers: dict[str, str] | None = None) -> str:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/x", json.dumps(body).encode(), headers or {})
+        end = time.monotonic() + 10
+        while True:
+            try:
+                with urllib.request.urlopen(req, timeout=5) as r:
+                    return r.read().decode()
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < end, "haproxy did not answer"
+                time.sleep(0.05)
+
+    def say(n: int = 5) -> str:
+        return " ".join(rng.choice(WORDS, size=n))
+
+    try:
+        system, task, other = say(), say() + " one", say() + " two"
+        turn1 = [{"role": "system", "content": system}, {"role": "user", "content": task}]
+        later = turn1 + [{"role": "assistant", "content": say()}, {"role": "user", "content": say()}]
+        parts = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in turn1]
+        k = key({"messages": turn1})
+        assert len(k) == 40 and key({"messages": later, "max_tokens": 9}) == k == key({"messages": parts})
+        assert key({"messages": [turn1[0], {"role": "user", "content": other}]}) != k
+        user_only = key({"messages": turn1[1:]})
+        assert user_only not in ("", k) and key({"messages": later[1:]}) == user_only
+        h = {"X-Vkflash-Affinity": say()}
+        assert key({"messages": turn1}, h) == key({"prompt": "x"}, h) not in ("", k)
+        head = "".join(rng.choice(list("abcdef"), size=256))
+        assert key({"prompt": head + say()}) == key({"prompt": head + say()}) != key({"prompt": say() + head})
+        assert key({"prompt": [1, 2, 3]}) == ""
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 def test_bench_cluster_against_one_server(tmp_path: Path, tiny_model: Path, rng) -> None:
     """`vkflash bench cluster` counts what it sent and what was cached (one agent: every repeat reuses
     its prefix), names no replica for a server without HAProxy, and says in one line when the URL is dead."""
