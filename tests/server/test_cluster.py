@@ -70,11 +70,25 @@ def start_cluster(tmp: Path, replicas: list[Server]) -> Cluster:
                                  "--admin", str(admin), "--config-out", str(tmp / "cluster.cfg"),
                                  *map(name_of, replicas)], stdout=f, stderr=subprocess.STDOUT)
     c = Cluster(f"http://127.0.0.1:{port}", proc, admin, log)
-    end = time.monotonic() + 20
-    while not admin.exists() or any(c.states().get(name_of(r)) != 2 for r in replicas):
-        assert proc.poll() is None and time.monotonic() < end, f"haproxy did not come up:\n{log.read_text()}"
-        time.sleep(0.05)
+    try:
+        end = time.monotonic() + 20
+        while not admin.exists() or any(c.states().get(name_of(r)) != 2 for r in replicas):
+            assert proc.poll() is None and time.monotonic() < end, f"haproxy did not come up:\n{log.read_text()}"
+            time.sleep(0.05)
+    except BaseException:
+        stop_cluster(c)  # no fixture teardown runs for a setup that failed
+        raise
     return c
+
+
+def stop_cluster(c: Cluster) -> None:
+    """SIGTERM to HAProxy's master (it stops its worker), then wait (kill if it hangs)."""
+    c.proc.terminate()
+    try:
+        c.proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        c.proc.kill()
+        c.proc.wait()
 
 
 def signal_when_running(s: Server, sig: signal.Signals) -> None:
@@ -137,23 +151,22 @@ def together(jobs: list[Callable[[], None]]) -> None:
 @pytest.fixture
 def replicas(tmp_path: Path, tiny_model: Path) -> Iterator[list[Server]]:
     """Two replicas of the tiny model (NumPy reference, DRAIN 30 s); the test may replace one."""
-    started = [start_server(tmp_path, {"MODEL": str(tiny_model), "DRAIN": "30"}) for _ in range(2)]
-    yield started
-    for s in started:
-        if s.proc.poll() is None:
-            stop_server(s)
+    started: list[Server] = []
+    try:
+        for _ in range(2):
+            started.append(start_server(tmp_path, {"MODEL": str(tiny_model), "DRAIN": "30"}))
+        yield started
+    finally:
+        for s in started:
+            if s.proc.poll() is None:
+                stop_server(s)
 
 
 @pytest.fixture
 def cluster(tmp_path: Path, replicas: list[Server]) -> Iterator[Cluster]:
     c = start_cluster(tmp_path, replicas)
     yield c
-    c.proc.terminate()
-    try:
-        c.proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        c.proc.kill()
-        c.proc.wait()
+    stop_cluster(c)
 
 
 def test_affinity_failover_and_rejoin(cluster: Cluster, replicas: list[Server], tmp_path: Path, tiny_model: Path,
