@@ -376,6 +376,22 @@ def bench_serve(model: Optional[str] = typer.Option(None, "--model", "-m", help=
         _fail(e)
 
 
+@bench_app.command("cluster")
+def bench_cluster(url: str = typer.Argument(..., help="a vkflash serve, or a cluster (vkflash-launch cluster)"),
+                  agents: int = typer.Option(4, "--agents", min=1, help="conversations at once"),
+                  turns: int = typer.Option(8, "--turns", min=1, help="requests per conversation"),
+                  max_tokens: int = typer.Option(16, "--max-tokens", min=1, help="tokens generated per request"),
+                  as_json: bool = typer.Option(False, "--json")) -> None:
+    """Agents at once, each a conversation of turns, through URL: req/s and generated tok/s over
+    the run, the share of prompt tokens from a prompt cache, requests per replica (docs/SCALING.md)."""
+    try:
+        from vkflash.bench.cluster import report, run
+
+        report(run(url, agents, turns, max_tokens), console, as_json)
+    except VkflashError as e:
+        _fail(e)
+
+
 @bench_app.command("model")
 def bench_model(
     model: Optional[str] = typer.Argument(None, help="GGUF file (default: the embedded default model)"),

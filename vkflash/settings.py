@@ -147,6 +147,9 @@ KNOBS: tuple[Knob, ...] = (
     _k("SSE_KEEPALIVE", _float_range(0.0, 3600.0), 5.0, "seconds a streamed response may go without an event "
        "(a long prefill) before it sends an SSE comment `: keep-alive` so proxies keep it open (0: never)",
        "launcher"),
+    _k("DRAIN", _float_range(0.0, 3600.0), 0.0, "seconds SIGTERM/SIGINT lets the running generation finish "
+       "before ending it, while /health and new or waiting requests get 503 (a router sends them elsewhere); "
+       "0: end it at once", "launcher"),
     _k("MAX_BODY", _bytes, 8 << 20, "largest request body the server reads, in bytes, e.g. 8M (more get 413)",
        "launcher"),
     # revert knobs: each 0 restores the plain path so an optimisation can be A/B-tested

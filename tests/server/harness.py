@@ -81,13 +81,15 @@ def wait_health(base: str, want: int, proc: subprocess.Popen | None = None, time
     raise AssertionError(f"/health never answered {want}; last: {last}")
 
 
-def start_server(tmp: Path, env: dict[str, str], args: list[str] = (), want_health: int = 200) -> Server:
-    """Start a server process with these knobs and wait until /health says `want_health`.
+def start_server(tmp: Path, env: dict[str, str], args: list[str] = (), want_health: int = 200,
+                 port: int | None = None) -> Server:
+    """Start a server process with these knobs (on `port`, else a free one) and wait until /health
+    says `want_health`.
 
     The backend is the NumPy reference unless `env` names another: these tests check the server
     exactly against the reference (tests/engine checks the GPU forward against it)."""
-    port = free_port()
-    log = tmp / f"server-{port}.log"
+    port = port or free_port()
+    log = tmp / f"server-{port}-{time.monotonic_ns()}.log"
     full_env = {k: v for k, v in os.environ.items() if k not in ("MODEL", "CTX", "API_KEY", "TEMP", "PORT", "HOST")}
     full_env.update({"VKFLASH_BACKEND": "reference", **env}, PORT=str(port), HOST="127.0.0.1", PYTHONUNBUFFERED="1")
     with open(log, "w") as f:

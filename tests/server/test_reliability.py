@@ -1,6 +1,7 @@
 """The server under bad input, load and faults (real sockets): every bad request an OpenAI error
 object (never a plain-text 500), the body limit, /health answering while a long prompt is
-tokenized, queued clients that hang up leaving the queue, SIGINT/SIGTERM mid-generation, a failed
+tokenized, queued clients that hang up leaving the queue, SIGINT/SIGTERM mid-generation (and with
+DRAIN, the running generation finishing), a failed
 load ending the process, logit_bias and tool_choice, and a bounded soak."""
 
 from __future__ import annotations
@@ -275,6 +276,38 @@ def test_signal_mid_generation_ends_cleanly(tiny_model, tmp_path, sig, backend):
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "shutting_down", body
         assert s.proc.wait(timeout=20) == 0, s.output()
         assert "Traceback" not in s.output() and "terminate called" not in s.output(), s.output()
+    finally:
+        stop_server(s)
+
+
+def test_sigterm_with_drain_lets_the_running_generation_finish(tiny_model, tmp_path, rng):
+    """DRAIN > 0 (a replica behind a router): after SIGTERM /health and new requests answer 503 at once
+    and the waiting request gets 503 (the router sends them elsewhere), while the running stream runs
+    to its last token; then exit 0."""
+    n = int(rng.integers(40, 80))
+    s = start_server(tmp_path, {"MODEL": str(tiny_model), "CTX": str(CTX), "DRAIN": "60"},
+                     ["--queue-depth", str(QUEUE), "--token-delay-ms", str(DELAY_MS)])
+    try:
+        running = _open(s.base, "/v1/completions", {"prompt": "hi", "max_tokens": n, "ignore_eos": True,
+                                                     "stream": True})
+        _until(lambda: _metric(s.base, "vkflash_slot_busy") == 1, 10, "the slot to start")
+        queued = _open(s.base, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        _until(lambda: _metric(s.base, "vkflash_queue_depth") == 1, 10, "the queue to fill")
+        s.proc.send_signal(signal.SIGTERM)
+        status, body = _read_all(queued)
+        assert status == 503 and json.loads(body)["error"]["code"] == "shutting_down", body
+        h = call(s.base, "GET", "/health")
+        assert h.status == 503 and h.body["status"] == "shutting_down", h
+        r = call(s.base, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1})
+        assert r.status == 503 and r.body["error"]["code"] == "shutting_down", r.body
+        status, body = _read_all(running)
+        events = _events(body)
+        assert status == 200 and events[-1] == "[DONE]" and "error" not in body, body[-500:]
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert sum(bool(c["choices"] and c["choices"][0]["text"]) for c in chunks) <= n
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
+        assert s.proc.wait(timeout=20) == 0, s.output()
+        assert "draining" in s.output() and "Traceback" not in s.output(), s.output()
     finally:
         stop_server(s)
 

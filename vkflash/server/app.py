@@ -6,7 +6,8 @@ other endpoints are in vkflash.server.llama_api.
 stops startup with a ConfigError), loads the model in the background and serves until stopped:
 a failed load stops it with the reason (exit status 1, for systemd's Restart=on-failure);
 SIGINT/SIGTERM end the running and waiting generations with an error, join the engine's thread
-and return (exit status 0).
+and return (exit status 0); with DRAIN > 0 the running generation first has up to DRAIN seconds
+to finish while everything else is answered 503.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from vkflash.server import backend, llama_api
 from vkflash.server.errors import ApiError, document_errors, validation_error
 from vkflash.server.openai_api import make_router
 from vkflash.server.schemas import DetokenizeRequest
+from vkflash.server.slot import ShuttingDown
 from vkflash.server.state import ServerOptions, ServerState
 from vkflash.settings import Settings
 
@@ -198,9 +200,12 @@ def create_app(state: ServerState) -> ASGIApp:
     app.openapi = openapi  # type: ignore[method-assign]
 
     @app.get("/v1/health", summary="Alias of /health (llama-server)")
-    @app.get("/health", summary="200 when ready; 503 while loading or after a failed load / lost device")
+    @app.get("/health", summary="200 when ready; 503 while loading, after a failed load / lost device, or stopping")
     async def health() -> JSONResponse:
         h = state.health
+        if state.stopping:
+            body = ApiError(503, str(ShuttingDown()), code="shutting_down").body()
+            return JSONResponse(dict(body, status="shutting_down"), status_code=503)
         if h.status == "ok":
             return JSONResponse({"status": "ok"})
         msg = "Loading model" if h.status == "loading" else h.reason
@@ -310,8 +315,18 @@ class Server(uvicorn.Server):
         self._captured_signals.clear()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        # streams end with an error event and [DONE], waiting requests get 503: wait for the engine
-        # to stop (a prefill only checks between ubatches) before uvicorn's short grace period
+        # DRAIN: the running generation may finish while /health and new or waiting requests get 503
+        # (still listening, so a router retries them elsewhere); then, or at once, streams end with
+        # an error event and [DONE], waiting requests get 503: wait for the engine to stop (a prefill
+        # only checks between ubatches) before uvicorn's short grace period
+        drain_s = self.state.settings["DRAIN"]
+        if drain_s and self.state.slot is not None and not self.force_exit:
+            self.state.drain()
+            print(f"vkflash serve: draining: the running generation has up to {drain_s:g} s to finish", flush=True)
+            end = time.monotonic() + drain_s
+            while time.monotonic() < end and not self.force_exit:  # a second Ctrl-C cuts the drain short
+                if await asyncio.to_thread(self.state.slot.join, min(0.2, end - time.monotonic())):
+                    break
         self.state.stop()
         if self.state.slot is not None:
             await asyncio.to_thread(self.state.slot.join, STOP_WAIT_S)

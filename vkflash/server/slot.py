@@ -142,13 +142,14 @@ class Slot:
         """Fraction of the context the slot's sequence occupies now."""
         return self.fwd.n_past / self.fwd.n_ctx if self.busy else 0.0
 
-    def shutdown(self) -> None:
-        """Refuse new jobs, end every waiting one and the running one with ShuttingDown; the worker
-        thread then ends (join it with `join`)."""
+    def shutdown(self, running: bool = True) -> None:
+        """Refuse new jobs, end every waiting one with ShuttingDown, and the running one too unless
+        `running` is False (a drain: it runs to its end); the worker thread then ends (join it with
+        `join`)."""
         with self._cv:
             self._closed = True
             dropped, self._queue = list(self._queue), deque()
-            if self._running is not None:
+            if running and self._running is not None:
                 self._running.cancel.set()
             self._cv.notify_all()
         for job in dropped:

@@ -93,6 +93,13 @@ class ServerState:
         if self.slot is not None:
             self.slot.shutdown()
 
+    def drain(self) -> None:
+        """The server is told to exit but lets the running generation finish: /health and new and
+        waiting requests get 503 from now on (call from the event loop; `stop` ends the rest)."""
+        self.stopping = True
+        if self.slot is not None:
+            self.slot.shutdown(running=False)
+
     def close(self, timeout: float = 30.0) -> bool:
         """After `stop`: wait for the model load and the worker thread to end; whether they did."""
         if self._loader_thread is not None:
