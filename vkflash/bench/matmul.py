@@ -36,6 +36,10 @@ GEMMS = ((Q.F16, 4096, 4096, 4096), (Q.Q4_K, 2560, 12288, 2048))
 """Prefill GEMMs (type, K, n_out, n_tok): f16 4096³, and a Q4_K dense Flash-Next projection over a
 2048-token ubatch (the issue's goals: ≥ 150 and ≥ 100 TFLOP/s on the H200)."""
 GEMMS_QUICK = ((Q.F16, 128, 128, 128), (Q.Q4_K, 256, 192, 80))
+COLS_SHAPES = ((Q.Q6_K, *LM_HEAD), (Q.Q4_K, *DENSE))
+"""The multi-column GEMV rows (MTP verify: n_tok = COLS_TOKENS[1]): the Q6_K LM head and a dense Q4_K projection."""
+COLS_SHAPES_QUICK = ((Q.Q6_K, 256, 1024), (Q.Q4_K, 256, 512))
+COLS_TOKENS = (1, 7)  # a decode step, and the verify step of a 6-token draft
 
 
 def _weights(gpu: Gpu, q: Q, k: int, n_out: int, n_bufs: int, rng: np.random.Generator) -> list[QWeight]:
@@ -163,6 +167,26 @@ def gemv_bandwidth(gpu: Gpu, shapes: Iterable[tuple[Q, int, int]] | None = None,
         ws = weights(q, k, n_out)
         for label, g in (gemv_paths(gpu, q, k) if paths else [("", gpu)]):
             rows.append(_hc_mix_row(g, label, ws, quick, rng))
+    return rows
+
+
+def gemv_columns(gpu: Gpu, shapes: Iterable[tuple[Q, int, int]] | None = None, quick: bool = False) -> list[dict]:
+    """The decode GEMV at n_tok 1 and 7 (a verify step) for each (type, in, out) (default COLS_SHAPES), with
+    each weight slice loaded once for all columns (`cols`, VKFLASH_GEMV_COLS=1) and once per column
+    (`per-column`); the option the Gpu has is marked (default). The n = 7 rows' shapes say their time
+    as a multiple of the same path's n = 1 time (7.00× would be no saving at all)."""
+    rng = np.random.default_rng()
+    rows = []
+    for q, k, n_out in shapes or (COLS_SHAPES_QUICK if quick else COLS_SHAPES):
+        ws = _weights(gpu, q, k, n_out, _rotation(n_out * row_bytes(q, k), quick), rng)
+        for label, on in (("cols", True), ("per-column", False)):
+            g = gpu.with_options(replace(gpu.options, gemv_cols=on))
+            tag = f"{label} (default)" if on == gpu.options.gemv_cols else label
+            one = _gemv_row(g, tag, ws, COLS_TOKENS[0], "", quick, rng)
+            many = _gemv_row(g, tag, ws, COLS_TOKENS[1], "", quick, rng)
+            many["shape"] += f" {many['seconds'] / one['seconds']:.2f}x n={COLS_TOKENS[0]}"
+            rows += [one, many]
+        del ws
     return rows
 
 

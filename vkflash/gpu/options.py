@@ -51,6 +51,7 @@ class GpuOptions:
     attn_decode: bool = True  # attention of ≤ 8 queries on the decode kernel (else the flash kernel)
     gemv_teams: bool = True  # decode GEMVs in row groups sized from K (gemv.comp; else mul_mat_vec.comp)
     gemv_q8: bool = False  # decode GEMVs of quantized weights on 8-bit activations and integer dots
+    gemv_cols: bool = False  # decode GEMVs load each weight slice once for all token columns (else once per column)
     topk_wide: bool = True  # QSA selection in few wide passes (else the previous kernel)
     router_rank: bool = False  # MoE router by rank counting in one pass (else k argmax rounds)
     stack_weights: bool = True  # same-type projections of one input uploaded as one buffer
@@ -83,6 +84,7 @@ class GpuOptions:
                    mmid_compact=bool(s["VKFLASH_MMID_COMPACT"]),
                    gdn_matrix=bool(s["VKFLASH_GDN_MATRIX"]), attn_decode=bool(s["VKFLASH_ATTN_DECODE"]),
                    gemv_teams=bool(s["VKFLASH_GEMV_TEAMS"]), gemv_q8=bool(s["VKFLASH_GEMV_Q8"]),
+                   gemv_cols=bool(s["VKFLASH_GEMV_COLS"]),
                    topk_wide=bool(s["VKFLASH_TOPK_WIDE"]), router_rank=bool(s["VKFLASH_ROUTER_RANK"]),
                    stack_weights=bool(s["VKFLASH_STACK_WEIGHTS"]), dep_barriers=bool(s["VKFLASH_DEP_BARRIERS"]),
                    submit_budget_ms=float(s["VKFLASH_SUBMIT_BUDGET_MS"]), max_inflight=int(s["VKFLASH_MAX_INFLIGHT"]),
