@@ -5,7 +5,8 @@
 // and the word loads raw16 … of 2-byte-aligned blocks) once the
 // includer has declared the activation blocks of the row being multiplied:
 //   shared uvec4 xq4[];    xq4[xq + v] = x_q[16v .. 16v+15] as int8, 4 per word (element 16v+4i+b in byte b of word i)
-//   shared uvec2 xmeta[];  xmeta[xq/2 + b] = (d_b as f32 bits, Σ x_q over elements 32b..32b+15 | Σ over 32b+16..32b+31 << 16, as int16)
+//   shared uvec2 xmeta[];  xmeta[xq/2 + b] = (d_b as f32 bits, Σ x_q over elements 32b..32b+15
+//                          | Σ over 32b+16..32b+31 << 16, as int16)
 // x ≈ d_b·x_q on block b (32 elements) of the row starting at xq4[xq] (xq even: one token column of
 // several; common/gemv_core.glsl quantize_x writes both arrays).
 //   QSlice qslice_fetch(uint S)                 loads slice S of the whole weight buffer (QE elements)
@@ -114,7 +115,8 @@ float qslice_dot(QSlice r, uint u, uint xq) {
 QSlice qslice_fetch(uint S) { return slice_fetch(S); }
 float qslice_dot(QSlice r, uint u, uint xq) {
     int s = 0;
-    [[unroll]] for (uint k = 0u; k < 4u; ++k) s += sdot4(r.q[k], xq4[xq + 2u * u][k]) + sdot4(r.q[k + 4u], xq4[xq + 2u * u + 1u][k]);
+    [[unroll]] for (uint k = 0u; k < 4u; ++k)
+        s += sdot4(r.q[k], xq4[xq + 2u * u][k]) + sdot4(r.q[k + 4u], xq4[xq + 2u * u + 1u][k]);
     return r.d * xq_d(xq, u) * float(s);
 }
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vkflash.bench.matmul import GEMV_TYPES, gemm_tflops, gemv_bandwidth
+from vkflash.bench.matmul import GEMV_TYPES, gemm_tflops, gemv_bandwidth, gemv_columns
 
 pytestmark = pytest.mark.gpu
 
@@ -33,3 +33,15 @@ def test_gemv_sweep(gpu):
     rows = [r for r in gemv_bandwidth(gpu, shapes=[], quick=True, sweep=True)]
     assert rows and all(r["name"].startswith(("gemv q4_k sweep tpr=", "gemv q6_k sweep tpr=")) for r in rows)
     assert all(r["GB/s"] > 0 for r in rows)
+
+
+def test_gemv_columns(gpu):
+    """The multi-column rows: both paths at n = 1 and 7 for the LM head and the dense Q4_K shapes (quick),
+    the n = 7 rows with their time as a multiple of n = 1, one path marked the default."""
+    rows = gemv_columns(gpu, quick=True)
+    on, off = ("cols (default)", "per-column") if gpu.options.gemv_cols else ("cols", "per-column (default)")
+    assert [r["name"] for r in rows] == [f"gemv {t} {p}" for t in ("q6_k", "q4_k") for p in (on, on, off, off)]
+    assert all(" n=1 " in r["shape"] for r in rows[::2]) and all(" n=7 " in r["shape"] for r in rows[1::2])
+    for one, many in zip(rows[::2], rows[1::2]):
+        assert many["shape"].endswith(f" {many['seconds'] / one['seconds']:.2f}x n=1"), many
+    assert all(r["seconds"] > 0 and r["GB/s"] > 0 for r in rows)
