@@ -51,7 +51,7 @@ class GpuOptions:
     attn_decode: bool = True  # attention of ≤ 8 queries on the decode kernel (else the flash kernel)
     gemv_teams: bool = True  # decode GEMVs in row groups sized from K (gemv.comp; else mul_mat_vec.comp)
     gemv_q8: bool = False  # decode GEMVs of quantized weights on 8-bit activations and integer dots
-    gemv_cols: bool = False  # decode GEMVs load each weight slice once for all token columns (else once per column)
+    gemv_cols: bool = True  # decode GEMVs load each weight slice once for all token columns (else once per column)
     topk_wide: bool = True  # QSA selection in few wide passes (else the previous kernel)
     router_rank: bool = False  # MoE router by rank counting in one pass (else k argmax rounds)
     stack_weights: bool = True  # same-type projections of one input uploaded as one buffer
