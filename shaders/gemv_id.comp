@@ -44,9 +44,11 @@ layout(push_constant) uniform P {
 const uint NSTACK = MODE == 2u ? 2u : 1u;
 const uint M = NR / NSTACK;  // output rows per team
 
-uint g_r0, g_wbase, g_wbase2;  // the team's first output row; the expert's first gate (up) row
+const uint NCOL = 1u;  // one column (token or slot row) per workgroup
+uint g_r0, g_wbase, g_wbase2, g_xb;  // the team's first output row; the expert's first gate (up) row; the x row
 
 uint gemv_wrow(uint i) { return (i < M ? g_wbase : g_wbase2) + min(g_r0 + i % M, p.n_out - 1u); }
+uint gemv_xrow(uint c) { return g_xb; }
 vec4 gemv_xpre(vec4 v) { return v; }
 #include "common/gemv_core.glsl"
 
@@ -58,7 +60,8 @@ void main() {
     const uint e = min(uint(ids[p.id_off + t * p.id_stride + j]), p.E - 1u);
     g_wbase = p.w_row0 + e * p.w_estride;
     g_wbase2 = p.w_row0b + e * p.w_estride;
-    gemv_row((p.x_off + (MODE == 3u ? a : t) * p.x_stride) / 4u, p.K);
+    g_xb = (p.x_off + (MODE == 3u ? a : t) * p.x_stride) / 4u;
+    gemv_pass(p.K);
     [[unroll]] for (uint i = 0u; i < M; ++i) {
         if (g_lane != i % TPR || g_r0 + i >= p.n_out) continue;
         const uint o = p.y_off + a * p.y_stride + g_r0 + i;

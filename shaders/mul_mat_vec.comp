@@ -6,17 +6,18 @@
 // the fused modes below, M rows of each stacked block) and all NPLAIN = n_tok (1..8) columns.
 // Transposed mode (tiny output, n_out <= 8, e.g. the HC inject W_inj ∈ R^{4×10240}): a workgroup
 // owns NPLAIN tokens and all NDEC = n_out weight rows.
-// Columns are handled one after the other (a rolled loop: unrolled, lavapipe's LLVM takes seconds
-// per pipeline, and the accumulators stay registers indexed by the unrolled row loop only). For
-// each column every invocation walks 32-element slices u = tid, tid + WG, ... of the rows
-// (common/quant.glsl slice_fetch/slice_dot: for K-quants one 16-byte chunk of quants, so a
-// subgroup reads contiguous bytes), loads the column's matching 32 x elements (and their run
-// sums, for the per-run scales and mins) once, issues the loads of all NDEC rows' slices, then
-// dots each with x (x is read from L2 once per NDEC rows: with one row per x load, x traffic
-// rather than the weights bounded the GEMV). With several columns the workgroup's rows are
-// fetched again per column, from L1. Partial sums are reduced with subgroupAdd, then one shared
-// slot per subgroup (SG_MIN = the device's smallest subgroup size bounds the slot count;
-// gl_SubgroupSize is never assumed).
+// Columns are taken NCOL at a time (constant_id 9; the passes a rolled loop): every invocation
+// walks 32-element slices u = tid, tid + WG, ... of the rows (common/quant.glsl
+// slice_fetch/slice_dot: for K-quants one 16-byte chunk of quants, so a subgroup reads contiguous
+// bytes), issues the loads of all NDEC rows' slices once, then for each of the pass's columns
+// loads its matching 32 x elements (and their run sums, for the per-run scales and mins) and dots
+// each row with them (x is read from L2 once per NDEC rows: with one row per x load, x traffic
+// rather than the weights bounded the GEMV; the weights once per NCOL columns, their decode a
+// common subexpression of the columns' slice_dot). NCOL = 1 (VKFLASH_GEMV_COLS=0, and the
+// transposed mode) fetches the rows again per column; each column's sum is formed in the same order
+// either way. Partial sums are reduced with subgroupAdd, then one shared slot per subgroup
+// (SG_MIN = the device's smallest subgroup size bounds the slot count; gl_SubgroupSize is never
+// assumed).
 // MoE: an expert stack {K, out, E} is addressed by w_row0 = e*out (push constant); a routed
 // variant can derive it from an expert-ids buffer with the same decoders and loop.
 // Fused modes (constant_id 6 MODE; normal GEMV only, EPILOGUE = 0): the weight is a stack of
@@ -57,19 +58,22 @@ layout(constant_id = 5) const uint SG_MIN = 1;
 layout(constant_id = 6) const uint MODE = 0;
 layout(constant_id = 7) const uint HC = 1;      // MODE 2: hc streams stacked in W_up
 layout(constant_id = 8) const uint TOPK = 1;    // MODE 3: routed slots per token
+layout(constant_id = 9) const uint NCOL = 1;    // columns per pass (≤ NPLAIN)
 const uint NSTACK = MODE == 1u ? 2u : (MODE == 2u ? HC : 1u);  // weight blocks per output row (GLU: 2, HC: hc)
 const uint M = NDEC / NSTACK;                   // output rows of a workgroup (normal mode)
 
-shared float red[NDEC * (gl_WorkGroupSize.x / SG_MIN)];
+const uint NACC = NCOL * NDEC;  // sums of a pass: column c, decoded row i at c·NDEC + i
+shared float red[NACC * (gl_WorkGroupSize.x / SG_MIN)];
+uint g_col;  // the column being stored (MV_SUM)
 
-// Σ over the subgroups' partial sums of decoded row i.
-float row_sum(uint i) {
+// Σ over the subgroups' partial sums of sum a (column c, row i: a = c·NDEC + i).
+float row_sum(uint a) {
     float s = 0.0;
-    for (uint sg = 0u; sg < gl_NumSubgroups; ++sg) s += red[sg * NDEC + i];
+    for (uint sg = 0u; sg < gl_NumSubgroups; ++sg) s += red[sg * NACC + a];
     return s;
 }
 
-#define MV_SUM(c) row_sum((c) * M + i)  // block c of output row i
+#define MV_SUM(c) row_sum(g_col * NDEC + (c) * M + i)  // block c of output row i, column g_col
 #include "common/mv_store.glsl"
 
 void main() {
@@ -80,39 +84,44 @@ void main() {
     const uint t0 = TRANSPOSED ? wg * NPLAIN : 0u;
     if (TRANSPOSED ? t0 >= p.n_tok : r0 >= p.n_out) return;  // uniform per workgroup
 
-    [[dont_unroll]] for (uint j = 0u; j < NPLAIN; ++j) {
-        const uint xb = (p.x_off + min(t0 + j, p.n_tok - 1u) * p.x_stride) / 4u;
-        float acc[NDEC];
-        for (uint i = 0u; i < NDEC; ++i) acc[i] = 0.0;
+    [[dont_unroll]] for (uint j0 = 0u; j0 < NPLAIN; j0 += NCOL) {
+        float acc[NACC];
+        [[unroll]] for (uint a = 0u; a < NACC; ++a) acc[a] = 0.0;
         for (uint u = tid; u < gpr; u += gl_WorkGroupSize.x) {
-            const uvec2 runs = slice_runs(u) / 4u;
-            vec4 xg[8];
-            for (uint q = 0u; q < 4u; ++q) {
-                xg[q] = xv[xb + runs.x + q];
-                xg[q + 4u] = xv[xb + runs.y + q];
-            }
-            if (MODE == MODE_HC) {
-                for (uint q = 0u; q < 8u; ++q) {
-                    for (uint e = 0u; e < 4u; ++e) {
-                        const float a = xg[q][e] * p.inv_hc;  // ℓ = silu(ℓ_pre · (1/hc))
-                        xg[q][e] = a * sigmoid(a);
-                    }
-                }
-            }
-            const vec4 one = vec4(1.0);
-            const vec2 xs = vec2(dot(xg[0] + xg[1] + xg[2] + xg[3], one), dot(xg[4] + xg[5] + xg[6] + xg[7], one));
             Slice w[NDEC];  // all rows' loads first, so they are in flight together
             for (uint i = 0u; i < NDEC; ++i)  // block i / M, output row r0 + i % M (a ragged tail repeats the last)
                 w[i] = slice_fetch((p.w_row0 + (i / M) * p.n_out + min(r0 + i % M, p.n_out - 1u)) * gpr + u);
-            for (uint i = 0u; i < NDEC; ++i) acc[i] += slice_dot(w[i], xg, xs);
+            const uvec2 runs = slice_runs(u) / 4u;
+            [[unroll]] for (uint c = 0u; c < NCOL; ++c) {  // a ragged pass repeats the last column
+                const uint xb = (p.x_off + min(t0 + j0 + c, p.n_tok - 1u) * p.x_stride) / 4u;
+                vec4 xg[8];
+                for (uint q = 0u; q < 4u; ++q) {
+                    xg[q] = xv[xb + runs.x + q];
+                    xg[q + 4u] = xv[xb + runs.y + q];
+                }
+                if (MODE == MODE_HC) {
+                    for (uint q = 0u; q < 8u; ++q) {
+                        for (uint e = 0u; e < 4u; ++e) {
+                            const float a = xg[q][e] * p.inv_hc;  // ℓ = silu(ℓ_pre · (1/hc))
+                            xg[q][e] = a * sigmoid(a);
+                        }
+                    }
+                }
+                const vec4 one = vec4(1.0);
+                const vec2 xs = vec2(dot(xg[0] + xg[1] + xg[2] + xg[3], one), dot(xg[4] + xg[5] + xg[6] + xg[7], one));
+                [[unroll]] for (uint i = 0u; i < NDEC; ++i) acc[c * NDEC + i] += slice_dot(w[i], xg, xs);
+            }
         }
-        for (uint i = 0u; i < NDEC; ++i) {
-            float s = subgroupAdd(acc[i]);
-            if (subgroupElect()) red[gl_SubgroupID * NDEC + i] = s;
+        [[unroll]] for (uint a = 0u; a < NACC; ++a) {
+            float s = subgroupAdd(acc[a]);
+            if (subgroupElect()) red[gl_SubgroupID * NACC + a] = s;
         }
         barrier();
-        for (uint i = tid; i < M; i += gl_WorkGroupSize.x)
-            if (r0 + i < p.n_out && t0 + j < p.n_tok) store(i, r0 + i, t0 + j);
-        barrier();  // red is reused by the next column
+        for (uint a = tid; a < NCOL * M; a += gl_WorkGroupSize.x) {
+            const uint c = a / M, i = a - c * M;
+            g_col = c;
+            if (r0 + i < p.n_out && t0 + j0 + c < p.n_tok) store(i, r0 + i, t0 + j0 + c);
+        }
+        barrier();  // red is reused by the next pass
     }
 }

@@ -7,38 +7,46 @@
 // subgroup, summed in subgroup order. TPR (a power of two) is chosen per GEMV from K and the row
 // count (matmul.gemv_plan), so short rows (K = 320: 10 slices) do not idle most of a 128-wide
 // workgroup and long ones still spread over enough invocations.
+// Columns: a pass accumulates NCOL token columns at once (llama.cpp's NUM_COLS): each slice's
+// weights are loaded (and decoded: slice_dot / qslice_dot of the same loaded slice for every
+// column, the decode a common subexpression) once and dotted with every column's x, into
+// acc[c·NR + i]. Each column's sum is formed in the same order as with NCOL = 1 (one column per
+// pass, the per-column loop that VKFLASH_GEMV_COLS=0 keeps), so both give the same bits.
 //
 // Two inner loops, by GEMV_Q8:
 //   f32 x (default): common/quant.glsl's slices (32 elements; K-quants one 16-byte quant chunk),
 //     x read from the buffer (L1) as f32, the codes decoded in the integer domain 4 per word and
 //     turned to f32 without int→float instructions (QUANT_FAST_CVT).
-//   GEMV_Q8: the row of x is first quantized by the workgroup into shared memory, blocks of 32
+//   GEMV_Q8: the pass's NCOL rows of x are first quantized by the workgroup into shared memory
+//     (KQ·NCOL + KQ·NCOL/4 bytes: matmul.gemv_cols fits NCOL to the device), blocks of 32
 //     as in llama.cpp (d = amax/127, x_q = roundf(x/d) with x·(1/d), half away from zero), then
 //     common/quant_q8.glsl's integer-dot slices. Result: Σ W_deq·(d·x_q), so
 //     |y − y_f32| ≤ Σ_k |W[r, k]|·d_{b(k)}/2 (+ f32 rounding): the activation quantization is
 //     the accuracy trade llama.cpp's MMVQ makes (~1e-2 relative at worst, far less typically).
 //
-// The includer defines, before including: TPR, NR, SG_MIN (constants), GEMV_Q8 and KQ (the
-// shared x capacity in elements) for the integer path, the f32 x buffer xv (vec4), and
+// The includer defines, before including: TPR, NR, NCOL, SG_MIN (constants), GEMV_Q8 and KQ (the
+// shared x capacity in elements per column) for the integer path, the f32 x buffer xv (vec4), and
 //   uint gemv_wrow(uint i)   global weight row of the team's decoded row i (i < NR)
+//   uint gemv_xrow(uint c)   vec4 index of the x row of the pass's column c (c < NCOL)
 //   vec4 gemv_xpre(vec4 v)   a transform of each loaded x element (identity, or HC's ℓ)
-// and calls gemv_setup() once, then gemv_row(xb, K) (x row at vec4 index xb; every invocation of
-// the workgroup must call it: it holds barriers) for each column; the team's sums are in acc[].
+// and calls gemv_setup() once, then gemv_pass(K) (every invocation of the workgroup must call it:
+// it holds barriers) for each pass; the team's sums are in acc[].
 
 #extension GL_KHR_shader_subgroup_shuffle : require
 
 const uint WG = gl_WorkGroupSize.x;
 const uint TEAMS = WG / TPR;  // row groups per workgroup
 
-float acc[NR];   // the team's row sums (after gemv_row: the whole team's, in every lane)
+const uint NACC = NCOL * NR;
+float acc[NACC];  // the team's sums, column c row i at c·NR + i (after gemv_pass: the team's, in every lane)
 uint g_team;     // team index in the workgroup
 uint g_lane;     // invocation index within the team
 
-shared float gred[(WG / SG_MIN) * NR];  // subgroup partials of teams wider than a subgroup
+shared float gred[(WG / SG_MIN) * NACC];  // subgroup partials of teams wider than a subgroup
 
 #ifdef GEMV_Q8
-shared uvec4 xq4[KQ / 16u];
-shared uvec2 xmeta[KQ / 32u];
+shared uvec4 xq4[NCOL * (KQ / 16u)];    // column c's blocks from c·KQ/16
+shared uvec2 xmeta[NCOL * (KQ / 32u)];  // and c·KQ/32
 #include "common/quant_q8.glsl"
 #endif
 
@@ -57,13 +65,16 @@ float roundf_(float v) {
     return v < 0.0 ? -b : b;
 }
 
-// x row (K elements at vec4 index xb) → xq4 / xmeta: each invocation quantizes 16 elements, the
-// two halves of a block are neighbouring invocations (the block max and the half sums are
-// exchanged by shuffle-xor 1). Ends with a barrier.
-void quantize_x(uint xb, uint K) {
-    barrier();  // the previous column's readers are done with xq4 / xmeta
+// The pass's NCOL x rows (K elements each, gemv_xrow) → xq4 / xmeta: each invocation quantizes 16
+// elements, the two halves of a block are neighbouring invocations (the block max and the half
+// sums are exchanged by shuffle-xor 1; K/16 is even, so a pair never straddles two columns).
+// Ends with a barrier.
+void quantize_x(uint K) {
+    barrier();  // the previous pass's readers are done with xq4 / xmeta
     const uint li = gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID;
-    for (uint v = li; v < K / 16u; v += WG) {
+    const uint vpc = K / 16u;  // 16-element pieces per column
+    for (uint n = li; n < NCOL * vpc; n += WG) {
+        const uint col = n / vpc, v = n - col * vpc, xb = gemv_xrow(col);
         vec4 a[4];
         float m = 0.0;
         [[unroll]] for (uint q = 0u; q < 4u; ++q) {
@@ -82,8 +93,9 @@ void quantize_x(uint xb, uint K) {
             packed[q] = (uint(c.x) & 0xFFu) | ((uint(c.y) & 0xFFu) << 8) | ((uint(c.z) & 0xFFu) << 16) | (uint(c.w) << 24);
         }
         const int so = subgroupShuffleXor(s, 1u);
-        xq4[v] = packed;
-        if ((v & 1u) == 0u) xmeta[v >> 1] = uvec2(floatBitsToUint(d), (uint(s) & 0xFFFFu) | (uint(so) << 16));
+        xq4[col * (KQ / 16u) + v] = packed;
+        if ((v & 1u) == 0u)
+            xmeta[col * (KQ / 32u) + (v >> 1)] = uvec2(floatBitsToUint(d), (uint(s) & 0xFFFFu) | (uint(so) << 16));
     }
     barrier();
 }
@@ -93,51 +105,56 @@ void quantize_x(uint xb, uint K) {
 void gemv_reduce() {
     if (TPR <= gl_SubgroupSize) {
         [[unroll]] for (uint m = TPR / 2u; m > 0u; m >>= 1u)
-            [[unroll]] for (uint i = 0u; i < NR; ++i) acc[i] += subgroupShuffleXor(acc[i], m);
+            [[unroll]] for (uint i = 0u; i < NACC; ++i) acc[i] += subgroupShuffleXor(acc[i], m);
     } else {
-        [[unroll]] for (uint i = 0u; i < NR; ++i) {
+        [[unroll]] for (uint i = 0u; i < NACC; ++i) {
             const float s = subgroupAdd(acc[i]);
-            if (subgroupElect()) gred[gl_SubgroupID * NR + i] = s;
+            if (subgroupElect()) gred[gl_SubgroupID * NACC + i] = s;
         }
         barrier();
         const uint per = TPR / gl_SubgroupSize, sg0 = g_team * per;
-        [[unroll]] for (uint i = 0u; i < NR; ++i) {
+        [[unroll]] for (uint i = 0u; i < NACC; ++i) {
             float s = 0.0;
-            for (uint k = 0u; k < per; ++k) s += gred[(sg0 + k) * NR + i];
+            for (uint k = 0u; k < per; ++k) s += gred[(sg0 + k) * NACC + i];
             acc[i] = s;
         }
-        barrier();  // gred is reused by the next column
+        barrier();  // gred is reused by the next pass
     }
 }
 
-// The team's NR row sums Σ_k W[gemv_wrow(i), k]·x[k] for the x row at vec4 index xb.
-void gemv_row(uint xb, uint K) {
-    [[unroll]] for (uint i = 0u; i < NR; ++i) acc[i] = 0.0;
+// The team's NR row sums Σ_k W[gemv_wrow(i), k]·x_c[k] for the pass's NCOL columns c (x_c at vec4
+// index gemv_xrow(c)): acc[c·NR + i].
+void gemv_pass(uint K) {
+    [[unroll]] for (uint i = 0u; i < NACC; ++i) acc[i] = 0.0;
 #ifdef GEMV_Q8
     const uint qpr = K / QE;  // slices per row
     QSlice w[NR];  // all rows' loads first; the first slice's are issued before the quantization's
     if (g_lane < qpr)  // barriers, so their latency overlaps it
         [[unroll]] for (uint i = 0u; i < NR; ++i) w[i] = qslice_fetch(gemv_wrow(i) * qpr + g_lane);
-    quantize_x(xb, K);
+    quantize_x(K);
     for (uint u = g_lane; u < qpr; u += TPR) {
         if (u != g_lane)
             [[unroll]] for (uint i = 0u; i < NR; ++i) w[i] = qslice_fetch(gemv_wrow(i) * qpr + u);
-        [[unroll]] for (uint i = 0u; i < NR; ++i) acc[i] += qslice_dot(w[i], u);
+        [[unroll]] for (uint c = 0u; c < NCOL; ++c)
+            [[unroll]] for (uint i = 0u; i < NR; ++i) acc[c * NR + i] += qslice_dot(w[i], u, c * (KQ / 16u));
     }
 #else
     const uint gpr = K / 32u;
     for (uint u = g_lane; u < gpr; u += TPR) {
-        Slice w[NR];  // all rows' loads first
+        Slice w[NR];  // all rows' loads first, once for every column
         [[unroll]] for (uint i = 0u; i < NR; ++i) w[i] = slice_fetch(gemv_wrow(i) * gpr + u);
         const uvec2 runs = slice_runs(u) / 4u;
-        vec4 xg[8];
-        [[unroll]] for (uint q = 0u; q < 4u; ++q) {
-            xg[q] = gemv_xpre(xv[xb + runs.x + q]);
-            xg[q + 4u] = gemv_xpre(xv[xb + runs.y + q]);
+        [[unroll]] for (uint c = 0u; c < NCOL; ++c) {
+            const uint xb = gemv_xrow(c);
+            vec4 xg[8];
+            [[unroll]] for (uint q = 0u; q < 4u; ++q) {
+                xg[q] = gemv_xpre(xv[xb + runs.x + q]);
+                xg[q + 4u] = gemv_xpre(xv[xb + runs.y + q]);
+            }
+            const vec4 one = vec4(1.0);
+            const vec2 xs = vec2(dot(xg[0] + xg[1] + xg[2] + xg[3], one), dot(xg[4] + xg[5] + xg[6] + xg[7], one));
+            [[unroll]] for (uint i = 0u; i < NR; ++i) acc[c * NR + i] += slice_dot(w[i], xg, xs);
         }
-        const vec4 one = vec4(1.0);
-        const vec2 xs = vec2(dot(xg[0] + xg[1] + xg[2] + xg[3], one), dot(xg[4] + xg[5] + xg[6] + xg[7], one));
-        [[unroll]] for (uint i = 0u; i < NR; ++i) acc[i] += slice_dot(w[i], xg, xs);
     }
 #endif
     gemv_reduce();

@@ -4,11 +4,13 @@
 // Include after common/quant.glsl (QTYPE, QUANT_BINDING, QUANT_FAST_CVT: the block arrays qw / qw4
 // and the word loads raw16 … of 2-byte-aligned blocks) once the
 // includer has declared the activation blocks of the row being multiplied:
-//   shared uvec4 xq4[];    xq4[v] = x_q[16v .. 16v+15] as int8, 4 per word (element 16v+4i+b in byte b of word i)
-//   shared uvec2 xmeta[];  xmeta[b] = (d_b as f32 bits, Σ x_q over elements 32b..32b+15 | Σ over 32b+16..32b+31 << 16, as int16)
-// x ≈ d_b·x_q on block b (32 elements; common/gemv_core.glsl quantize_x writes both arrays).
-//   QSlice qslice_fetch(uint S)        loads slice S of the whole weight buffer (QE elements)
-//   float qslice_dot(QSlice w, uint u) Σ W·(d·x_q) over the slice, u = its index within the row
+//   shared uvec4 xq4[];    xq4[xq + v] = x_q[16v .. 16v+15] as int8, 4 per word (element 16v+4i+b in byte b of word i)
+//   shared uvec2 xmeta[];  xmeta[xq/2 + b] = (d_b as f32 bits, Σ x_q over elements 32b..32b+15
+//                          | Σ over 32b+16..32b+31 << 16, as int16)
+// x ≈ d_b·x_q on block b (32 elements) of the row starting at xq4[xq] (xq even: one token column of
+// several; common/gemv_core.glsl quantize_x writes both arrays).
+//   QSlice qslice_fetch(uint S)                 loads slice S of the whole weight buffer (QE elements)
+//   float qslice_dot(QSlice w, uint u, uint xq) Σ W·(d·x_q) over the slice, u = its index within the row
 // QE = 64 for the K-quants (a sub-block pair: Q4_K/Q5_K quants bytes 32s..32s+31 of the
 // super-block, sub-blocks 2s and 2s+1; Q6_K positions l0..l0+15 of half n, all four quarters),
 // 32 for Q8_0 / Q4_0 / Q5_0 (one block). Codes are assembled 4 per word in the integer domain
@@ -21,9 +23,10 @@ spirv_instruction(extensions = ["SPV_KHR_integer_dot_product"], capabilities = [
 int sdot_packed(int a, int b, spirv_literal int fmt);  // OpSDot, PackedVectorFormat4x8Bit = 0
 int sdot4(uint a, uint b) { return sdot_packed(int(a), int(b), 0); }
 
-float xq_d(uint b) { return uintBitsToFloat(xmeta[b].x); }
-ivec2 xq_halves(uint b) { uint w = xmeta[b].y; return ivec2(int(w << 16) >> 16, int(w) >> 16); }
-int xq_sum(uint b) { ivec2 h = xq_halves(b); return h.x + h.y; }
+// block b of the row whose blocks start at xq4[xq]: its d, its two half sums, their sum
+float xq_d(uint xq, uint b) { return uintBitsToFloat(xmeta[xq / 2u + b].x); }
+ivec2 xq_halves(uint xq, uint b) { uint w = xmeta[xq / 2u + b].y; return ivec2(int(w << 16) >> 16, int(w) >> 16); }
+int xq_sum(uint xq, uint b) { ivec2 h = xq_halves(xq, b); return h.x + h.y; }
 
 #if QTYPE == GGML_TYPE_Q4_K || QTYPE == GGML_TYPE_Q5_K
 #define QE 64u
@@ -45,7 +48,7 @@ QSlice qslice_fetch(uint S) {
 #endif
     return r;
 }
-float qslice_dot(QSlice r, uint u) {
+float qslice_dot(QSlice r, uint u, uint xq) {
     const uint g0 = 2u * r.s, b0 = 2u * u;  // sub-blocks g0, g0+1 = the row's x blocks b0, b0+1
     int s0 = 0, s1 = 0;
     [[unroll]] for (uint k = 0u; k < 4u; ++k) {
@@ -57,14 +60,14 @@ float qslice_dot(QSlice r, uint u) {
         lo2 |= ((r.h1[k] >> g0) & 0x01010101u) << 4;
         hi2 |= ((r.h1[k] >> (g0 + 1u)) & 0x01010101u) << 4;
 #endif
-        s0 += sdot4(lo, xq4[2u * b0][k]) + sdot4(lo2, xq4[2u * b0 + 1u][k]);
-        s1 += sdot4(hi, xq4[2u * b0 + 2u][k]) + sdot4(hi2, xq4[2u * b0 + 3u][k]);
+        s0 += sdot4(lo, xq4[xq + 2u * b0][k]) + sdot4(lo2, xq4[xq + 2u * b0 + 1u][k]);
+        s1 += sdot4(hi, xq4[xq + 2u * b0 + 2u][k]) + sdot4(hi2, xq4[xq + 2u * b0 + 3u][k]);
     }
     const vec2 dm = unpackHalf2x16(r.hdr.x);
     const vec2 sm0 = k_scale_min(r.hdr.yzw, g0), sm1 = k_scale_min(r.hdr.yzw, g0 + 1u);
-    const float d0 = xq_d(b0), d1 = xq_d(b0 + 1u);
+    const float d0 = xq_d(xq, b0), d1 = xq_d(xq, b0 + 1u);
     return dm.x * (sm0.x * d0 * float(s0) + sm1.x * d1 * float(s1))
-         - dm.y * (sm0.y * d0 * float(xq_sum(b0)) + sm1.y * d1 * float(xq_sum(b0 + 1u)));
+         - dm.y * (sm0.y * d0 * float(xq_sum(xq, b0)) + sm1.y * d1 * float(xq_sum(xq, b0 + 1u)));
 }
 
 #elif QTYPE == GGML_TYPE_Q6_K
@@ -89,19 +92,19 @@ QSlice qslice_fetch(uint S) {  // 32-bit loads (common/quant.glsl raw16: the blo
     r.d = unpackHalf2x16(raw_u16(B + 208u)).x;
     return r;
 }
-float qslice_dot(QSlice r, uint u) {
+float qslice_dot(QSlice r, uint u, uint xq) {
     const uint half_ = r.s & 1u, b = 8u * (u >> 2) + 4u * (r.s >> 1);  // the row's x block of quarter 0
     float acc = 0.0;
     [[unroll]] for (uint j = 0u; j < 4u; ++j) {
-        const uvec4 xw = xq4[2u * (b + j) + half_];
+        const uvec4 xw = xq4[xq + 2u * (b + j) + half_];
         int s = 0;
         [[unroll]] for (uint k = 0u; k < 4u; ++k) {
             const uint l = (j & 1u) == 0u ? r.la[k] : r.lb[k];
             const uint q = ((l >> (4u * (j >> 1))) & 0x0F0F0F0Fu) | (((r.h[k] >> (2u * j)) & 0x03030303u) << 4);
             s += sdot4(q, xw[k]);
         }
-        s -= 32 * xq_halves(b + j)[half_];
-        acc += float(r.sc[j]) * xq_d(b + j) * float(s);
+        s -= 32 * xq_halves(xq, b + j)[half_];
+        acc += float(r.sc[j]) * xq_d(xq, b + j) * float(s);
     }
     return r.d * acc;
 }
@@ -110,10 +113,11 @@ float qslice_dot(QSlice r, uint u) {
 #define QE 32u
 #define QSlice Slice  // common/quant.glsl's fast fetch: d and the 32 codes as 8 words
 QSlice qslice_fetch(uint S) { return slice_fetch(S); }
-float qslice_dot(QSlice r, uint u) {
+float qslice_dot(QSlice r, uint u, uint xq) {
     int s = 0;
-    [[unroll]] for (uint k = 0u; k < 4u; ++k) s += sdot4(r.q[k], xq4[2u * u][k]) + sdot4(r.q[k + 4u], xq4[2u * u + 1u][k]);
-    return r.d * xq_d(u) * float(s);
+    [[unroll]] for (uint k = 0u; k < 4u; ++k)
+        s += sdot4(r.q[k], xq4[xq + 2u * u][k]) + sdot4(r.q[k + 4u], xq4[xq + 2u * u + 1u][k]);
+    return r.d * xq_d(xq, u) * float(s);
 }
 
 #elif QTYPE == GGML_TYPE_Q4_0 || QTYPE == GGML_TYPE_Q5_0
@@ -121,7 +125,7 @@ float qslice_dot(QSlice r, uint u) {
 // low nibbles: elements 0..15 (bit j of qh the 5th bit of element j), high: 16..31 (bit 16 + j)
 #define QSlice Slice  // common/quant.glsl's fast fetch: d, qh and the 16 nibble bytes as 4 words
 QSlice qslice_fetch(uint S) { return slice_fetch(S); }
-float qslice_dot(QSlice r, uint u) {
+float qslice_dot(QSlice r, uint u, uint xq) {
     int s = 0;
     [[unroll]] for (uint k = 0u; k < 4u; ++k) {
         uint lo = r.q[k] & 0x0F0F0F0Fu, hi = (r.q[k] >> 4) & 0x0F0F0F0Fu;
@@ -129,13 +133,13 @@ float qslice_dot(QSlice r, uint u) {
         lo |= (((r.qh >> (4u * k)) & 15u) * 0x00204081u & 0x01010101u) << 4;  // bit j of the nibble → bit 8j
         hi |= (((r.qh >> (16u + 4u * k)) & 15u) * 0x00204081u & 0x01010101u) << 4;
 #endif
-        s += sdot4(lo, xq4[2u * u][k]) + sdot4(hi, xq4[2u * u + 1u][k]);
+        s += sdot4(lo, xq4[xq + 2u * u][k]) + sdot4(hi, xq4[xq + 2u * u + 1u][k]);
     }
 #if QTYPE == GGML_TYPE_Q5_0
-    s -= 16 * xq_sum(u);
+    s -= 16 * xq_sum(xq, u);
 #else
-    s -= 8 * xq_sum(u);
+    s -= 8 * xq_sum(xq, u);
 #endif
-    return r.d * xq_d(u) * float(s);
+    return r.d * xq_d(xq, u) * float(s);
 }
 #endif

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vkflash.bench.matmul import GEMV_TYPES, gemm_tflops, gemv_bandwidth
+from vkflash.bench.matmul import GEMV_TYPES, gemm_tflops, gemv_bandwidth, gemv_columns
 
 pytestmark = pytest.mark.gpu
 
@@ -46,3 +46,15 @@ def test_split_rows(gpu):
     assert sum("(default)" in r["name"] for r in inject) == 1, inject
     for r in rows + inject:
         assert r["seconds"] > 0 and r.get("GB/s", r.get("TFLOP/s")) > 0, r
+
+
+def test_gemv_columns(gpu):
+    """The multi-column rows: both paths at n = 1 and 7 for the LM head and the dense Q4_K shapes (quick),
+    the n = 7 rows with their time as a multiple of n = 1, one path marked the default."""
+    rows = gemv_columns(gpu, quick=True)
+    on, off = ("cols (default)", "per-column") if gpu.options.gemv_cols else ("cols", "per-column (default)")
+    assert [r["name"] for r in rows] == [f"gemv {t} {p}" for t in ("q6_k", "q4_k") for p in (on, on, off, off)]
+    assert all(" n=1 " in r["shape"] for r in rows[::2]) and all(" n=7 " in r["shape"] for r in rows[1::2])
+    for one, many in zip(rows[::2], rows[1::2]):
+        assert many["shape"].endswith(f" {many['seconds'] / one['seconds']:.2f}x n=1"), many
+    assert all(r["seconds"] > 0 and r["GB/s"] > 0 for r in rows)

@@ -1,12 +1,14 @@
 """The row-group decode GEMV (shaders/gemv.comp) beyond test_matmul's sweep: every team width and
 rows-per-team (both reductions: shuffle-xor within a subgroup, shared slots across subgroups), the
 integer-dot variant on 8-bit activations (VKFLASH_GEMV_Q8) against its stated bound and llama.cpp's
-rounding, the revert knob (VKFLASH_GEMV_TEAMS=0: mul_mat_vec.comp) agreeing with the new path, and
-the plan's choices at the model's shapes."""
+rounding, the revert knob (VKFLASH_GEMV_TEAMS=0: mul_mat_vec.comp) agreeing with the new path, the
+multi-column passes (VKFLASH_GEMV_COLS) equal to the per-column loop bit for bit, and the plan's
+choices at the model's shapes."""
 
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,8 +17,9 @@ from gguf import GGMLQuantizationType as Q
 from matmul_util import (make_problem, outside_untouched, q8_quantize, q8_tolerance, read_view, reference,
                          tolerance)
 from vkflash.gpu.graph import Graph
-from vkflash.gpu.ops.matmul import (GEMV_MAX_COLS, Q8_TYPES, TEAM_WG, TEAMS_SLOWER, GemvPlan, QWeight, gemv_plan,
-                                    matmul, q8_possible, team_width)
+from vkflash.gpu.ops import matmul as mm
+from vkflash.gpu.ops.matmul import (GEMV_MAX_COLS, Q8_TYPES, TEAM_WG, TEAMS_SLOWER, TYPES, GemvPlan, QWeight,
+                                    gemv_cols, gemv_plan, matmul, q8_possible, team_smem, team_width)
 from vkflash.gpu.ops.views import Rows
 from vkflash.gpu.options import GpuOptions
 
@@ -177,3 +180,76 @@ def test_plan_at_model_shapes(gpu):
     assert gemv_plan(g, Q.Q4_K, 2560, 12288, tpr=32, m=1) == GemvPlan(32, 1)
     with pytest.raises(ValueError, match="power of two"):
         gemv_plan(g, Q.Q4_K, 2560, 12288, tpr=24)
+
+
+COLS_CPU = 2
+"""Columns per pass the column tests let a CPU driver take (GEMV_COLS_CPU; LLVM's compile time grows with
+them): n_tok 3, 5, 7 end on a ragged pass."""
+
+
+def _both_cols(gpu, monkeypatch, p, plan: GemvPlan | None = None, **opts) -> tuple[np.ndarray, np.ndarray, str]:
+    """The problem's outputs with VKFLASH_GEMV_COLS on and off, each into y poisoned anew, and the on-run's
+    kernel and description."""
+    monkeypatch.setattr(mm, "GEMV_COLS_CPU", COLS_CPU)
+    out, desc = {}, {}
+    for on in (True, False):
+        p.yv.buf.fill(np.nan)
+        g = Graph(gpu, "gemv", options=_opts(gpu, gemv_cols=on, **opts))
+        matmul(g, p.w, p.xv, p.yv, plan=plan)
+        g.run()
+        out[on], desc[on] = read_view(p.yv), f"{g.ops[0].kernel.name} {g.ops[0].desc}"
+        assert outside_untouched(p.yv), f"{desc[on]}: writes outside the output view"
+    assert "cols=" in desc[True] and "cols=" not in desc[False], desc
+    return out[True], out[False], desc[True]
+
+
+@pytest.mark.parametrize("q", TYPES, ids=lambda q: q.name)
+def test_columns(gpu, rng, monkeypatch, q):
+    """VKFLASH_GEMV_COLS: the weights loaded once per pass of several columns give the per-column
+    loop's outputs bit for bit, within the f32 bound of float64; ragged n_tok (2..8), n_out and K,
+    every type on its default decode GEMV (gemv.comp; mul_mat_vec.comp for the TEAMS_SLOWER types)."""
+    n_tok = int(rng.integers(2, GEMV_MAX_COLS + 1))
+    p = make_problem(gpu, q, 2 * int(rng.integers(1, 40)) + 1, _k(q, rng, hi=1200), n_tok, rng,
+                     expert=int(rng.integers(0, 2)))
+    on, off, desc = _both_cols(gpu, monkeypatch, p)
+    assert desc.startswith("mul_mat_vec_" if q in TEAMS_SLOWER else "gemv_"), desc
+    ref, bound = reference(p)
+    _check(desc, on, ref, tolerance(bound, p.w.k, False))
+    assert np.array_equal(on, off), f"{desc}: columns per pass differ from the per-column loop"
+
+
+@pytest.mark.parametrize("q", Q8_TYPES, ids=lambda q: q.name)
+def test_columns_q8(gpu, rng, monkeypatch, q):
+    """The integer-dot GEMV quantizes each column of a pass into its own shared blocks: bit for bit the
+    per-column loop, within the q8 bound of float64 per column (blocks scaled apart per column); one row
+    per team (compile time), teams within and across subgroups."""
+    k = _k(q, rng, hi=1200)
+    g8 = _q8_gpu(gpu, q, k)
+    n_tok = int(rng.integers(2, GEMV_MAX_COLS + 1))
+    p = make_problem(g8, q, 2 * int(rng.integers(1, 40)) + 1, k, n_tok, rng)
+    p.x *= rng.uniform(0.01, 10, size=(n_tok, k // 32, 1)).repeat(32, axis=2).reshape(n_tok, k).astype(np.float32)
+    p = _reupload(g8, p)
+    plan = GemvPlan(int(rng.choice([8, 16, TEAM_WG])), 1, True)
+    on, off, desc = _both_cols(g8, monkeypatch, p, plan, gemv_q8=True)
+    assert desc.startswith(f"gemv_q8_{q.name.lower()}"), desc
+    ref, _ = reference(p)
+    _check(desc, on, ref, q8_tolerance(p))
+    assert np.array_equal(on, off), f"{desc}: columns per pass differ from the per-column loop"
+
+
+def test_columns_plan(gpu):
+    """gemv_cols: all columns in one pass where the shared memory holds them, else the fewest passes with
+    the columns spread evenly (q8 rows of K = 12288 on 48 KiB: 3 + 3 + 2 of 8); 1 with the knob off;
+    at most GEMV_COLS_CPU on CPU drivers."""
+    caps = replace(gpu.caps, device_type="discrete", shared_memory=48 << 10, subgroup_min=32)
+
+    def g(on: bool, c=caps):
+        return SimpleNamespace(options=replace(gpu.options, gemv_cols=on), gpu=SimpleNamespace(caps=c))
+
+    assert [gemv_cols(g(True), n, lambda c: team_smem(caps, 2560, 2, False, c)) for n in (1, 7, 8)] == [1, 7, 8]
+    assert gemv_cols(g(True), 8, lambda c: team_smem(caps, 2560, 2, True, c)) == 8
+    assert [gemv_cols(g(True), n, lambda c: team_smem(caps, 12288, 2, True, c)) for n in (2, 3, 4, 7, 8)] == \
+        [2, 3, 2, 3, 3]
+    assert gemv_cols(g(False), 8, lambda c: 0) == 1
+    cpu = replace(caps, device_type="cpu")
+    assert gemv_cols(g(True, cpu), 8, lambda c: 0) == mm.GEMV_COLS_CPU

@@ -317,3 +317,66 @@ def test_fused_modes_other_gemvs(gpu, rng, teams, q8):
         g.run()
         out[fused] = read_view(f)
     assert np.array_equal(out[True], out[False]), "MoE out: fused != plain"
+
+
+def test_fused_modes_columns(gpu, rng, monkeypatch):
+    """The fused modes with several columns per pass (VKFLASH_GEMV_COLS) equal the per-column loop bit for
+    bit and float64 within its bound: GLU (F16: mul_mat_vec.comp), HC mix (Q5_0) and MoE out (Q4_0) on
+    gemv.comp; T 2..8 (on a CPU driver passes of 2 columns, a ragged last one for odd T)."""
+    from dataclasses import replace
+
+    from vkflash.gpu.ops import matmul as mm
+    from vkflash.gpu.ops.moe import MoeOutGemv
+
+    monkeypatch.setattr(mm, "GEMV_COLS_CPU", 2)
+    T = int(rng.integers(2, GEMV_MAX_COLS + 1))
+
+    kinds: list[str] = []
+
+    def run(build, n_out: int, stride: int | None = None) -> dict[bool, np.ndarray]:
+        out = {}
+        for on in (True, False):
+            y = _out(gpu, rng, T, n_out, f"y{on}", stride=stride)
+            g = Graph(gpu, "cols", options=replace(gpu.options, gemv_cols=on))
+            g.add(build(y))
+            assert len(g.ops) == 1 and ("cols=" in g.ops[0].desc) == on, g.ops[0].desc
+            kinds.append(g.ops[0].kernel.name)
+            g.run()
+            out[on] = read_view(y)
+            assert outside_untouched(y)
+        assert np.array_equal(out[True], out[False]), "columns per pass differ from the per-column loop"
+        return out
+    # GLU
+    F, k = 2 * int(rng.integers(1, 20)) + 1, 512
+    p = make_problem(gpu, Q.F16, 2 * F, k, T, rng)
+    got = run(lambda y: GluGemv(p.w, p.xv, y, "glu"), F, -(-F // ROW_ALIGN) * ROW_ALIGN)[True]
+    want, tol = _glu_ref(p, F, k)
+    assert np.all(np.abs(got - want) <= tol), "GLU"
+    # HC mix
+    hc, d, lr = 4, int(rng.integers(1, 40)), 320
+    raw = random_weight(Q.Q5_0, hc * d, lr, rng)
+    w = QWeight(gpu.upload(raw, "w_up"), int(Q.Q5_0), lr, hc * d)
+    ell_pre = (rng.standard_normal((T, lr)) * 6).astype(np.float32)
+    X = (rng.standard_normal((T, hc * d)) * 2).astype(np.float32)
+    ev, xv = _place(gpu, rng, ell_pre, "ell_pre", align=4), _place(gpu, rng, X, "X")
+    got = run(lambda u: HcMixGemv(w, ev, xv, u, hc, "mix"), d)[True]
+    want, tol = _hc_ref(dequant_rows(raw, Q.Q5_0, hc * d, lr), ell_pre, X, hc)
+    assert np.all(np.abs(got - want) <= tol), "HC mix"
+    # MoE out
+    kk, dd, K = 3, int(rng.integers(1, 40)) * 2 + 1, 512
+    raw = random_weight(Q.Q4_0, dd, K, rng)
+    W = QWeight(gpu.upload(raw, "w_ds"), int(Q.Q4_0), K, dd)
+    h = rng.standard_normal((T, K)).astype(np.float32)
+    gl = rng.standard_normal((T, 1)).astype(np.float32)
+    hv, gv = _place(gpu, rng, h, "h", align=4), _place(gpu, rng, gl, "g")
+    stride = dd + int(rng.integers(0, 3))
+    ys = rng.standard_normal((T * kk, stride)).astype(np.float32)
+    ysv = Rows(gpu.upload(ys, "ys"), T * kk, dd, 0, stride)
+    got = run(lambda f: MoeOutGemv(W, hv, ysv, gv, f, kk, "moe"), dd, stride)[True]
+    Wd = dequant_rows(raw, Q.Q4_0, dd, K)
+    acc = h.astype(np.float64) @ Wd.T
+    want = ys[:, :dd].astype(np.float64).reshape(T, kk, dd).sum(1) + _sig(gl.astype(np.float64)) * acc
+    bound = (np.abs(h).astype(np.float64) @ np.abs(Wd).T) * K * U32 * 2 \
+        + np.abs(ys[:, :dd]).reshape(T, kk, dd).sum(1) * (kk + 2) * U32 + np.abs(acc) * 20 * U32
+    assert np.all(np.abs(got - want) <= bound), "MoE out"
+    assert kinds[::2] == ["mul_mat_vec_f16", "gemv_q5_0", "gemv_q4_0"], kinds

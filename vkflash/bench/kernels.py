@@ -201,6 +201,14 @@ def gemv_rows(gpu: Gpu, quick: bool, sweep: bool = False) -> list[Row]:
     return _rows(matmul.gemv_bandwidth(gpu, quick=small, sweep=sweep), "GB/s")
 
 
+def gemv_cols_rows(gpu: Gpu, quick: bool) -> list[Row]:
+    """Decode GEMVs at 1 and 7 token columns (the LM head, a dense Q4_K projection), weights loaded once
+    for all columns and once per column (VKFLASH_GEMV_COLS)."""
+    from vkflash.bench import matmul
+
+    return _rows(matmul.gemv_columns(gpu, quick=quick or gpu.caps.device_type == "cpu"), "GB/s")
+
+
 def gemm_rows(gpu: Gpu, quick: bool) -> list[Row]:
     """Prefill GEMM TFLOP/s (scalar and coopmat tiles)."""
     from vkflash.bench import matmul
@@ -363,8 +371,9 @@ def score_rows(gpu: Gpu, small: bool) -> list[Row]:
 
 
 KERNEL_BENCHES: dict[str, Callable[..., list[Row]]] = {
-    "eltwise": elementwise_rows, "gemv": gemv_rows, "gemm": gemm_rows, "splitk": split_rows, "moe_gemm": moe_gemm_rows,
-    "moe_pass": moe_pass_rows, "moe_gemv": moe_gemv_rows, "select": selection_rows, "gdn": gdn_delta_rows,
+    "eltwise": elementwise_rows, "gemv": gemv_rows, "gemv_cols": gemv_cols_rows, "gemm": gemm_rows,
+    "splitk": split_rows, "moe_gemm": moe_gemm_rows, "moe_pass": moe_pass_rows, "moe_gemv": moe_gemv_rows,
+    "select": selection_rows, "gdn": gdn_delta_rows,
     "attn_decode": attention_rows, "attn_prefill": attention_prefill_rows}
 """Kernel families of `vkflash bench kernels`, by the names --only takes."""
 

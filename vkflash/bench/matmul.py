@@ -42,6 +42,10 @@ SPLIT_GEMMS = tuple((q, HC * 2560, 320, n) for n in (512, 2048) for q in (Q.Q4_K
 attn_out (K = H·Dh = 6144 → d) at 512, for split-K (VKFLASH_MM_SPLITK)."""
 SPLIT_GEMMS_QUICK = ((Q.Q4_K, 2048, 64, 64),)
 INJECT = (HC * 2560, HC)  # W_inj {hc·d, hc} in F32: the transposed GEMV of prefill
+COLS_SHAPES = ((Q.Q6_K, *LM_HEAD), (Q.Q4_K, *DENSE))
+"""The multi-column GEMV rows (MTP verify: n_tok = COLS_TOKENS[1]): the Q6_K LM head and a dense Q4_K projection."""
+COLS_SHAPES_QUICK = ((Q.Q6_K, 256, 1024), (Q.Q4_K, 256, 512))
+COLS_TOKENS = (1, 7)  # a decode step, and the verify step of a 6-token draft
 
 
 def _weights(gpu: Gpu, q: Q, k: int, n_out: int, n_bufs: int, rng: np.random.Generator) -> list[QWeight]:
@@ -169,6 +173,26 @@ def gemv_bandwidth(gpu: Gpu, shapes: Iterable[tuple[Q, int, int]] | None = None,
         ws = weights(q, k, n_out)
         for label, g in (gemv_paths(gpu, q, k) if paths else [("", gpu)]):
             rows.append(_hc_mix_row(g, label, ws, quick, rng))
+    return rows
+
+
+def gemv_columns(gpu: Gpu, shapes: Iterable[tuple[Q, int, int]] | None = None, quick: bool = False) -> list[dict]:
+    """The decode GEMV at n_tok 1 and 7 (a verify step) for each (type, in, out) (default COLS_SHAPES), with
+    each weight slice loaded once for all columns (`cols`, VKFLASH_GEMV_COLS=1) and once per column
+    (`per-column`); the option the Gpu has is marked (default). The n = 7 rows' shapes say their time
+    as a multiple of the same path's n = 1 time (7.00× would be no saving at all)."""
+    rng = np.random.default_rng()
+    rows = []
+    for q, k, n_out in shapes or (COLS_SHAPES_QUICK if quick else COLS_SHAPES):
+        ws = _weights(gpu, q, k, n_out, _rotation(n_out * row_bytes(q, k), quick), rng)
+        for label, on in (("cols", True), ("per-column", False)):
+            g = gpu.with_options(replace(gpu.options, gemv_cols=on))
+            tag = f"{label} (default)" if on == gpu.options.gemv_cols else label
+            one = _gemv_row(g, tag, ws, COLS_TOKENS[0], "", quick, rng)
+            many = _gemv_row(g, tag, ws, COLS_TOKENS[1], "", quick, rng)
+            many["shape"] += f" {many['seconds'] / one['seconds']:.2f}x n={COLS_TOKENS[0]}"
+            rows += [one, many]
+        del ws
     return rows
 
 

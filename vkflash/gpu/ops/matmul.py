@@ -6,7 +6,9 @@ x and y are f32 row views (one row per token). `matmul()` picks the kernel from 
   n_tok ≤ 8              → GEMV (decode, MTP verify): the row-group GEMV (shaders/gemv.comp; teams of
                            gemv_plan's width per few rows, on 8-bit activations and integer dots with
                            VKFLASH_GEMV_Q8 where the type has them), or with VKFLASH_GEMV_TEAMS=0
-                           mul_mat_vec.comp's NDEC weight rows per workgroup (also the transposed GEMV),
+                           mul_mat_vec.comp's NDEC weight rows per workgroup (also the transposed GEMV);
+                           both load each weight slice once for gemv_cols' columns at a time
+                           (VKFLASH_GEMV_COLS; else once per column),
   otherwise              → tiled GEMM: cooperative-matrix (f16 in, f32 accumulate) when the device
                            offers it and VKFLASH_DISABLE_COOPMAT is off, else scalar f32. F32
                            weights always take the scalar GEMM: rounding them (and x) to f16 would
@@ -71,7 +73,10 @@ GEMV_WG_K, GEMV_ROWS_K = 128, 4
 GEMV_MIN_GROUPS = 128  # fewer rows per workgroup for short outputs, so a GEMV fills the GPU
 GEMV_ROWS_CPU = 2  # CPU drivers (lavapipe): LLVM compile time grows with NDEC, speed is moot
 GEMV_STACK_ROWS_CPU = 4  # fused-mode GEMV rows there: 2 output rows per block (GLU, hc = 2) for the tests to cover
-GEMV_MAX_COLS = 8  # token columns of one GEMV (handled one after the other in the shader)
+GEMV_MAX_COLS = 8  # token columns of one GEMV (gemv_cols of them per pass over the weights)
+GEMV_COLS_CPU = 1
+"""Columns per pass on CPU drivers (lavapipe): LLVM's compile time grows with the unrolled columns × rows
+(8 columns: ~10× one), speed is moot; the tests raise it to cover the multi-column passes."""
 TINY_OUT = 8  # outputs at most this many rows go through the transposed GEMV
 TINY_TOKENS = 8  # most tokens per workgroup of the transposed GEMV
 TINY_GROUPS = 512
@@ -176,7 +181,7 @@ class MatMulCmSpec(MatMulSpec):
 @dataclass(frozen=True)
 class MatVecSpec(MatMulSpec):
     """mul_mat_vec.comp's: the epilogue, rows and columns per workgroup, layout, smallest subgroup
-    size, then the fused mode (GEMV_*; 0 plain) with its hc and top-k."""
+    size, then the fused mode (GEMV_*; 0 plain) with its hc and top-k, and the columns per pass."""
 
     ndec: u32
     nplain: u32
@@ -185,12 +190,13 @@ class MatVecSpec(MatMulSpec):
     mode: u32 = 0
     hc: u32 = 1
     topk: u32 = 1
+    ncol: u32 = 1
 
 
 @dataclass(frozen=True)
 class GemvSpec(MatMulSpec):
     """gemv.comp's: the epilogue, invocations per team, weight rows per team, columns, smallest
-    subgroup size, then the fused mode (GEMV_*; 0 plain) with its hc and top-k."""
+    subgroup size, then the fused mode (GEMV_*; 0 plain) with its hc and top-k, and the columns per pass."""
 
     tpr: u32
     nr: u32
@@ -199,6 +205,7 @@ class GemvSpec(MatMulSpec):
     mode: u32 = 0
     hc: u32 = 1
     topk: u32 = 1
+    ncol: u32 = 1
 
 
 @dataclass(frozen=True)
@@ -471,6 +478,25 @@ def q8_possible(caps: "Capabilities", qtype: int, k: int) -> bool:
     return k + k // 4 + 4 * (TEAM_WG // max(1, caps.subgroup_min)) * TEAM_STACK_ROWS * 2 <= caps.shared_memory
 
 
+def gemv_cols(g: "Graph", n_tok: int, smem: Callable[[int], int]) -> int:
+    """Token columns a decode GEMV dots with each loaded weight slice (one pass over the weights per
+    that many columns): with VKFLASH_GEMV_COLS all n_tok (GEMV_COLS_CPU at most on CPU drivers), or as
+    many as the device's shared memory holds (smem(columns): the shader's bytes), spread evenly over
+    the passes; without it 1 (a pass per column, the previous loop)."""
+    if not g.options.gemv_cols:
+        return 1
+    most = min(n_tok, GEMV_COLS_CPU) if g.gpu.caps.device_type == "cpu" else n_tok
+    fit = next((c for c in range(most, 0, -1) if smem(c) <= g.gpu.caps.shared_memory), 1)
+    passes = -(-n_tok // fit)
+    return -(-n_tok // passes)
+
+
+def team_smem(caps: "Capabilities", k: int, nr: int, q8: bool, ncol: int) -> int:
+    """Shared bytes of gemv.comp: the teams' subgroup partials (nr rows × ncol columns per subgroup)
+    and, on 8-bit activations, ncol quantized x rows (k codes and k/32 8-byte block headers each)."""
+    return 4 * (TEAM_WG // max(1, caps.subgroup_min)) * nr * ncol + (ncol * (k + k // 4) if q8 else 0)
+
+
 TEAMS_SLOWER: frozenset[Q] = frozenset({Q.F16, Q.BF16, Q.Q8_0})
 """Types whose f32-activation decode GEMV reads faster on mul_mat_vec.comp than in row groups (H200,
 2560x12288: F16/BF16 0.88 vs 0.67 of copy, Q8_0 0.57 vs 0.44); their integer-dot GEMV
@@ -505,11 +531,27 @@ def gemv_plan(g: "Graph", qtype: int, k: int, rows: int, n_stack: int = 1, tpr: 
     return plan
 
 
-def _gemv_spec(caps: "Capabilities", plan: GemvPlan, k: int, epilogue: int, n_tok: int, mode: int = 0, hc: int = 1,
+def _gemv_spec(g: "Graph", plan: GemvPlan, k: int, epilogue: int, n_tok: int, mode: int = 0, hc: int = 1,
                topk: int = 1) -> GemvSpec:
+    caps = g.gpu.caps
     n_stack = 2 if mode == GEMV_GLU else (hc if mode == GEMV_HC else 1)
-    args = (epilogue, plan.tpr, plan.m * n_stack, n_tok, max(1, caps.subgroup_min), mode, hc, topk)
+    nr = plan.m * n_stack
+    ncol = gemv_cols(g, n_tok, lambda c: team_smem(caps, k, nr, plan.q8, c))
+    args = (epilogue, plan.tpr, nr, n_tok, max(1, caps.subgroup_min), mode, hc, topk, ncol)
     return GemvQ8Spec(*args, kq=k) if plan.q8 else GemvSpec(*args)
+
+
+def _mv_spec(g: "Graph", epilogue: int, ndec: int, n_tok: int, mode: int = 0, hc: int = 1, topk: int = 1) -> MatVecSpec:
+    """mul_mat_vec.comp's constants in its normal (not transposed) mode, gemv_cols columns per pass
+    (its shared memory: ndec × columns subgroup partials per subgroup of a ≤ GEMV_WG_K workgroup)."""
+    sg = max(1, g.gpu.caps.subgroup_min)
+    ncol = gemv_cols(g, n_tok, lambda c: 4 * ndec * c * (GEMV_WG_K // sg))
+    return MatVecSpec(epilogue, ndec, n_tok, False, sg, mode, hc, topk, ncol)
+
+
+def _cols(ncol: int) -> str:
+    """A dispatch description's note of the columns per pass (none for one)."""
+    return f" cols={ncol}" if ncol > 1 else ""
 
 
 def _grid(caps: "Capabilities", n: int) -> tuple[int, int]:
@@ -530,18 +572,20 @@ def _dispatch(g: "Graph", w: QWeight, x: Rows, y: Rows, ep: Epilogue, coopmat: b
     desc = f"{t} {w.k}x{w.n_out} n={n_tok}"
     if n_tok <= GEMV_MAX_COLS and (plan is not None or use_teams(g, w.qtype, w.k)):
         plan = plan or gemv_plan(g, w.qtype, w.k, w.n_out)
+        spec = _gemv_spec(g, plan, w.k, ep.flags, n_tok)
         g.dispatch(plan.kernel(w.qtype), bufs + [x.buf] * 3, _grid(caps, -(-w.n_out // plan.rows_per_group())),
-                   MatVecPush(*push), _gemv_spec(caps, plan, w.k, ep.flags, n_tok), name=name, writes=[5],
-                   desc=f"{desc} {plan}", nbytes=w.nbytes + 4 * (x.size + y.size), flops=flops)
+                   MatVecPush(*push), spec, name=name, writes=[5], desc=f"{desc} {plan}{_cols(spec.ncol)}",
+                   nbytes=w.nbytes + 4 * (x.size + y.size), flops=flops)
         return
     if n_tok <= GEMV_MAX_COLS or w.n_out <= TINY_OUT:
         tr = n_tok > GEMV_MAX_COLS
         rows = gemv_rows(caps, w.qtype, w.n_out)
         ndec, nplain = (w.n_out, tiny_tokens(n_tok, g.options.mm_splitk)) if tr else (rows, n_tok)
         groups = _grid(caps, -(-(n_tok if tr else w.n_out) // (nplain if tr else ndec)))
-        spec = MatVecSpec(ep.flags, ndec, nplain, tr, max(1, caps.subgroup_min))
+        spec = MatVecSpec(ep.flags, ndec, nplain, tr, max(1, caps.subgroup_min)) if tr else \
+            _mv_spec(g, ep.flags, ndec, n_tok)
         g.dispatch(f"mul_mat_vec_{t}", bufs + [x.buf] * 3, groups, MatVecPush(*push), spec, name=name, writes=[5],
-                   desc=desc, nbytes=w.nbytes + 4 * (x.size + y.size), flops=flops)
+                   desc=f"{desc}{_cols(spec.ncol)}", nbytes=w.nbytes + 4 * (x.size + y.size), flops=flops)
         return
     if coopmat:
         shape, tile = cm_shape(caps), tile or cm_tile(caps, w.n_out, n_tok)
@@ -687,16 +731,16 @@ def stacked_gemv(g: "Graph", w: QWeight, x: Rows, y: Rows, mode: int, name: str,
     bufs = [w.buf, x.buf, x.buf, x.buf, x.buf, y.buf, streams.buf, ys.buf, gate.buf]
     if use_teams(g, w.qtype, w.k):
         plan = gemv_plan(g, w.qtype, w.k, n * n_stack if mode == GEMV_HC else n, n_stack)
-        g.dispatch(plan.kernel(w.qtype), bufs, _grid(caps, -(-n // plan.rows_per_group())), push,
-                   _gemv_spec(caps, plan, w.k, 0, n_tok, mode, hc, k), writes=[5], name=name,
-                   desc=f"{w.type_name} {w.k}x{w.n_out} n={n_tok} {tag} {plan}",
+        spec = _gemv_spec(g, plan, w.k, 0, n_tok, mode, hc, k)
+        g.dispatch(plan.kernel(w.qtype), bufs, _grid(caps, -(-n // plan.rows_per_group())), push, spec, writes=[5],
+                   name=name, desc=f"{w.type_name} {w.k}x{w.n_out} n={n_tok} {tag} {plan}{_cols(spec.ncol)}",
                    nbytes=nbytes, flops=2 * w.k * w.n_out * n_tok)
         return
     rows = gemv_rows(caps, w.qtype, n * n_stack, GEMV_STACK_ROWS_CPU)
     m = max(1, rows // n_stack)  # output rows per workgroup
-    spec = MatVecSpec(0, n_stack * m, n_tok, False, max(1, caps.subgroup_min), mode, hc, k)
+    spec = _mv_spec(g, 0, n_stack * m, n_tok, mode, hc, k)
     g.dispatch(f"mul_mat_vec_{w.type_name}", bufs, _grid(caps, -(-n // m)), push, spec, writes=[5], name=name,
-               desc=f"{w.type_name} {w.k}x{w.n_out} n={n_tok} {tag}",
+               desc=f"{w.type_name} {w.k}x{w.n_out} n={n_tok} {tag}{_cols(spec.ncol)}",
                nbytes=nbytes, flops=2 * w.k * w.n_out * n_tok)
 
 
