@@ -46,6 +46,7 @@ class GpuOptions:
     hc_tails: bool = True  # hyper-connection tails as one hc.comp dispatch each (else eltwise ops)
     coopmat: bool = False  # cooperative-matrix GEMMs for non-F32 weights where the device has them
     fa_coopmat: bool = True  # cooperative-matrix flash-attention prefill over f16 / q8_0 caches, where possible
+    fa_rows: bool = False  # ... on the subgroup-rows kernel (attn_flash_sg.comp; else attn_flash_cm.comp)
     mmid_compact: bool = True  # MoE prefill launches only live (expert, tile) pairs
     gdn_matrix: bool = True  # chunked GDN prefill in matrix form (else the scalar chunked kernel)
     attn_decode: bool = True  # attention of ≤ 8 queries on the decode kernel (else the flash kernel)
@@ -80,6 +81,7 @@ class GpuOptions:
         off = bool(s["VKFLASH_DISABLE_FUSION"])
         return cls(fusions=frozenset() if off else frozenset(fusions), hc_tails=bool(s["VKFLASH_HC_FUSE"]) and not off,
                    coopmat=not s["VKFLASH_DISABLE_COOPMAT"], fa_coopmat=bool(s["VKFLASH_FA_COOPMAT"]),
+                   fa_rows=bool(s["VKFLASH_FA_ROWS"]),
                    mmid_compact=bool(s["VKFLASH_MMID_COMPACT"]),
                    gdn_matrix=bool(s["VKFLASH_GDN_MATRIX"]), attn_decode=bool(s["VKFLASH_ATTN_DECODE"]),
                    gemv_teams=bool(s["VKFLASH_GEMV_TEAMS"]), gemv_q8=bool(s["VKFLASH_GEMV_Q8"]),
