@@ -162,7 +162,7 @@ KNOBS: tuple[Knob, ...] = (
     _k("VKFLASH_FA_COOPMAT", _bool, True,
        "0: scalar f32 flash-attention prefill instead of cooperative-matrix Q·Kᵀ and P·V (f16 inputs, f32 "
        "softmax and sums; f16 / q8_0 KV caches, devices with 16×16×16 f16 matrices)", "revert"),
-    _k("VKFLASH_FA_ROWS", _bool, False,
+    _k("VKFLASH_FA_ROWS", _bool, True,
        "0: dense Dh-256 prefill attention on the previous cooperative-matrix kernel (two subgroups split a row "
        "block's head dim and add their scores through shared memory, one KV split) instead of subgroups that own "
        "16 rows over the whole head dim (two KV splits + combine)", "revert"),

@@ -20,6 +20,7 @@ bound adds the actual distance between the two references (attention_ref.check_o
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -29,9 +30,10 @@ from attention_ref import TOL, TOL_CM, attend, causal, check_out, check_q8, enco
     rounded
 from fusion_util import graph
 from vkflash.gpu.ops.attention import CM_SHAPES, SG_SHAPES, Cache, CellMask, CacheType, CellList, CmTiles, Flash, \
-    Heads, attention, cm_fits, flash_attention, kv_append, partial_bytes, sg_fits
+    Heads, attention, cm_fits, flash_attention, flash_kind, kv_append, partial_bytes, sg_fits
 from vkflash.gpu.ops.views import Rows
-from vkflash.gpu.options import Fusion
+from test_matmul_compile import PROFILES
+from vkflash.gpu.options import Fusion, GpuOptions
 
 pytestmark = pytest.mark.gpu
 
@@ -385,3 +387,16 @@ def test_masked_tile_skipping(gpu, rng, monkeypatch, path, kind):
     attention(g, short, 0, qh, K, V, out_d, kind=kind, name="dense")
     g.run()
     assert np.array_equal(bo.read(np.float32), bd.read(np.float32)), "all-ones mask differs from dense"
+
+
+@pytest.mark.parametrize("T,dim,cache,gathered,rows,want", [
+    (512, 256, CacheType.F16, False, True, Flash.ROWS), (9, 256, CacheType.Q8_0, False, True, Flash.ROWS),
+    (512, 256, CacheType.F16, True, True, Flash.COOPMAT), (512, 128, CacheType.F16, False, True, Flash.COOPMAT),
+    (512, 256, CacheType.F16, False, False, Flash.COOPMAT), (512, 256, CacheType.F32, False, True, Flash.SCALAR),
+    (8, 256, CacheType.F16, False, True, Flash.SCALAR)])
+def test_flash_kind_on_h200(T, dim, cache, gathered, rows, want):
+    """The kernel prefill takes on the H200 (as it reports itself): subgroup rows for dense Dh-256 f16 /
+    q8_0 prefill (where it measured faster), the split-head-dim kernel for gathered QSA prefill, other
+    head dims and VKFLASH_FA_ROWS=0, scalar for f32 caches and steps of < 9 queries."""
+    g = SimpleNamespace(options=replace(GpuOptions(), fa_rows=rows), gpu=SimpleNamespace(caps=PROFILES["h200"]))
+    assert flash_kind(g, T, dim, cache, gathered) is want

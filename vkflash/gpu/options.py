@@ -46,7 +46,7 @@ class GpuOptions:
     hc_tails: bool = True  # hyper-connection tails as one hc.comp dispatch each (else eltwise ops)
     coopmat: bool = False  # cooperative-matrix GEMMs for non-F32 weights where the device has them
     fa_coopmat: bool = True  # cooperative-matrix flash-attention prefill over f16 / q8_0 caches, where possible
-    fa_rows: bool = False  # ... on the subgroup-rows kernel (attn_flash_sg.comp; else attn_flash_cm.comp)
+    fa_rows: bool = True  # ... on the subgroup-rows kernel (attn_flash_sg.comp; else attn_flash_cm.comp)
     mmid_compact: bool = True  # MoE prefill launches only live (expert, tile) pairs
     gdn_matrix: bool = True  # chunked GDN prefill in matrix form (else the scalar chunked kernel)
     attn_decode: bool = True  # attention of ≤ 8 queries on the decode kernel (else the flash kernel)
