@@ -30,7 +30,7 @@ from attention_ref import TOL, TOL_CM, attend, causal, check_out, check_q8, enco
     rounded
 from fusion_util import graph
 from vkflash.gpu.ops.attention import CM_SHAPES, SG_SHAPES, Cache, CellMask, CacheType, CellList, CmTiles, Flash, \
-    Heads, attention, cm_fits, flash_attention, flash_kind, kv_append, partial_bytes, sg_fits
+    Heads, attention, cm_fits, cm_tiles, flash_attention, flash_kind, kv_append, partial_bytes, sg_fits, sg_tiles
 from vkflash.gpu.ops.views import Rows
 from test_matmul_compile import PROFILES
 from vkflash.gpu.options import Fusion, GpuOptions
@@ -326,13 +326,15 @@ def test_cm_prefill(gpu, rng, monkeypatch, path, H, H_kv, Dh, ctype):
 @pytest.mark.parametrize("shape", CM_SHAPES + SG_SHAPES, ids=str)
 def test_cm_shapes(gpu, rng, monkeypatch, path, shape):
     """Every shape of both coopmat kernels (rows, key tile, and parts of Dh per row block or prefetch)
-    that fits the device at Dh 64 gives causal GQA-12 prefill within the module bounds (the default
-    shapes are the ones the other tests use; `vkflash bench kernels` times them all)."""
+    that fits the device at Dh 64 gives causal GQA-12 prefill within the module bounds, but for the
+    default shapes test_cm_prefill already runs here (`vkflash bench kernels` times them all)."""
     H, H_kv, Dh = 24, 2, 64
     label = flash_cm.select(path, gpu, monkeypatch, Dh)
     kind = Flash.COOPMAT if isinstance(shape, CmTiles) else Flash.ROWS
     if not (cm_fits(gpu.caps, Dh, shape) if kind is Flash.COOPMAT else sg_fits(gpu.caps, Dh, shape)):
         pytest.skip(f"shape {shape} does not fit {gpu.caps.name}")
+    if shape in {pick(gpu.caps, c[2]) for c in CM_CONFIGS for pick in (cm_tiles, sg_tiles)}:
+        pytest.skip(f"test_cm_prefill runs {shape} here")
     ctype = CacheType.F16 if rng.integers(2) else CacheType.Q8_0
     p0, T = int(rng.integers(0, 60)), int(rng.integers(9, 40))
     n = p0 + T
