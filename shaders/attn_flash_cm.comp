@@ -24,7 +24,8 @@
 // BR*PS f16, sJ, sA, sL, sM, sWin.
 // Spec: 0 WG, 1 DH (multiple of 16; of 32 for q8_0), 2 BR (16*RB), 3 BC (16 or 32), 4 FLAGS (1 GATED,
 // 2 MASKED, 4 GATHER, 8 SPLIT), 5 NW (RB or 2*RB, at most the number of subgroups; PARTS must
-// divide DH/16). Defines: KV_F32 | KV_F16 | KV_Q8_0; CM_EMULATE for the software matrices.
+// divide DH/16). Defines: KV_F32 | KV_F16 | KV_Q8_0 (common/attn_kv.glsl); CM_EMULATE for the software
+// matrices.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_KHR_shader_subgroup_shuffle : require
 #extension GL_EXT_control_flow_attributes : require
@@ -43,6 +44,7 @@ const uint WG = gl_WorkGroupSize.x;
 
 #include "common/coopmat.glsl"
 #include "common/attn.glsl"
+#include "common/attn_kv.glsl"
 
 const uint RB = BR / 16u, CB = BC / 16u, PARTS = NW / RB, DQ = DH / 16u / PARTS;
 const uint KS = DH + 8u, KS4 = KS / 4u;  // K/V (and Q staging) row stride: f16, then f16vec4
@@ -52,20 +54,6 @@ const uint TPR = WG / BR;                // invocations per row in the softmax
 const uint CPT = BC / TPR;               // columns per invocation in the softmax
 const uint CPK = DH / 32u;               // 32-element chunks per key row
 const uint NCH = (BC * CPK + WG - 1u) / WG;  // chunks each invocation fetches per tile
-
-// K and V as the fetch reads them: 8 f16 (f16), 4 f32 (f32) or 16-bit words (q8_0 blocks of 17).
-#if defined(KV_F16)
-layout(std430, binding = 3) readonly buffer KB { uvec4 kb[]; };
-layout(std430, binding = 4) readonly buffer VB { uvec4 vb[]; };
-#elif defined(KV_F32)
-layout(std430, binding = 3) readonly buffer KB { vec4 kb[]; };
-layout(std430, binding = 4) readonly buffer VB { vec4 vb[]; };
-#elif defined(KV_Q8_0)
-layout(std430, binding = 3) readonly buffer KB { uint16_t kb[]; };
-layout(std430, binding = 4) readonly buffer VB { uint16_t vb[]; };
-#else
-#error "define one of KV_F32, KV_F16, KV_Q8_0"
-#endif
 
 shared f16vec4 sKV[BC * KS4];
 shared float sS[PARTS * BR * SS];
@@ -78,37 +66,10 @@ shared float sM[BR];
 uvec4 regK[NCH * 4u];  // the next K tile's chunks, f16, fetched ahead
 uvec4 regV[NCH * 4u];
 
-// Two f16 of x (rounded), packed.
-uint pack2(float a, float b) { return packHalf2x16(vec2(a, b)); }
-
 // Eight packed f16 as two f16vec4 at sKV[at], sKV[at + 1] (bits unchanged).
 void put8(uint at, uvec4 x) {
     sKV[at] = f16vec4(unpackFloat2x16(x.x), unpackFloat2x16(x.y));
     sKV[at + 1u] = f16vec4(unpackFloat2x16(x.z), unpackFloat2x16(x.w));
-}
-
-// 32 consecutive elements of cache element index el (a multiple of 32) as f16, into x[0..3].
-void load_chunk(bool is_v, uint el, out uvec4 x[4]) {
-#if defined(KV_F16)
-    for (uint w = 0u; w < 4u; ++w) x[w] = is_v ? vb[el / 8u + w] : kb[el / 8u + w];
-#elif defined(KV_F32)
-    for (uint w = 0u; w < 4u; ++w) {
-        const vec4 a = is_v ? vb[el / 4u + 2u * w] : kb[el / 4u + 2u * w];
-        const vec4 b = is_v ? vb[el / 4u + 2u * w + 1u] : kb[el / 4u + 2u * w + 1u];
-        x[w] = uvec4(pack2(a.x, a.y), pack2(a.z, a.w), pack2(b.x, b.y), pack2(b.z, b.w));
-    }
-#else
-    const uint b0 = el / 32u * 17u;
-    const float d = float(uint16BitsToFloat16(is_v ? vb[b0] : kb[b0]));
-    for (uint w = 0u; w < 4u; ++w) {
-        uint u[4];
-        for (uint h = 0u; h < 4u; ++h) {
-            const int c = int(uint(is_v ? vb[b0 + 1u + 4u * w + h] : kb[b0 + 1u + 4u * w + h]));
-            u[h] = pack2(float(bitfieldExtract(c, 0, 8)) * d, float(bitfieldExtract(c, 8, 8)) * d);
-        }
-        x[w] = uvec4(u[0], u[1], u[2], u[3]);
-    }
-#endif
 }
 
 // Key tile q's K (or V) chunks into regK (regV); zeros for slots past the range or the cache.

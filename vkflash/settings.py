@@ -165,6 +165,10 @@ KNOBS: tuple[Knob, ...] = (
     _k("VKFLASH_FA_COOPMAT", _bool, True,
        "0: scalar f32 flash-attention prefill instead of cooperative-matrix Q·Kᵀ and P·V (f16 inputs, f32 "
        "softmax and sums; f16 / q8_0 KV caches, devices with 16×16×16 f16 matrices)", "revert"),
+    _k("VKFLASH_FA_ROWS", _bool, True,
+       "0: dense Dh-256 prefill attention on the previous cooperative-matrix kernel (two subgroups split a row "
+       "block's head dim and add their scores through shared memory, one KV split) instead of subgroups that own "
+       "16 rows over the whole head dim (two KV splits + combine)", "revert"),
     _k("POOLED", _bool, True, "0: re-pool indexer keys every step instead of the summary cache", "revert"),
     _k("TPLFIX", _bool, True, "0: raw chat template (no mid-conversation system fix)", "revert"),
     _k("VKFLASH_MM_TILE_EPILOG", _bool, True, "0: separate epilogue ops instead of fused GEMM stores", "revert"),

@@ -73,7 +73,7 @@ def test_gathered_prefill_equals_masked(gpu, rng, tmp_path: Path, monkeypatch, k
     follows its own."""
     if kernel == "coopmat":
         flash_cm.select("device" if coopmat_flash_possible(gpu.caps, 64) else "emulated", gpu, monkeypatch)
-        monkeypatch.setattr(attention, "flash_kind", lambda g, T, dim, cache: (
+        monkeypatch.setattr(attention, "flash_kind", lambda g, T, dim, cache, gathered=False: (
             Flash.COOPMAT if T >= attention.COOPMAT_MIN_TOKENS else Flash.SCALAR))  # f32 caches too
     monkeypatch.setattr(hybrid, "GATHER_TILE", 3)
     path = _model(tmp_path, rng)

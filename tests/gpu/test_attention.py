@@ -20,18 +20,20 @@ bound adds the actual distance between the two references (attention_ref.check_o
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import flash_cm
-from attention_ref import TOL, attend, causal, check_out, check_q8, encode, make_cache, pack_bits, queries, \
+from attention_ref import TOL, TOL_CM, attend, causal, check_out, check_q8, encode, make_cache, pack_bits, queries, \
     rounded
 from fusion_util import graph
-from vkflash.gpu.ops.attention import CM_SHAPES, Cache, CellMask, CacheType, CellList, Flash, Heads, attention, \
-    cm_fits, flash_attention, kv_append, partial_bytes
+from vkflash.gpu.ops.attention import CM_SHAPES, SG_SHAPES, Cache, CellMask, CacheType, CellList, CmTiles, Flash, \
+    Heads, attention, cm_fits, cm_tiles, flash_attention, flash_kind, kv_append, partial_bytes, sg_fits, sg_tiles
 from vkflash.gpu.ops.views import Rows
-from vkflash.gpu.options import Fusion
+from test_matmul_compile import PROFILES
+from vkflash.gpu.options import Fusion, GpuOptions
 
 pytestmark = pytest.mark.gpu
 
@@ -292,8 +294,9 @@ CM_CONFIGS = [  # GQA 12 at Dh 256 (qwen4exp), 8 (qwen3next), 7 (qwen2-0.5B), 3 
 @pytest.mark.parametrize("path", flash_cm.PATHS)
 @pytest.mark.parametrize("H,H_kv,Dh,ctype", CM_CONFIGS)
 def test_cm_prefill(gpu, rng, monkeypatch, path, H, H_kv, Dh, ctype):
-    """Causal GQA prefill of ragged T at ragged depth on the coopmat kernel, gated or not, whole or
-    in 3 KV splits + combine: vs attend_f16 and the scalar kernel (module docstring bounds)."""
+    """Causal GQA prefill of ragged T at ragged depth on both coopmat kernels (split head dim, and
+    subgroup rows), gated or not, whole or in 3 KV splits + combine: each vs attend_f16 and the scalar
+    kernel (module docstring bounds), and the two within twice the coopmat bound of each other."""
     label = flash_cm.select(path, gpu, monkeypatch, Dh)
     gated, n_split = bool(rng.integers(2)), int(rng.choice([1, 3]))
     p0, T = int(rng.integers(0, 90)), int(rng.integers(9, 70))
@@ -312,20 +315,26 @@ def test_cm_prefill(gpu, rng, monkeypatch, path, H, H_kv, Dh, ctype):
     got = {k: b.read(np.float32).reshape(T, H, Dh) for k, b in outs.items()}
     what = f"{label}: H={H}/{H_kv} Dh={Dh} {ctype.value} p0={p0} T={T} split={n_split} gated={gated}"
     check_out(got[Flash.SCALAR], q, Kf[:n], Vf[:n], causal(p0, T, n), 1 / np.sqrt(Dh), gate, False, what)
-    check_out(got[Flash.COOPMAT], q, Kf[:n], Vf[:n], causal(p0, T, n), 1 / np.sqrt(Dh), gate, True, what,
-              got[Flash.SCALAR])
+    for k in flash_cm.KINDS:
+        check_out(got[k], q, Kf[:n], Vf[:n], causal(p0, T, n), 1 / np.sqrt(Dh), gate, True, f"{what} {k.value}",
+                  got[Flash.SCALAR])
+    d = np.abs(got[Flash.ROWS] - got[Flash.COOPMAT]).max() / np.abs(Vf[:n]).max()
+    assert d <= 2 * TOL_CM, f"{what}: the two coopmat kernels differ by {d:.3g}·max|v| > {2 * TOL_CM:.3g}"
 
 
 @pytest.mark.parametrize("path", flash_cm.PATHS)
-@pytest.mark.parametrize("shape", CM_SHAPES, ids=lambda t: f"{t.br}x{t.bc}-{t.parts}")
+@pytest.mark.parametrize("shape", CM_SHAPES + SG_SHAPES, ids=str)
 def test_cm_shapes(gpu, rng, monkeypatch, path, shape):
-    """Every coopmat shape (rows, key tile, parts of Dh per row block) that fits the device at Dh 64
-    gives causal GQA-12 prefill within the module bounds (the default shape is the one the other
-    tests use; `vkflash bench kernels` times them all)."""
+    """Every shape of both coopmat kernels (rows, key tile, and parts of Dh per row block or prefetch)
+    that fits the device at Dh 64 gives causal GQA-12 prefill within the module bounds, but for the
+    default shapes test_cm_prefill already runs here (`vkflash bench kernels` times them all)."""
     H, H_kv, Dh = 24, 2, 64
     label = flash_cm.select(path, gpu, monkeypatch, Dh)
-    if not cm_fits(gpu.caps, Dh, shape):
+    kind = Flash.COOPMAT if isinstance(shape, CmTiles) else Flash.ROWS
+    if not (cm_fits(gpu.caps, Dh, shape) if kind is Flash.COOPMAT else sg_fits(gpu.caps, Dh, shape)):
         pytest.skip(f"shape {shape} does not fit {gpu.caps.name}")
+    if shape in {pick(gpu.caps, c[2]) for c in CM_CONFIGS for pick in (cm_tiles, sg_tiles)}:
+        pytest.skip(f"test_cm_prefill runs {shape} here")
     ctype = CacheType.F16 if rng.integers(2) else CacheType.Q8_0
     p0, T = int(rng.integers(0, 60)), int(rng.integers(9, 40))
     n = p0 + T
@@ -334,21 +343,20 @@ def test_cm_shapes(gpu, rng, monkeypatch, path, shape):
     q, gate, qh, gh = queries(gpu, rng, T, H, Dh, True)
     out, buf = _out(gpu, T, H, Dh)
     g = gpu.graph("shape")
-    flash_attention(g, _params(gpu, [p0, n]), 0, qh, K, V, out, gate=gh, kind=Flash.COOPMAT, shape=shape)
+    flash_attention(g, _params(gpu, [p0, n]), 0, qh, K, V, out, gate=gh, kind=kind, shape=shape)
     g.run()
     check_out(buf.read(np.float32).reshape(T, H, Dh), q, Kf[:n], Vf[:n], causal(p0, T, n), 1 / np.sqrt(Dh), gate,
               True, f"{label} shape {shape} {ctype.value} p0={p0} T={T}")
 
 
-@pytest.mark.parametrize("path", ("scalar",) + flash_cm.PATHS)
-def test_masked_tile_skipping(gpu, rng, monkeypatch, path):
+@pytest.mark.parametrize("path,kind", flash_cm.RUNS, ids=flash_cm.RUN_IDS)
+def test_masked_tile_skipping(gpu, rng, monkeypatch, path, kind):
     """Masked prefill over ~70k keys where the queries select a few blocks of 4 (some shared, some
     their own, scattered over three skip windows of 32k slots) and their own tail: nearly every key
     tile is skipped, and the result equals the reference over the visible keys; an all-ones mask
     equals plain causal attention bit for bit (nothing skipped, same tiles)."""
     H, H_kv, Dh, ctype = 6, 2, 64, CacheType.F16
-    kind, label = (Flash.SCALAR, "scalar") if path == "scalar" else (Flash.COOPMAT,
-                                                                    flash_cm.select(path, gpu, monkeypatch, Dh))
+    label = "scalar" if path == "scalar" else f"{kind.value} {flash_cm.select(path, gpu, monkeypatch, Dh)}"
     T = int(rng.integers(9, 20))
     n = int(rng.integers(66000, 72000))
     p0 = n - T
@@ -372,7 +380,7 @@ def test_masked_tile_skipping(gpu, rng, monkeypatch, path):
     g.run()
     cols = np.flatnonzero(bits.any(axis=0))
     check_out(bm.read(np.float32).reshape(T, H, Dh), q, Kf[cols], Vf[cols], bits[:, cols], 1 / np.sqrt(Dh), None,
-              kind is Flash.COOPMAT, f"{label} masked n={n}")
+              kind.matrices, f"{label} masked n={n}")
     if kind is Flash.SCALAR:
         return  # test_prefill_masked covers ones vs dense for the scalar kernel
     short = _params(gpu, [100, 100 + T])  # queries at positions 100.., a short dense comparison
@@ -381,3 +389,16 @@ def test_masked_tile_skipping(gpu, rng, monkeypatch, path):
     attention(g, short, 0, qh, K, V, out_d, kind=kind, name="dense")
     g.run()
     assert np.array_equal(bo.read(np.float32), bd.read(np.float32)), "all-ones mask differs from dense"
+
+
+@pytest.mark.parametrize("T,dim,cache,gathered,rows,want", [
+    (512, 256, CacheType.F16, False, True, Flash.ROWS), (9, 256, CacheType.Q8_0, False, True, Flash.ROWS),
+    (512, 256, CacheType.F16, True, True, Flash.COOPMAT), (512, 128, CacheType.F16, False, True, Flash.COOPMAT),
+    (512, 256, CacheType.F16, False, False, Flash.COOPMAT), (512, 256, CacheType.F32, False, True, Flash.SCALAR),
+    (8, 256, CacheType.F16, False, True, Flash.SCALAR)])
+def test_flash_kind_on_h200(T, dim, cache, gathered, rows, want):
+    """The kernel prefill takes on the H200 (as it reports itself): subgroup rows for dense Dh-256 f16 /
+    q8_0 prefill (where it measured faster), the split-head-dim kernel for gathered QSA prefill, other
+    head dims and VKFLASH_FA_ROWS=0, scalar for f32 caches and steps of < 9 queries."""
+    g = SimpleNamespace(options=replace(GpuOptions(), fa_rows=rows), gpu=SimpleNamespace(caps=PROFILES["h200"]))
+    assert flash_kind(g, T, dim, cache, gathered) is want

@@ -2,10 +2,11 @@
 lavapipe, so this is their CI check (the emulated builds of tests/flash_cm.py too, which also leaves
 their SPIR-V in build/spv for devices without a compiler).
 
-The coopmat kernel is also specialized with the shape vkflash picks (cm_tiles) on the two devices that
+Both coopmat kernels are also specialized with the shape vkflash picks (cm_tiles) on the two devices that
 matter (test_matmul_compile.PROFILES: the H200, RADV on Strix Halo) and on the H200 in every other
-CM_SHAPES entry that fits, at Dh 256, validated again, and its folded shared arrays must take exactly
-CmTiles.shared_bytes (the Python check that keeps a shape within the device's shared memory)."""
+CM_SHAPES / SG_SHAPES entry that fits, at Dh 256, validated again, and their folded shared arrays must
+take exactly CmTiles.shared_bytes / SgTiles.shared_bytes (the Python checks that keep a shape within the
+device's shared memory)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import pytest
 from flash_cm import emulated_kernels
 from test_matmul_compile import PROFILES, _specialize
 from vkflash.gpu.compile_shaders import compile_variant, have_compiler
-from vkflash.gpu.ops.attention import CM_SHAPES, CM_WG, KERNELS, CmTiles, cm_fits, cm_tiles
+from vkflash.gpu.ops.attention import CM_SHAPES, CM_WG, KERNELS, SG_SHAPES, SG_WG, CmTiles, SgTiles, cm_fits, \
+    cm_tiles, sg_fits, sg_tiles
 
 pytestmark = pytest.mark.skipif(not have_compiler(), reason="no shader compiler here (precompiled SPIR-V only)")
 
@@ -67,4 +69,23 @@ def test_cm_specialized(tmp_path: Path, define, name, caps, tiles: CmTiles, flag
     got = _shared_bytes(dis)
     assert got == tiles.shared_bytes(256) <= caps.shared_memory, \
         f"{name}: kernel declares {got} B of shared memory, CmTiles says {tiles.shared_bytes(256)}, " \
+        f"the device has {caps.shared_memory}"
+
+
+SG_CASES = [(f"{name}-default", caps, sg_tiles(caps, 256)) for name, caps in PROFILES.items()] + [
+    (f"h200-{t}", PROFILES["h200"], t) for t in SG_SHAPES
+    if t != sg_tiles(PROFILES["h200"], 256) and sg_fits(PROFILES["h200"], 256, t)]
+
+
+@pytest.mark.parametrize("define", ["KV_F16", "KV_Q8_0"])
+@pytest.mark.parametrize("name,caps,tiles", SG_CASES, ids=[c[0] for c in SG_CASES])
+def test_sg_specialized(tmp_path: Path, define, name, caps, tiles: SgTiles):
+    """Specialized to Dh 256 and each shape, the subgroup-rows kernel (all flags) validates and declares
+    exactly tiles.shared_bytes(256) of shared memory, within the device's."""
+    assert tiles is not None, f"{name}: no subgroup-rows shape fits at Dh 256"
+    spv = compile_variant("attn_flash_sg.comp", {define: 1})
+    dis = _specialize(spv, [SG_WG, 256, tiles.br, tiles.bc, 0b1111, int(tiles.prefetch)], tmp_path)
+    got = _shared_bytes(dis)
+    assert got == tiles.shared_bytes(256) <= caps.shared_memory, \
+        f"{name}: kernel declares {got} B of shared memory, SgTiles says {tiles.shared_bytes(256)}, " \
         f"the device has {caps.shared_memory}"

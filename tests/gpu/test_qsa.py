@@ -10,7 +10,7 @@ import pytest
 
 import flash_cm
 from attention_ref import attend, check_out, make_cache, pack_bits
-from vkflash.gpu.ops.attention import CacheType, CellList, CellMask, Flash, Heads, attention
+from vkflash.gpu.ops.attention import CacheType, CellList, CellMask, Heads, attention
 from vkflash.gpu.ops.qsa import qsa_pool, qsa_scores, qsa_select, qsa_union
 from vkflash.gpu.ops.views import Rows
 from vkflash.model.layers.norms import rms_norm
@@ -268,17 +268,16 @@ def test_union_per_tile(gpu, rng, mode):
     assert 0 < gathered < n_tiles, f"{gathered} of {n_tiles} tiles gathered: the test missed a path"
 
 
-@pytest.mark.parametrize("path", ("scalar",) + flash_cm.PATHS)
-def test_gathered_prefill_attention(gpu, rng, monkeypatch, path):
+@pytest.mark.parametrize("path,kind", flash_cm.RUNS, ids=flash_cm.RUN_IDS)
+def test_gathered_prefill_attention(gpu, rng, monkeypatch, path, kind):
     """(S3) One attention dispatch over all of qsa_union's tiles (lists, slot rows, per-tile params)
     equals: the reference masked by Sel_t (per-kernel bounds: attention_ref.check_out); the same
     kernel dispatched tile by tile, bit for bit (a row's arithmetic does not depend on the other rows
     of its workgroup, nor on skipped key tiles); and masked dense attention over the position bit rows (GP=0) within the same
     bound of that reference. Tiles that gather and tiles that fall back to dense; GQA 12; gated; on the
-    scalar kernel and the coopmat kernel (tests/flash_cm.py paths)."""
+    scalar kernel and both coopmat kernels (tests/flash_cm.py runs; one KV split throughout)."""
     H, H_kv, Dh, r, B = 24, 2, 64, 4, 16
-    kind, label = (Flash.SCALAR, "scalar") if path == "scalar" else (Flash.COOPMAT,
-                                                                    flash_cm.select(path, gpu, monkeypatch, Dh))
+    label = "scalar" if path == "scalar" else f"{kind.value} {flash_cm.select(path, gpu, monkeypatch, Dh)}"
     ctype = CacheType.F16 if rng.integers(2) else CacheType.Q8_0
     tile = int(rng.choice([8, 16]))
     T = tile * int(rng.integers(100 // tile + 1, 200 // tile))  # whole tiles: the per-tile dispatches are
@@ -302,7 +301,7 @@ def test_gathered_prefill_attention(gpu, rng, monkeypatch, path):
         return Heads(Rows(buf, nt, H * Dh, t0 * H * Dh), H, Dh)
 
     attention(g, gp, 0, heads(qb, 0, T), K, V, heads(outs["one"], 0, T), gate=heads(gb, 0, T),
-              mask=CellMask(slots, words), cells=CellList(cells, n_ctx), tile=tile, kind=kind, name="one")
+              mask=CellMask(slots, words), cells=CellList(cells, n_ctx), tile=tile, kind=kind, n_split=1, name="one")
     for k in range(n_tiles):
         t0, nt = k * tile, min(T, k * tile + tile) - k * tile
         attention(g, gp, 2 * k, heads(qb, t0, nt), K, V, heads(outs["tiles"], t0, nt), gate=heads(gb, t0, nt),
@@ -316,7 +315,7 @@ def test_gathered_prefill_attention(gpu, rng, monkeypatch, path):
     got = {name: b.read(np.float32).reshape(T, H, Dh) for name, b in outs.items()}
     assert np.array_equal(got["one"], got["tiles"]), \
         f"{label}: one dispatch differs from the per-tile dispatches by {np.nanmax(np.abs(got['one'] - got['tiles'])):.3g}"
-    cm = kind is Flash.COOPMAT
+    cm = kind.matrices
     check_out(got["one"], q, Kf[:n], Vf[:n], sel, 1 / np.sqrt(Dh), gate, cm, f"{label} gathered")
     check_out(got["dense"], q, Kf[:n], Vf[:n], sel, 1 / np.sqrt(Dh), gate, cm, f"{label} masked dense")
 

@@ -21,8 +21,9 @@ import numpy as np
 from vkflash.bench.kernels import gpu_seconds
 from vkflash.gpu.context import Gpu
 from vkflash.gpu.graph import Graph
-from vkflash.gpu.ops.attention import (CM_SHAPES, Cache, CacheType, CellList, CellMask, Flash, Heads,
-                                       cm_fits, cm_tiles, coopmat_flash_possible, flash_attention, partial_bytes)
+from vkflash.gpu.ops.attention import (CM_SHAPES, SG_SHAPES, Cache, CacheType, CellList, CellMask, CmTiles, Flash,
+                                       Heads, SgTiles, cm_fits, cm_tiles, coopmat_flash_possible, flash_attention,
+                                       partial_bytes, rows_flash_possible, sg_fits, sg_tiles)
 from vkflash.gpu.ops.qsa import qsa_union
 from vkflash.gpu.ops.views import Rows
 
@@ -60,6 +61,18 @@ def _coopmat(gpu: Gpu, dim: int) -> bool:
     return gpu.options.fa_coopmat and coopmat_flash_possible(gpu.caps, dim)
 
 
+def _rows(gpu: Gpu, dim: int) -> bool:
+    """Whether the subgroup-rows coopmat kernel can run here (device and VKFLASH_FA_COOPMAT)."""
+    return gpu.options.fa_coopmat and rows_flash_possible(gpu.caps, dim)
+
+
+def _default(gpu: Gpu, dim: int) -> Flash:
+    """The kernel prefill attention runs on here (attention.flash_kind's choice for f16 caches)."""
+    if _rows(gpu, dim) and gpu.options.fa_rows:
+        return Flash.ROWS
+    return Flash.COOPMAT if _coopmat(gpu, dim) else Flash.SCALAR
+
+
 def _setup(gpu: Gpu, s: Shape, ctype: CacheType, rng: np.random.Generator) -> tuple:
     """(params [p0, n], q heads, K, V, out heads) with random contents (they do not change the speed)."""
     def cache(name: str) -> Cache:
@@ -80,27 +93,33 @@ def _setup(gpu: Gpu, s: Shape, ctype: CacheType, rng: np.random.Generator) -> tu
 
 
 def prefill_tflops(gpu: Gpu, quick: bool = False) -> list[dict]:
-    """TFLOP/s of dense causal prefill attention: scalar f16; where the device runs the coopmat kernel,
-    its default shape on f16 and q8_0, every other CM_SHAPES entry that fits on f16 (named
-    BRxBC/parts), and the default shape with the keys in 2 splits + combine (more workgroups: 512
-    queries of GQA 8 make only 128), to choose the defaults from."""
+    """TFLOP/s of dense causal prefill attention: scalar f16; where the device runs each coopmat
+    kernel (split head dim: coopmat, shapes BRxBC/parts; subgroup rows: rows, shapes BRxBC), its
+    default shape on f16 and q8_0 with the keys whole and in 2 splits + combine (more workgroups: 512
+    queries of GQA 8 make only 128 of 64 rows), and every other shape that fits on f16, to choose the
+    defaults from (attention.ROWS_DIMS, ROWS_SPLITS, CM_SHAPES, SG_SHAPES)."""
     rng = np.random.default_rng()
     rows = []
     for s in QUICK if quick else FULL:
         flops = 4 * s.H * s.Dh * sum(s.n - s.T + t + 1 for t in range(s.T))
-        runs = [(CacheType.F16, Flash.SCALAR, None, 1)]
+        runs: list[tuple[CacheType, Flash, CmTiles | SgTiles | None, int]] = [(CacheType.F16, Flash.SCALAR, None, 1)]
+        families: list[tuple[Flash, CmTiles | SgTiles | None, list]] = []
         if _coopmat(gpu, s.Dh):
-            best = cm_tiles(gpu.caps, s.Dh)
-            runs += [(CacheType.F16, Flash.COOPMAT, best, 1), (CacheType.Q8_0, Flash.COOPMAT, best, 1),
-                     (CacheType.F16, Flash.COOPMAT, best, 2)]
-            runs += [(CacheType.F16, Flash.COOPMAT, t, 1) for t in CM_SHAPES if t != best and cm_fits(gpu.caps, s.Dh, t)]
+            families.append((Flash.COOPMAT, cm_tiles(gpu.caps, s.Dh), [t for t in CM_SHAPES if cm_fits(gpu.caps, s.Dh, t)]))
+        if _rows(gpu, s.Dh):
+            families.append((Flash.ROWS, sg_tiles(gpu.caps, s.Dh), [t for t in SG_SHAPES if sg_fits(gpu.caps, s.Dh, t)]))
+        for kind, best, shapes in families:
+            runs += [(c, kind, best, n) for c in (CacheType.F16, CacheType.Q8_0) for n in (1, 2)]
+            runs += [(CacheType.F16, kind, t, 1) for t in shapes if t != best]
         for ctype, kind, shape, n_split in runs:
             params, q, K, V, out = _setup(gpu, s, ctype, rng)
             part = gpu.buffer(partial_bytes(s.T, s.H, s.Dh, n_split), "bench.partial") if n_split > 1 else None
             g = gpu.graph("bench.flash")
             flash_attention(g, params, 0, q, K, V, out, kind=kind, shape=shape, n_split=n_split, partial=part)
             sec = _seconds(g, quick)
-            tag = (f" {shape.br}x{shape.bc}/{shape.parts}" if shape else "") + (f" split={n_split}" if n_split > 1 else "")
+            tag = (f" {shape.br}x{shape.bc}" + (f"/{shape.parts}" if isinstance(shape, CmTiles) else
+                                                 " prefetch" * shape.prefetch) if shape else "") \
+                + (f" split={n_split}" if n_split > 1 else "")
             rows.append({"name": f"flash prefill {ctype.value} {kind.value}{tag}", "shape": str(s), "seconds": sec,
                          "TFLOP/s": flops / sec / 1e12})
     return rows
@@ -148,8 +167,8 @@ def qsa_prefill(gpu: Gpu, quick: bool = False) -> list[dict]:
     """Seconds (and useful TFLOP/s) of one ubatch's QSA prefill attention at depth over an f16 cache:
     old = one dispatch per query tile of GATHER_TILE (the scalar kernel), new = all tiles in one
     dispatch on the scalar and the default kernel (the default also at tiles of GATHER_TILE/2 and
-    2·GATHER_TILE, to choose hybrid.GATHER_TILE from), and GP=0's masked dense attention; qsa_union's
-    own time on rows of its own."""
+    2·GATHER_TILE, to choose hybrid.GATHER_TILE from; the other coopmat kernel at GATHER_TILE), and
+    GP=0's masked dense attention; qsa_union's own time on rows of its own."""
     rng = np.random.default_rng()
     s = (QUICK if quick else FULL)[-1]
     params, q, K, V, out = _setup(gpu, s, CacheType.F16, rng)
@@ -160,7 +179,7 @@ def qsa_prefill(gpu: Gpu, quick: bool = False) -> list[dict]:
     packed = (bits.reshape(s.T, words, 32) << np.arange(32, dtype=np.uint64)).sum(axis=-1).astype(np.uint32)
     sel_rows = Rows(gpu.upload(packed, "bench.sel"), s.T, words)  # bit j of word j/32: as qsa_select writes
     flops = 4 * s.H * s.Dh * int(sel.sum())
-    default = Flash.COOPMAT if _coopmat(gpu, s.Dh) else Flash.SCALAR
+    default = _default(gpu, s.Dh)
     rows = []
 
     def row(name: str, u: Union | None, build) -> None:
@@ -195,6 +214,10 @@ def qsa_prefill(gpu: Gpu, quick: bool = False) -> list[dict]:
     if default is not Flash.SCALAR:
         for t, ut in unions.items():
             row(f"qsa prefill one dispatch, {default.value} tile={t}", ut, lambda g, ut=ut: one(g, ut, default))
+        other = {Flash.ROWS: Flash.COOPMAT if _coopmat(gpu, s.Dh) else None,
+                 Flash.COOPMAT: Flash.ROWS if _rows(gpu, s.Dh) else None}[default]
+        if other is not None:
+            row(f"qsa prefill one dispatch, {other.value} tile={GATHER_TILE}", u, lambda g: one(g, u, other))
         row(f"qsa prefill masked dense (GP=0), {default.value}", None, lambda g: flash_attention(
             g, params, 0, q, K, V, out, mask=CellMask(sel_rows.buf, words), kind=default))
     return rows

@@ -46,6 +46,7 @@ class GpuOptions:
     hc_tails: bool = True  # hyper-connection tails as one hc.comp dispatch each (else eltwise ops)
     coopmat: bool = False  # cooperative-matrix GEMMs for non-F32 weights where the device has them
     fa_coopmat: bool = True  # cooperative-matrix flash-attention prefill over f16 / q8_0 caches, where possible
+    fa_rows: bool = True  # ... on the subgroup-rows kernel (attn_flash_sg.comp; else attn_flash_cm.comp)
     mmid_compact: bool = True  # MoE prefill launches only live (expert, tile) pairs
     mmid_fast_fetch: bool = True  # the coopmat MoE prefill GEMM decodes weight groups from wide loads
     mm_splitk: bool = True  # split-K for tiled GEMMs with few output tiles; more workgroups for the transposed GEMV
@@ -84,6 +85,7 @@ class GpuOptions:
         off = bool(s["VKFLASH_DISABLE_FUSION"])
         return cls(fusions=frozenset() if off else frozenset(fusions), hc_tails=bool(s["VKFLASH_HC_FUSE"]) and not off,
                    coopmat=not s["VKFLASH_DISABLE_COOPMAT"], fa_coopmat=bool(s["VKFLASH_FA_COOPMAT"]),
+                   fa_rows=bool(s["VKFLASH_FA_ROWS"]),
                    mmid_compact=bool(s["VKFLASH_MMID_COMPACT"]), mmid_fast_fetch=bool(s["VKFLASH_MMID_FAST_FETCH"]),
                    mm_splitk=bool(s["VKFLASH_MM_SPLITK"]),
                    gdn_matrix=bool(s["VKFLASH_GDN_MATRIX"]), attn_decode=bool(s["VKFLASH_ATTN_DECODE"]),

@@ -4,7 +4,10 @@ Steps of ≤ 8 queries go to ops/attn_decode.py (unless VKFLASH_ATTN_DECODE=0); 
 kernels that share one interface (shaders/common/attn.glsl): the scalar f32 attn_flash.comp, and
 attn_flash_cm.comp, whose Q·Kᵀ and P·V run as f16 cooperative-matrix products accumulated in f32
 (prefill of at least COOPMAT_MIN_TOKENS tokens over f16 / q8_0 caches where the device has them,
-unless VKFLASH_FA_COOPMAT=0). Rows are the (token, q head) pairs of one kv head, so K/V tiles are
+unless VKFLASH_FA_COOPMAT=0); that family has two kernels: attn_flash_sg.comp, in which each subgroup
+owns 16 rows over the whole head dim (S, softmax and O without cross-subgroup sums), and the earlier
+attn_flash_cm.comp, in which two subgroups split a row block's head dim and add their S through shared
+memory (VKFLASH_FA_ROWS=0). Rows are the (token, q head) pairs of one kv head, so K/V tiles are
 shared by the whole GQA group; key tiles that a mask hides from every row of a workgroup are
 skipped. Queries may come in tiles with their own params and cell lists (gathered QSA prefill: every
 tile of the ubatch in one dispatch). With n_split > 1 the KV range is cut into n_split chunks whose
@@ -131,6 +134,18 @@ class FlashCmSpec(SpecConstants):
 
 
 @dataclass(frozen=True)
+class FlashSgSpec(SpecConstants):
+    """attn_flash_sg.comp's head dim, rows (16 per worker subgroup), key tile, flags (as FlashSpec) and
+    whether the next key tile is fetched during this one's math."""
+
+    dh: u32
+    br: u32
+    bc: u32
+    flags: u32
+    prefetch: boolean
+
+
+@dataclass(frozen=True)
 class AttnCombinePush(PushConstants):
     """attn_combine.comp's push constants: tokens, q heads, splits, the gate and output head views."""
 
@@ -154,6 +169,7 @@ class AttnCombineSpec(SpecConstants):
 
 
 CM_WG = 256  # invocations of the coopmat flash kernel: 8 subgroups of 32 (or 4 of 64)
+SG_WG = 256  # invocations of the subgroup-rows kernel: 8 subgroups of 32 (or 4 of 64)
 KERNELS = (
     [Kernel(f"kv_append_{c.value}", "kv_append.comp", 5, defines=((c.define, 1),), local_size=64,
             push=AppendPush, spec=AppendSpec) for c in CacheType]
@@ -161,12 +177,15 @@ KERNELS = (
               push=FlashPush, spec=FlashSpec) for c in CacheType]
     + [Kernel(f"attn_flash_cm_{c.value}", "attn_flash_cm.comp", 9, defines=((c.define, 1),), local_size=CM_WG,
               needs=frozenset({"coopmat_f16"}), push=FlashPush, spec=FlashCmSpec) for c in CacheType]
+    + [Kernel(f"attn_flash_sg_{c.value}", "attn_flash_sg.comp", 9, defines=((c.define, 1),), local_size=SG_WG,
+              needs=frozenset({"coopmat_f16"}), push=FlashPush, spec=FlashSgSpec) for c in CacheType]
     + [Kernel("attn_combine", "attn_combine.comp", 3, local_size=64, push=AttnCombinePush,
               spec=AttnCombineSpec)]
 )
 MAX_GROUPS = 4096  # grid-stride loop of kv_append covers the rest
 COOPMAT_MIN_TOKENS = 9  # fewer query tokens (decode, MTP verify) never take the coopmat flash kernel
 CM_KERNEL = "attn_flash_cm"  # kernel family of the coopmat flash kernel (tests swap in an emulated build)
+SG_KERNEL = "attn_flash_sg"  # kernel family of the subgroup-rows coopmat kernel (likewise)
 SKIP_WINDOW = 32 * 4  # bytes of the tile-skip bitset in both flash kernels' shared memory (common/attn.glsl)
 
 
@@ -319,10 +338,17 @@ class CellList:
 
 
 class Flash(str, Enum):
-    """Which flash kernel runs: scalar f32, or cooperative matrix (CM_KERNEL)."""
+    """Which flash kernel runs: scalar f32, cooperative matrix with the head dim split over subgroups
+    (CM_KERNEL), or cooperative matrix with subgroup-owned rows (SG_KERNEL)."""
 
     SCALAR = "scalar"
     COOPMAT = "coopmat"
+    ROWS = "rows"
+
+    @property
+    def matrices(self) -> bool:
+        """Whether this kernel rounds its inputs to f16 for matrix products (the coopmat bounds)."""
+        return self is not Flash.SCALAR
 
 
 def flash_tiles(dim: int, rows: int, shared_bytes: int) -> tuple[int, int]:
@@ -379,6 +405,56 @@ def cm_tiles(caps: "Capabilities", dim: int) -> CmTiles | None:
     return next((t for t in CM_SHAPES if cm_fits(caps, dim, t)), None)
 
 
+@dataclass(frozen=True)
+class SgTiles:
+    """Subgroup-rows kernel shape: BR rows (one worker subgroup per 16) × key tiles of BC; with
+    `prefetch` the next tile's K and V are fetched into registers during this tile's math."""
+
+    br: int
+    bc: int
+    prefetch: bool = False
+
+    @property
+    def workers(self) -> int:
+        return self.br // 16
+
+    def shared_bytes(self, dim: int) -> int:
+        """sK, sV (f16, row stride Dh+8) + sS (f32, stride BC+4) + sP (f16, stride BC+8) + sJ + 3 row
+        stats + the skip bitset, as declared in attn_flash_sg.comp."""
+        return (4 * self.bc * (dim + 8) + 4 * self.br * (self.bc + 4) + 2 * self.br * (self.bc + 8)
+                + 4 * self.bc + 12 * self.br + SKIP_WINDOW)
+
+
+SG_SHAPES = (SgTiles(128, 16), SgTiles(128, 16, True), SgTiles(64, 32), SgTiles(64, 16))
+"""In order of preference: 8 worker subgroups of ≤ 32 on 16-key tiles (35 KiB of shared memory at
+Dh 256), the same with the next tile fetched ahead, 4 workers (subgroups of 64), 16-key tiles where
+shared memory is short. On the H200 at 512 × 33k, Dh 256, 2 splits: 128x16 48.7 TFLOP/s f16 (46.8
+q8_0), with prefetch 50.7 f16 (measured once, f16 only: not the default yet); 64x32 44.5 (one run
+each; `vkflash bench kernels --only attn_prefill` prints them all)."""
+
+
+def sg_fits(caps: "Capabilities", dim: int, t: SgTiles) -> bool:
+    """Whether the device can run subgroup-rows shape t at head dim `dim`: enough subgroups for its
+    workers at the largest subgroup size, power-of-two subgroups (the softmax's lanes per row), and
+    its shared arrays within the device's shared memory."""
+    sg_max = max(caps.subgroup_size, caps.subgroup_max)
+    sg_min = min(caps.subgroup_size, caps.subgroup_min)
+    return (dim % 16 == 0 and caps.max_invocations >= SG_WG and t.workers <= SG_WG // sg_max
+            and sg_min & (sg_min - 1) == 0 and t.shared_bytes(dim) <= caps.shared_memory)
+
+
+def sg_tiles(caps: "Capabilities", dim: int) -> SgTiles | None:
+    """The first SG_SHAPES entry the device can run at head dim `dim` (sg_fits), if any."""
+    return next((t for t in SG_SHAPES if sg_fits(caps, dim, t)), None)
+
+
+def rows_flash_possible(caps: "Capabilities", dim: int) -> bool:
+    """Whether the device can run the subgroup-rows kernel at head dim `dim`: 16×16×16 f16 matrices,
+    the kernel usable, and an SG_SHAPES entry that fits."""
+    return (has_coopmat_16(caps) and kernel(f"{SG_KERNEL}_f16").usable(caps) and sg_tiles(caps, dim) is not None
+            and kernel(f"{SG_KERNEL}_f16").workgroup(caps) == SG_WG)
+
+
 def has_coopmat_16(caps: "Capabilities") -> bool:
     """Whether the device offers 16×16×16 f16·f16 + f32 cooperative matrices (the coopmat kernel's)."""
     return any((s.m, s.n, s.k, s.a, s.b, s.c, s.result) == (16, 16, 16, "f16", "f16", "f32", "f32")
@@ -392,14 +468,28 @@ def coopmat_flash_possible(caps: "Capabilities", dim: int) -> bool:
             and kernel(f"{CM_KERNEL}_f16").workgroup(caps) == CM_WG)
 
 
-def flash_kind(g: "Graph", T: int, dim: int, cache: CacheType) -> Flash:
-    """The default kernel for T query tokens over a cache of type `cache`: coopmat for prefill
-    (T ≥ COOPMAT_MIN_TOKENS) of f16 / q8_0 caches where coopmat_flash_possible and the graph's options
-    allow it (VKFLASH_FA_COOPMAT); else scalar. f32 caches stay scalar (as F32 weights keep the f32
-    GEMM): rounding them to f16 would undo what f32 storage is for."""
-    if (T >= COOPMAT_MIN_TOKENS and cache is not CacheType.F32 and g.options.fa_coopmat
-            and coopmat_flash_possible(g.gpu.caps, dim)):
-        return Flash.COOPMAT
+ROWS_DIMS = (256,)
+"""Head dims at which dense prefill defaults to the subgroup-rows kernel: where the H200 measured it
+faster (512 × 33k keys, 2 splits, vs the split-head-dim kernel at 1 as the engine ran it: Qwen3-Next
+16/2 heads f16 48.7 vs 45.3 TFLOP/s, q8_0 46.8 vs 37.7; 24/2 heads f16 37.5 vs 34.9)."""
+ROWS_SPLITS = 2
+"""KV splits of the subgroup-rows kernel's prefill by default: its 128-row workgroups are too few to
+fill a GPU otherwise (25.3 TFLOP/s at 1 split in the measurement above)."""
+
+
+def flash_kind(g: "Graph", T: int, dim: int, cache: CacheType, gathered: bool = False) -> Flash:
+    """The default kernel for T query tokens over a cache of type `cache`: for prefill
+    (T ≥ COOPMAT_MIN_TOKENS) of f16 / q8_0 caches where the graph's options allow matrices
+    (VKFLASH_FA_COOPMAT), the subgroup-rows kernel for dense attention at ROWS_DIMS where
+    rows_flash_possible (unless VKFLASH_FA_ROWS=0), else the split-head-dim coopmat kernel where
+    coopmat_flash_possible (gathered QSA prefill too: the subgroup-rows kernel was not faster there);
+    else scalar. f32 caches stay scalar (as F32 weights keep the f32 GEMM): rounding them to f16 would
+    undo what f32 storage is for."""
+    if T >= COOPMAT_MIN_TOKENS and cache is not CacheType.F32 and g.options.fa_coopmat:
+        if g.options.fa_rows and not gathered and dim in ROWS_DIMS and rows_flash_possible(g.gpu.caps, dim):
+            return Flash.ROWS
+        if coopmat_flash_possible(g.gpu.caps, dim):
+            return Flash.COOPMAT
     return Flash.SCALAR
 
 
@@ -465,16 +555,17 @@ def attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v:
 def flash_attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v: Cache, out: Heads, *,
                     gate: Heads | None = None, mask: CellMask | None = None, cells: CellList | None = None,
                     tile: int = 0, n_split: int | None = None, partial: Buffer | None = None,
-                    scale: float | None = None, kind: Flash | None = None, shape: CmTiles | None = None,
+                    scale: float | None = None, kind: Flash | None = None, shape: CmTiles | SgTiles | None = None,
                     name: str = "attn") -> None:
     """attention() on a flash kernel whatever the number of queries (the plain decode path): `kind`
-    (default flash_kind(...)), in `shape` (coopmat; default cm_tiles(...), which benches and tests
-    override). n_split (default: flash-decode splits for steps of at most SPLIT_MAX_TOKENS tokens,
+    (default flash_kind(...)), in `shape` (coopmat: a CmTiles, default cm_tiles(...); rows: an SgTiles,
+    default sg_tiles(...); benches and tests override them). n_split (default: flash-decode splits for steps of at most SPLIT_MAX_TOKENS tokens,
     else 1) > 1 adds a combine dispatch; its partials go to `partial` (default: an intermediate of the
-    graph)."""
+    graph; the subgroup-rows kernel's prefill default is ROWS_SPLITS)."""
     T, H, Dh, H_kv = q.n_tokens, q.n_heads, q.dim, k.n_heads
+    kind = flash_kind(g, T, Dh, k.type, cells is not None) if kind is None else kind
     if n_split is None:
-        n_split = decode_splits(k.n_ctx) if T <= SPLIT_MAX_TOKENS else 1
+        n_split = decode_splits(k.n_ctx) if T <= SPLIT_MAX_TOKENS else ROWS_SPLITS if kind is Flash.ROWS else 1
     if n_split > 1 and partial is None:
         partial = g.temp(partial_bytes(T, H, Dh, n_split), f"{name}.partial")
     if tile < 0 or (tile and cells is None):
@@ -488,7 +579,6 @@ def flash_attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cac
         raise ValueError(f"{name}: n_split={n_split} needs a partial buffer of {partial_bytes(T, H, Dh, n_split)} B")
 
     caps = g.gpu.caps
-    kind = flash_kind(g, T, Dh, k.type) if kind is None else kind
     G, TQ = H // H_kv, tile or T
     flags = (1 if gate is not None and not split else 0) | (2 if mask else 0) | (4 if cells else 0) | (8 if split else 0)
     spec: SpecConstants
@@ -496,14 +586,22 @@ def flash_attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cac
         kname = f"attn_flash_{k.type.value}"
         br, bc = flash_tiles(Dh, TQ * G, caps.shared_memory)
         spec = FlashSpec(Dh, br, bc, flags)
-    else:
+    elif kind is Flash.COOPMAT:
         kname = f"{CM_KERNEL}_{k.type.value}"
         cm = shape or cm_tiles(caps, Dh)
-        if cm is None or not cm_fits(caps, Dh, cm) or not coopmat_flash_possible(caps, Dh):
+        if not isinstance(cm, CmTiles) or not cm_fits(caps, Dh, cm) or not coopmat_flash_possible(caps, Dh):
             raise ValueError(f"{name}: {caps.name} cannot run the coopmat flash kernel at head dim {Dh}"
                              + (f" in shape {cm}" if cm else ""))
         br, bc = cm.br, cm.bc
         spec = FlashCmSpec(Dh, br, bc, flags, cm.workers)
+    else:
+        kname = f"{SG_KERNEL}_{k.type.value}"
+        st = shape or sg_tiles(caps, Dh)
+        if not isinstance(st, SgTiles) or not sg_fits(caps, Dh, st) or not rows_flash_possible(caps, Dh):
+            raise ValueError(f"{name}: {caps.name} cannot run the subgroup-rows flash kernel at head dim {Dh}"
+                             + (f" in shape {st}" if st else ""))
+        br, bc = st.br, st.bc
+        spec = FlashSgSpec(Dh, br, bc, flags, st.prefetch)
     gv = gate if gate is not None else q
     bufs = [params, q.rows.buf, gv.rows.buf, k.buf, v.buf, mask.buf if mask else k.buf,
             cells.buf if cells else k.buf, k.buf if split else out.rows.buf, partial if split else k.buf]
