@@ -49,6 +49,9 @@ def select(path: str, gpu, monkeypatch, dim: int = 64) -> str:
         if not (A.coopmat_flash_possible(caps, dim) and A.rows_flash_possible(caps, dim)):
             pytest.skip(f"{caps.name} cannot run the coopmat flash kernels at head dim {dim}")
         return f"device coopmat {A.cm_tiles(caps, dim)} / {A.sg_tiles(caps, dim)}"
+    if A.coopmat_flash_possible(caps, dim) and A.rows_flash_possible(caps, dim):
+        pytest.skip(f"{caps.name} runs the coopmat flash kernels themselves (the device path); the software "
+                    "matrices are for drivers without them")
     missing = [k.name for k in emulated_kernels() if not have_compiler()
                and not (cache_dir() / f"{Path(k.shader).stem}-{variant_key(k.shader, dict(k.defines))}.spv").exists()]
     if missing:
