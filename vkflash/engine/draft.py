@@ -127,6 +127,7 @@ class MtpDrafter:
         self._ub = fwd.ub  # the most hidden rows a step leaves (UB at boot: the guard may lower it)
         self._reserved = False
         self._graphs: dict[tuple[object, ...], Graph] = {}
+        self._inflight: Graph | None = None  # a catch-up submitted and not yet waited for
         self._params: StepParams | None = None
         self._rows: list[StepParams] = []
         self._kv = allocate_kv(gpu, hp, fwd.n_ctx, fwd.model.kv.type, [hp.L], self._cells(fwd.guard.held))
@@ -240,6 +241,7 @@ class MtpDrafter:
     def _switch(self, path: Path | None) -> None:
         """Free, then load: its graphs and the weights it holds alone go first, then `path`'s block
         (None: the model file's own) is uploaded and the head made of it."""
+        self.settle()
         self._drop_graphs()
         for b in self._own:
             self.fwd.gpu.free(b)
@@ -285,13 +287,24 @@ class MtpDrafter:
 
     # --- GPU work --------------------------------------------------------------------------
     def catch_up(self, next_token: int) -> None:
-        """(D1) write every pending row into the head's cache; `next_token` is the last one's token."""
+        """(D1) write every pending row into the head's cache; `next_token` is the last one's token.
+        Not waited for: the target step submitted next on the same queue starts with a barrier, so
+        it runs after the catch-up and one wait serves both (`settle` collects it)."""
         if self._c == 0:
             return
+        self.settle()
         toks = np.asarray(self._tokens + [next_token], np.int32)
         self._set(self.d.model.params, self._p0, toks)
-        self._catch_graph(self._c).run()
+        g = self._catch_graph(self._c)
+        g.submit()
+        self._inflight = g
         self._c = 0
+
+    def settle(self) -> None:
+        """Wait for a catch-up still in flight (before the params it reads are rewritten)."""
+        g, self._inflight = self._inflight, None
+        if g is not None:
+            g.wait()
 
     def draft(self, x: int, k: int, logits: bool = False) -> Drafted:
         """(D1) the pending rows, the draft row (x at the target's next position) and k − 1 chained
@@ -341,6 +354,7 @@ class MtpDrafter:
         c = self._c
         if c == 0:
             raise ValueError("draft: no pending target row (the draft row needs the target's last hidden row)")
+        self.settle()
         if c > 1:
             self._set(self.d.model.params, self._p0, np.asarray(self._tokens, np.int32))
         self._pos0 = self._p0 + c - 1
