@@ -200,6 +200,9 @@ KNOBS: tuple[Knob, ...] = (
     _k("VKFLASH_QSA_SCORE_TILE", _bool, True,
        "0: prefill QSA block scores one query per workgroup (every summary row read once per query, "
        "uncoalesced) instead of tiles of queries and blocks staged in shared memory", "revert"),
+    _k("VKFLASH_MTP_CATCHUP_ASYNC", _bool, True,
+       "0: the MTP draft head's catch-up rows are waited for before the target step instead of running "
+       "ahead of it on the same queue (one host wait per plain round, not two)", "revert"),
     _k("VKFLASH_ROUTER_RANK", _bool, False,
        "1: the MoE router counts every expert's rank in one pass instead of k workgroup-argmax rounds "
        "(same ids and weights; H200, E 512 k 10: 15.5 vs 9.7 µs, so off)", "backend"),

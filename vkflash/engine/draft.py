@@ -41,6 +41,7 @@ from vkflash.gpu.memory import Buffer, fmt_bytes
 from vkflash.gpu.ops.attention import Cache
 from vkflash.model.hparams import HParams, hparams_from_gguf
 from vkflash.model.tensors import validate_tensors
+from vkflash.settings import current
 
 SHARED_KEYS = ("d", "V", "H", "H_kv", "Dh", "n_rot", "theta", "eps", "E", "k", "F", "F_s", "hc", "lr", "L")
 """Hyper-parameters a separate draft file must share with its target."""
@@ -128,6 +129,7 @@ class MtpDrafter:
         self._reserved = False
         self._graphs: dict[tuple[object, ...], Graph] = {}
         self._inflight: Graph | None = None  # a catch-up submitted and not yet waited for
+        self._async = bool(current()["VKFLASH_MTP_CATCHUP_ASYNC"])
         self._params: StepParams | None = None
         self._rows: list[StepParams] = []
         self._kv = allocate_kv(gpu, hp, fwd.n_ctx, fwd.model.kv.type, [hp.L], self._cells(fwd.guard.held))
@@ -296,8 +298,11 @@ class MtpDrafter:
         toks = np.asarray(self._tokens + [next_token], np.int32)
         self._set(self.d.model.params, self._p0, toks)
         g = self._catch_graph(self._c)
-        g.submit()
-        self._inflight = g
+        if self._async:
+            g.submit()
+            self._inflight = g
+        else:
+            g.run()
         self._c = 0
 
     def settle(self) -> None:
