@@ -18,6 +18,7 @@ from vkflash.bench.kernels import timed
 from vkflash.formats.quant_blocks import row_bytes
 from vkflash.formats.quants import random_blocks
 from vkflash.gpu.context import Gpu
+from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops.matmul import (CM_TILES, TEAM_TPR_MIN, TEAM_WG, TEAMS_SLOWER, CmTile, GemvPlan, HcMixGemv,
                                     QWeight, cm_shape, cm_tile, coopmat_possible, matmul, q8_possible, tiny_tokens)
 from vkflash.gpu.ops.views import Rows
@@ -196,6 +197,15 @@ def gemv_columns(gpu: Gpu, shapes: Iterable[tuple[Q, int, int]] | None = None, q
     return rows
 
 
+def _gemm_operands(gpu: Gpu, q: Q, k: int, n_out: int, n_tok: int, quick: bool, rng: np.random.Generator,
+                   n_y: int) -> tuple[int, list, Buffer, list[Buffer]]:
+    """A GEMM bench's weight bytes, rotated weight copies (beyond the caches), random x and n_y outputs."""
+    nbytes = n_out * row_bytes(q, k)
+    ws = _weights(gpu, q, k, n_out, _rotation(nbytes, quick), rng)
+    x = gpu.upload(rng.standard_normal(n_tok * k, dtype=np.float32), "bench.x")
+    return nbytes, ws, x, [gpu.buffer(4 * n_tok * n_out, f"bench.y{i}") for i in range(n_y)]
+
+
 def gemm_tflops(gpu: Gpu, shapes: Iterable[tuple[Q, int, int, int]] | None = None, quick: bool = False,
                 tiles: bool = True) -> list[dict]:
     """TFLOP/s of the prefill GEMM for each (type, K, n_out, n_tok) (default GEMMS): the scalar f32
@@ -204,10 +214,7 @@ def gemm_tflops(gpu: Gpu, shapes: Iterable[tuple[Q, int, int, int]] | None = Non
     rng = np.random.default_rng()
     rows = []
     for q, k, n_out, n_tok in shapes or (GEMMS_QUICK if quick else GEMMS):
-        nbytes = n_out * row_bytes(q, k)
-        ws = _weights(gpu, q, k, n_out, _rotation(nbytes, quick), rng)
-        x = gpu.upload(rng.standard_normal(n_tok * k, dtype=np.float32), "bench.x")
-        ys = [gpu.buffer(4 * n_tok * n_out, f"bench.y{i}") for i in range(3)]
+        nbytes, ws, x, ys = _gemm_operands(gpu, q, k, n_out, n_tok, quick, rng, 3)
         variants: list[tuple[str, CmTile | None]] = [("scalar", None)]
         shape = cm_shape(gpu.caps)
         best = cm_tile(gpu.caps, n_out, n_tok)
@@ -236,10 +243,7 @@ def split_gemm_tflops(gpu: Gpu, shapes: Iterable[tuple[Q, int, int, int]] | None
     rng = np.random.default_rng()
     rows = []
     for q, k, n_out, n_tok in shapes or (SPLIT_GEMMS_QUICK if quick else SPLIT_GEMMS):
-        nbytes = n_out * row_bytes(q, k)
-        ws = _weights(gpu, q, k, n_out, _rotation(nbytes, quick), rng)
-        x = gpu.upload(rng.standard_normal(n_tok * k, dtype=np.float32), "bench.x")
-        y = gpu.buffer(4 * n_tok * n_out, "bench.y")
+        nbytes, ws, x, (y,) = _gemm_operands(gpu, q, k, n_out, n_tok, quick, rng, 1)
         cm = coopmat_possible(gpu.caps, q)
         picked = "split-K" if gpu.options.mm_splitk else "unsplit"
         variants: list[tuple[str, Gpu, int | None]] = [

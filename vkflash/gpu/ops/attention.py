@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
@@ -588,18 +588,13 @@ def flash_attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cac
         spec = FlashSpec(Dh, br, bc, flags)
     elif kind is Flash.COOPMAT:
         kname = f"{CM_KERNEL}_{k.type.value}"
-        cm = shape or cm_tiles(caps, Dh)
-        if not isinstance(cm, CmTiles) or not cm_fits(caps, Dh, cm) or not coopmat_flash_possible(caps, Dh):
-            raise ValueError(f"{name}: {caps.name} cannot run the coopmat flash kernel at head dim {Dh}"
-                             + (f" in shape {cm}" if cm else ""))
+        cm = _runnable(name, caps, Dh, shape or cm_tiles(caps, Dh), CmTiles, cm_fits, coopmat_flash_possible, "coopmat")
         br, bc = cm.br, cm.bc
         spec = FlashCmSpec(Dh, br, bc, flags, cm.workers)
     else:
         kname = f"{SG_KERNEL}_{k.type.value}"
-        st = shape or sg_tiles(caps, Dh)
-        if not isinstance(st, SgTiles) or not sg_fits(caps, Dh, st) or not rows_flash_possible(caps, Dh):
-            raise ValueError(f"{name}: {caps.name} cannot run the subgroup-rows flash kernel at head dim {Dh}"
-                             + (f" in shape {st}" if st else ""))
+        st = _runnable(name, caps, Dh, shape or sg_tiles(caps, Dh), SgTiles, sg_fits, rows_flash_possible,
+                       "subgroup-rows")
         br, bc = st.br, st.bc
         spec = FlashSgSpec(Dh, br, bc, flags, st.prefetch)
     gv = gate if gate is not None else q
@@ -626,6 +621,19 @@ def flash_attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cac
                    spec=AttnCombineSpec(Dh, gate is not None), name=f"{name}.combine",
                    desc=f"T={T} H={H} split={n_split}",
                    nbytes=partial_bytes(T, H, Dh, n_split))
+
+
+T_ = TypeVar("T_")
+
+
+def _runnable(name: str, caps: "Capabilities", Dh: int, tiles: object, kind: type[T_],
+              fits: Callable[["Capabilities", int, T_], bool], possible: Callable[["Capabilities", int], bool],
+              label: str) -> T_:
+    """`tiles` when it is a `kind` shape the device runs at head dim Dh, else one ValueError."""
+    if not isinstance(tiles, kind) or not fits(caps, Dh, tiles) or not possible(caps, Dh):
+        raise ValueError(f"{name}: {caps.name} cannot run the {label} flash kernel at head dim {Dh}"
+                         + (f" in shape {tiles}" if tiles else ""))
+    return tiles
 
 
 def partial_bytes(T: int, H: int, dim: int, n_split: int) -> int:
