@@ -30,7 +30,7 @@ from vkflash.engine.graphs.hybrid import (attention_sublayer, gdn_sublayer, hybr
 from vkflash.engine.qsa_config import QSAConfig
 from vkflash.engine.state import RecurrentState, n_draft
 from vkflash.engine.step_params import StepParams
-from vkflash.engine.weights_gpu import Stack, Stored, Transform, as_f32, host_row_gather
+from vkflash.engine.weights_gpu import Stack, Stored, Transform, as_f32, host_row_gather, raw_row_gather
 from vkflash.formats.gguf_file import GGUFFile, TensorInfo
 from vkflash.formats.quant_blocks import BLOCK, row_bytes
 from vkflash.gpu.ops import eltwise as E
@@ -200,16 +200,6 @@ def ple_raw_type(gf: GGUFFile, hp: HParams) -> Q | None:
     qt = Q(gf.tensors[PLE_TABLE].ggml_type)
     ok = current()["VKFLASH_PLE_RAW"] and qt in TABLE_TYPES and hp.n_p * row_bytes(qt, hp.D_p) % 4 == 0
     return qt if ok else None
-
-
-def raw_row_gather(gf: GGUFFile, name: str) -> Callable[[np.ndarray], np.ndarray]:
-    """Rows of a 2-D table as stored in the mmapped file: ids → the rows' bytes, in order, as flat
-    32-bit words (the rows of a step are a whole number of words). Each row is one opaque item, so
-    the gather copies rows, not bytes (several times faster than indexing a byte matrix)."""
-    info = gf.tensors[name]
-    u8 = np.asarray(info.data).view(np.uint8).reshape(info.ne[1], -1)
-    rows = u8.view(np.dtype((np.void, u8.shape[1]))).reshape(-1)
-    return lambda idx: np.take(rows, np.asarray(idx).reshape(-1)).view(np.uint8).view(np.uint32)
 
 
 class Qwen4ExpGraph:
