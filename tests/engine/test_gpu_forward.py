@@ -129,8 +129,10 @@ def test_logits_at_every_position(gpu, rng, tmp_path, qtype, embd, tied):
 @pytest.mark.parametrize("kv", ["f32", "f16"])
 def test_prefill_then_decode_equals_one_prefill(gpu, rng, tmp_path, kv):
     """prefill(37) + 20 decodes (flash-decode, split KV) = one 57-token prefill, and both match the
-    reference with K/V rounded to the same type at write (f16: the reference rounds identically, so
-    only f32 summation order differs and the exact bound still holds)."""
+    reference with K/V rounded to the same type at write. f32: only summation order differs (1e-4).
+    f16: prefill (GEMM) and decode (GEMV) form K and V in another order, and an element within ~1e-7
+    of an f16 rounding midpoint lands one f16 step (2⁻¹¹ relative) apart — a few such flips per run
+    here, each ≲1e-4·std of the logits — so the two agree to the reference bound instead."""
     path = _model(tmp_path, rng, Q.Q8_0)
     toks = rng.integers(0, GEO.V, 57)
     fwd = GpuForward(path, ctx=600, ub=64, kv=kv, gpu=gpu)
@@ -139,7 +141,7 @@ def test_prefill_then_decode_equals_one_prefill(gpu, rng, tmp_path, kv):
     fwd.reset()
     steps = [fwd.prefill(toks[:37])] + [fwd.decode(int(t)) for t in toks[37:]]
     ref = _reference(path, toks, np.float32 if kv == "f32" else np.float16)
-    assert _rel(np.stack(steps), whole[36:]) <= 1e-4
+    assert _rel(np.stack(steps), whole[36:]) <= (1e-4 if kv == "f32" else EXACT)
     assert _rel(whole, ref) <= EXACT
     assert _rel(np.stack(steps), ref[36:]) <= EXACT
 

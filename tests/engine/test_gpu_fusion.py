@@ -52,8 +52,9 @@ def test_stacked_and_fused_equal_plain(gpu, rng, tmp_path, arch, quant):
     assert np.isfinite(out[True]).all()
     # not bit-equal: a stacked row may go through another kernel (the 1-row shared gate inside the
     # router's GEMM instead of the transposed GEMV) and sum its dot product in another order;
-    # measured ≈ 2e-5·std after 8 layers, while a wrong row or stream is off by O(std)
-    assert rel(out[True], out[False]) < 2e-4, f"{rel(out[True], out[False]):.2e}·std"
+    # typically ≈ 2e-5·std after 8 layers, once 2.9e-4 (random weights amplify a last-bit change
+    # through the layers), while a wrong row or stream is off by O(std): bounded at MODEL.md's 1e-3
+    assert rel(out[True], out[False]) < 1e-3, f"{rel(out[True], out[False]):.2e}·std"
     assert count[True] < count[False]
 
 
