@@ -20,6 +20,20 @@ def test_readme_table_is_generated_from_knobs():
     assert m.group(1) == settings.markdown_table(), "README knob table is stale: run `vkflash knobs --markdown`"
 
 
+def test_knob_table_rows_have_four_cells():
+    """A `|` in a cell (`0 | 1`, `|Δy|`) is escaped, else markdown splits the row and drops the help."""
+    rows = settings.markdown_table().splitlines()[2:]
+    assert len(rows) == len(settings.KNOBS)
+    for knob, row in zip(settings.KNOBS, rows):
+        cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", row)[1:-1]]
+        assert len(cells) == 4, row
+        assert cells[2] == knob.accepts and cells[3] == knob.help
+
+
+def test_choice_names_the_empty_option():
+    assert settings.BY_NAME["REASONING"].accepts.startswith("(empty) | none")
+
+
 def test_precedence_default_env_flag():
     s = settings.load(env={}, flags={})
     assert s["UB"] == 2048 and s.sources["UB"] == "default"

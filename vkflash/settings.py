@@ -52,7 +52,7 @@ def _choice(*options: str) -> Parser:
         if v not in options:
             raise ValueError
         return v
-    parse.__doc__ = " | ".join(options)
+    parse.__doc__ = " | ".join(o or "(empty)" for o in options)
     return parse
 
 
@@ -323,6 +323,11 @@ def install(s: Settings) -> None:
     _current = s
 
 
+def _cell(text: object) -> str:
+    """A markdown table cell: a `|` in the text (`0 | 1`, `|Δy|`) escaped so it does not end the cell."""
+    return str(text).replace("|", "\\|")
+
+
 def markdown_table() -> str:
     """The README's knob table."""
     rows = ["| knob | default | accepts | what |", "|---|---|---|---|"]
@@ -331,5 +336,5 @@ def markdown_table() -> str:
         default = k.default if k.default != "" else "(empty)"
         if isinstance(default, bool):
             default = int(default)
-        rows.append(f"| {names} | {default} | {k.accepts} | {k.help} |")
+        rows.append(f"| {names} | {_cell(default)} | {_cell(k.accepts)} | {_cell(k.help)} |")
     return "\n".join(rows)
