@@ -1,4 +1,4 @@
-"""The `vkflash` command line (typer): info, plan, make-model, bench, and the knob table.
+"""The `vkflash` command line (typer): serve, run, plan, verify, inspect, bench, knobs, make-model, info.
 
 Every user-caused error prints one `error: …` line and exits 1; `--debug` shows the traceback.
 """
@@ -19,7 +19,8 @@ from vkflash import settings
 from vkflash.errors import ConfigError, VkflashError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="vkflash: Vulkan inference for Qwen3.8-Flash-Next")
-bench_app = typer.Typer(no_args_is_help=True, help="Measure kernels (and later: models, the server).")
+bench_app = typer.Typer(no_args_is_help=True,
+                        help="Measure kernels, a model, the server and a cluster: rates against measured ceilings.")
 app.add_typer(bench_app, name="bench")
 console = Console()
 _debug = False
@@ -43,7 +44,7 @@ def _main(debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
 
 
 @app.command()
-def inspect(path: Path) -> None:
+def inspect(path: Path = typer.Argument(..., help="GGUF file")) -> None:
     """Check a GGUF against the model contract: header, metadata, hyper-parameters, every tensor's
     shape, type and place in the file, the tokenizer and the chat template (what run and serve load)."""
     try:
@@ -108,7 +109,8 @@ def info(as_json: bool = typer.Option(False, "--json", help="machine-readable ou
 
 @app.command()
 def serve(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (knob MODEL)"),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file or hf://OWNER/REPO/FILE.gguf "
+                                                                    "(knob MODEL; default: the default model)"),
     host: Optional[str] = typer.Option(None, "--host", help="bind address (knob HOST)"),
     port: Optional[str] = typer.Option(None, "--port", help="port (knob PORT)"),
     ctx: Optional[str] = typer.Option(None, "--ctx", "-c", help="context tokens (knob CTX)"),
@@ -256,8 +258,10 @@ def make_model_cmd(
     quant: Optional[str] = typer.Option(None, "--quant", help="tiny: F32 | F16 | Q8_0 | mix; shape: Q4_K_M | Q8_0"),
     mtp_separate: bool = typer.Option(False, "--mtp-separate", help="write the MTP block to <out>-mtp.gguf"),
     mtp_block: bool = typer.Option(False, "--mtp", help="write the MTP block into the model file (vkflash only)"),
-    variant: Optional[str] = typer.Option(None, "--variant", help="comma-separated layout variants"),
-    seed: int = typer.Option(0, "--seed"),
+    variant: Optional[str] = typer.Option(None, "--variant",
+                                          help="comma-separated layout variants: tied, f_array, hc_norm_2d, "
+                                               "ple_conv_f16, dense, tie_stress, ssm_in"),
+    seed: int = typer.Option(0, "--seed", help="seed of the random weights"),
     sparse: bool = typer.Option(False, "--sparse", help="header and tensor table only, the data a hole (for "
                                                        "`vkflash plan`)"),
     out: Path = typer.Option(..., "--out", help="output GGUF path"),
@@ -275,16 +279,17 @@ def make_model_cmd(
 
 @app.command("run")
 def run_cmd(
-    model: Optional[str] = typer.Argument(None, help="GGUF file (default: the embedded default model)"),
+    model: Optional[str] = typer.Argument(None, help="GGUF file or hf://OWNER/REPO/FILE.gguf (default: the default "
+                                                     "model, fetched once and cached)"),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="answer this and exit; without it: chat"),
     raw: bool = typer.Option(False, "--raw", help="feed the prompt as is, without the chat template"),
     system: Optional[str] = typer.Option(None, "--system", help="system message"),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help="stop after this many tokens"),
     temperature: float = typer.Option(0.0, "--temp", help="0: greedy"),
-    top_k: int = typer.Option(0, "--top-k"),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    min_p: float = typer.Option(0.0, "--min-p"),
-    seed: Optional[int] = typer.Option(None, "--seed"),
+    top_k: int = typer.Option(0, "--top-k", help="draw from the k most likely tokens (0: all)"),
+    top_p: float = typer.Option(1.0, "--top-p", help="draw from the most likely tokens up to this mass"),
+    min_p: float = typer.Option(0.0, "--min-p", help="drop tokens below this × the top probability"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="sampling seed (default: a fresh one)"),
     ctx: Optional[int] = typer.Option(None, "--ctx", "-c", help="context tokens (knob CTX)"),
     ub: Optional[int] = typer.Option(None, "--ub", help="prefill ubatch (knob UB)"),
     kv: Optional[str] = typer.Option(None, "--kv", help="KV cache type (knob KV)"),
@@ -340,7 +345,7 @@ def verify_cmd(
 
 
 @bench_app.command("kernels")
-def bench_kernels(as_json: bool = typer.Option(False, "--json"),
+def bench_kernels(as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
                   quick: bool = typer.Option(False, "--quick", help="small sizes (CI, lavapipe)"),
                   only: Optional[str] = typer.Option(None, "--only", help="comma-separated families, e.g. "
                                                      "gemv,moe_gemv,select (default: all, with replay cost)"),
@@ -357,8 +362,10 @@ def bench_kernels(as_json: bool = typer.Option(False, "--json"),
 
 
 @bench_app.command("serve")
-def bench_serve(model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: knob MODEL)"),
-                as_json: bool = typer.Option(False, "--json"),
+def bench_serve(model: Optional[str] = typer.Option(None, "--model", "-m",
+                                                   help="GGUF file or hf://… (default: knob MODEL, else the "
+                                                        "default model)"),
+                as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
                 quick: bool = typer.Option(False, "--quick", help="short prompts, few tokens (CI; the default on a "
                                            "CPU device or the NumPy reference)"),
                 reps: Optional[int] = typer.Option(None, "--reps", min=1,
@@ -381,7 +388,7 @@ def bench_cluster(url: str = typer.Argument(..., help="a vkflash serve, or a clu
                   agents: int = typer.Option(4, "--agents", min=1, help="conversations at once"),
                   turns: int = typer.Option(8, "--turns", min=1, help="requests per conversation"),
                   max_tokens: int = typer.Option(16, "--max-tokens", min=1, help="tokens generated per request"),
-                  as_json: bool = typer.Option(False, "--json")) -> None:
+                  as_json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
     """Agents at once, each a conversation of turns, through URL: req/s and generated tok/s over
     the run, the share of prompt tokens from a prompt cache, requests per replica (docs/SCALING.md)."""
     try:
@@ -394,11 +401,12 @@ def bench_cluster(url: str = typer.Argument(..., help="a vkflash serve, or a clu
 
 @bench_app.command("model")
 def bench_model(
-    model: Optional[str] = typer.Argument(None, help="GGUF file (default: the embedded default model)"),
+    model: Optional[str] = typer.Argument(None, help="GGUF file or hf://OWNER/REPO/FILE.gguf (default: the default "
+                                                     "model, fetched once and cached)"),
     depth: Optional[str] = typer.Option(None, "--depth", help="comma-separated depths, e.g. 0,8192,32768"),
     ub: Optional[int] = typer.Option(None, "--ub", help="prefill ubatch (knob UB)"),
     kv: Optional[str] = typer.Option(None, "--kv", help="KV cache type (knob KV)"),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
     quick: bool = typer.Option(False, "--quick", help="small sizes, every row (CI, lavapipe)"),
     profile: bool = typer.Option(False, "--profile", help="also the decode step's GPU time per op"),
     reps: Optional[int] = typer.Option(None, "--reps", min=1, help="timings of each depth-0 row (default 3)"),
