@@ -76,8 +76,9 @@ class ChatRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = Field(
         default=None, description="function tools; `<tool_call>` blocks in the output become tool_calls")
     tool_choice: str | dict[str, Any] | None = Field(
-        default=None, description="\"none\": no tools shown nor parsed; \"auto\", \"required\": all tools; "
-        "{\"type\": \"function\", \"function\": {\"name\": …}}: that tool only (a call is not forced)")
+        default=None, description="\"none\": no tools shown nor parsed; \"auto\": all tools, the model chooses; "
+        "\"required\": all tools, the output forced to be calls of them; {\"type\": \"function\", \"function\": "
+        "{\"name\": …}}: that tool only, one call of it forced")
     logprobs: bool = Field(default=False, description="report each output token's log-probability")
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP, description="alternatives per token (needs logprobs)")
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
