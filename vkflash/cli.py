@@ -351,7 +351,8 @@ def bench_kernels(as_json: bool = typer.Option(False, "--json", help="machine-re
                                                      "gemv,moe_gemv,select (default: all, with replay cost)"),
                   sweep: bool = typer.Option(False, "--sweep",
                                              help="also every GEMV team width × rows per team")) -> None:
-    """Copy bandwidth, each kernel's GB/s against it (and the issue's goal), and graph replay cost."""
+    """Copy bandwidth, each kernel's GB/s against it (and its target rate, where one is set), and graph
+    replay cost."""
     try:
         from vkflash.bench.kernels import run
 
