@@ -94,6 +94,13 @@ def test_bad_knob_value_stops_with_its_name():
     assert_one_line_error(r, "UB", "'huge'")
 
 
+@pytest.mark.parametrize("flag, value, knob", [("--ub", "0", "UB"), ("--ctx", "-1", "CTX"), ("--kv", "q4_0", "KV")])
+def test_run_checks_its_knob_flags_like_serve(flag, value, knob, tmp_path):
+    """`run --ub 0` was taken as 1 (and --ctx / --kv unchecked): its flags are the knobs', checked the same way."""
+    r = vkflash("run", str(tmp_path / "absent.gguf"), "-p", "hi", flag, value)
+    assert_one_line_error(r, knob, repr(value))
+
+
 def test_run_and_inspect_refuse_a_truncated_file_in_one_line(tiny, tmp_path):
     """`head -c 40 t.gguf > x.gguf; vkflash run x.gguf -p hi`: the checked loader's line, no traceback."""
     p = tmp_path / "x.gguf"

@@ -290,8 +290,8 @@ def run_cmd(
     top_p: float = typer.Option(1.0, "--top-p", help="draw from the most likely tokens up to this mass"),
     min_p: float = typer.Option(0.0, "--min-p", help="drop tokens below this × the top probability"),
     seed: Optional[int] = typer.Option(None, "--seed", help="sampling seed (default: a fresh one)"),
-    ctx: Optional[int] = typer.Option(None, "--ctx", "-c", help="context tokens (knob CTX)"),
-    ub: Optional[int] = typer.Option(None, "--ub", help="prefill ubatch (knob UB)"),
+    ctx: Optional[str] = typer.Option(None, "--ctx", "-c", help="context tokens (knob CTX; 0: the model's)"),
+    ub: Optional[str] = typer.Option(None, "--ub", help="prefill ubatch (knob UB)"),
     kv: Optional[str] = typer.Option(None, "--kv", help="KV cache type (knob KV)"),
     mtp: Optional[bool] = typer.Option(None, "--mtp/--no-mtp", help="MTP speculative decoding (knob MTP)"),
     draft: Optional[str] = typer.Option(None, "--draft", help="MTP-only GGUF of the draft head (knob MODEL_DRAFT)"),
@@ -304,12 +304,13 @@ def run_cmd(
         from vkflash import run as runner
         from vkflash.model.default_model import resolve_model
 
-        s = settings.load(flags={"MTP": mtp, "MODEL_DRAFT": draft, "MODEL_DRAFT_SMALL": draft_small})
+        s = settings.load(flags={"CTX": ctx, "UB": ub, "KV": kv, "MTP": mtp, "MODEL_DRAFT": draft,
+                                 "MODEL_DRAFT_SMALL": draft_small})  # checked like serve's flags
         settings.install(s)
         err = Console(stderr=True)
         params = runner.sampling(temperature, top_k, top_p, min_p, seed, max_tokens)
         drafts = [resolve_model(s[k], k) if s[k] else None for k in ("MODEL_DRAFT", "MODEL_DRAFT_SMALL")]
-        session = runner.open_session(resolve_model(model), err, ctx, ub, kv, s["MTP"], *drafts)
+        session = runner.open_session(resolve_model(model), err, s["CTX"], s["UB"], s["KV"], s["MTP"], *drafts)
         if prompt is not None:
             runner.run_prompt(session, prompt, params, sys.stdout, err, raw=raw, system=system)
         else:
