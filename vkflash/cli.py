@@ -324,7 +324,7 @@ def verify_cmd(
     model: Path = typer.Argument(..., help="GGUF file"),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="text to verify on (default: random token ids)"),
     tokens: int = typer.Option(17, "--tokens", help="random token ids when no prompt is given"),
-    ctx: int = typer.Option(512, "--ctx", help="context of the GPU caches (decode splits the KV above 256)"),
+    ctx: int = typer.Option(512, "--ctx", help="context of the GPU caches (f32 K/V; at least the tokens verified)"),
     dump: bool = typer.Option(False, "--dump", help="a row for every compared intermediate"),
 ) -> None:
     """Run the GPU forward and the NumPy reference on the same tokens; exit 1 above tolerance."""
