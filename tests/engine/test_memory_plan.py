@@ -24,7 +24,9 @@ from vkflash.engine.guard import GuardConfig, Kind
 from vkflash.engine.plan import DraftFiles, Part, Usage, make_plan, usage
 from vkflash.engine.speculate import Speculator
 from vkflash.formats.gguf_file import GGUFFile
+from vkflash.errors import ConfigError
 from vkflash.gpu.budget import Budget
+from vkflash.gpu.memory import buffer_limit
 from vkflash.model.make_model import make_model
 
 pytestmark = pytest.mark.gpu
@@ -89,6 +91,17 @@ def test_sparse_file_plans_without_data(tmp_path):
     assert abs(plan.boot.usage.parts[Part.WEIGHTS] - stored) <= 0.001 * stored
     kv = [r.usage.parts[Part.KV] for r in plan.rows]
     assert plan.fill_fits and kv == sorted(kv) and kv[-1] == 2 * 2 * 65536 * 2 * 256 * 2  # 2 layers, K+V, f16
+
+
+def test_ctx_past_the_largest_buffer_is_one_clear_error(gpu, tmp_path):
+    """A CTX whose K/V cache of one layer would not fit one buffer the device can index is a
+    ConfigError naming the largest CTX that does (planning builds the caches the boot would); that
+    CTX itself plans (how deep it fills is the memory budget's business)."""
+    path = make_model("qwen4exp", "shape-8L", None, 1, tmp_path / "s8.gguf", sparse=True)[0]
+    most = buffer_limit(gpu.caps) // (2 * 256 * 2)  # H_kv 2 × Dh 256 × f16 per position
+    with pytest.raises(ConfigError, match=f"CTX {most + 1}: the cache 'blk.3.cache_k' .* CTX {most} at most here"):
+        make_plan(path, ctx=most + 1, ub=512, guard=NO_GUARD, suggest=False)
+    assert make_plan(path, ctx=most, ub=512, guard=NO_GUARD, suggest=False).rows
 
 
 def test_plan_command(rng, tmp_path):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
 from vkflash.errors import ConfigError
-from vkflash.gpu.memory import Buffer
+from vkflash.gpu.memory import Buffer, buffer_limit, fmt_bytes
 from vkflash.gpu.ops.attention import Cache, CacheType
 from vkflash.gpu.ops.views import Rows
 from vkflash.model.hparams import HParams
@@ -75,8 +75,15 @@ class KVCaches:
 
 
 def growable_cache(gpu: "Gpu", n_ctx: int, n_heads: int, dim: int, type: CacheType, held: int, name: str) -> Cache:
-    """A cache of n_ctx positions with memory for the first `held`."""
-    buf = gpu.buffer(Cache.nbytes(n_ctx, n_heads, dim, type), name, commit=Cache.nbytes(held, n_heads, dim, type))
+    """A cache of n_ctx positions with memory for the first `held`; a ConfigError naming the largest
+    CTX that fits when one buffer of n_ctx positions is more than the device can index."""
+    nbytes, limit = Cache.nbytes(n_ctx, n_heads, dim, type), buffer_limit(gpu.caps)
+    if nbytes > limit:
+        hint = " (KV=q8_0 holds about twice as many)" if type is CacheType.F16 else ""
+        raise ConfigError(f"CTX {n_ctx}: the cache {name!r} would need {fmt_bytes(nbytes)} in one buffer, more than "
+                          f"this device's largest buffer ({fmt_bytes(limit)}): CTX {limit // Cache.nbytes(1, n_heads, dim, type)} "
+                          f"at most here{hint}")
+    buf = gpu.buffer(nbytes, name, commit=Cache.nbytes(held, n_heads, dim, type))
     return Cache(buf, n_ctx, n_heads, dim, type)
 
 

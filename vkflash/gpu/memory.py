@@ -29,6 +29,7 @@ from vkflash.errors import DeviceError, DoesNotFit
 
 if TYPE_CHECKING:
     from vkflash.gpu.context import Gpu
+    from vkflash.gpu.device import Capabilities
 
 _ids = itertools.count()
 STAGING_BYTES = 64 << 20
@@ -126,13 +127,18 @@ class PlannedBuffer(Buffer):
         return None
 
 
+def buffer_limit(caps: "Capabilities") -> int:
+    """Bytes of the largest buffer a shader can index whole here: the storage range and allocation
+    limits (lavapipe reports 128 MiB but does not enforce it; real drivers do, 4 GiB on the H200),
+    and below 4 GiB in any case (the shaders' byte offsets are 32-bit)."""
+    limit = (1 << 32) - 4
+    return limit if caps.device_type == "cpu" else min(limit, caps.max_storage_range, caps.max_allocation)
+
+
 def check_size(gpu: "Gpu", nbytes: int, name: str) -> None:
-    limit = min(gpu.caps.max_storage_range, gpu.caps.max_allocation)
-    # lavapipe reports 128 MiB but does not enforce it; real drivers do (4 GiB on the H200).
-    if gpu.caps.device_type != "cpu" and nbytes > limit:
-        raise DeviceError(f"buffer {name!r} of {nbytes} B exceeds the device's storage range {limit} B; split it")
-    if nbytes >= 1 << 32:
-        raise DeviceError(f"buffer {name!r} of {nbytes} B exceeds 4 GiB; split it")
+    limit = buffer_limit(gpu.caps)
+    if nbytes > limit:
+        raise DeviceError(f"buffer {name!r} of {nbytes} B exceeds the largest buffer of this device ({limit} B); split it")
 
 
 def words(nbytes: int) -> int:
