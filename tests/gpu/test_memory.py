@@ -55,6 +55,28 @@ def test_growth_keeps_contents_and_graphs_record_again(gpu, rng):
         x.write(np.zeros(n + 1, np.float32))
 
 
+@pytest.mark.parametrize("how", ["free", "grow", "arena"])
+def test_memory_goes_only_after_the_work_in_flight(gpu, rng, how):
+    """A graph submitted without a wait (the MTP catch-up) may still read a buffer when the engine
+    frees it, grows it or clears the arena (the deep-context guard halving UB): each of those waits
+    for every submission in flight first. Without that, lavapipe crashed and a GPU faults."""
+    fresh = gpu.with_options(gpu.options, own_arena=True)
+    n = int(rng.integers(100, 2000))
+    x, y = fresh.buffer(4 * 2 * n, "x", commit=4 * n), fresh.buffer(4 * n, "y")
+    g = fresh.graph("double")
+    t = g.tensor(1, n, "t")  # an arena intermediate
+    E.scale(g, Rows.flat(x, n), 2.0, t)
+    E.scale(g, t, 1.0, Rows.flat(y, n))
+    v = rng.standard_normal(n).astype(np.float32)
+    x.write(v)
+    g.run()
+    g.submit()
+    assert g.in_flight and fresh.in_flight and gpu.in_flight  # one registry for every view of the device
+    {"free": lambda: fresh.free(x), "grow": lambda: fresh.commit(x, 4 * 2 * n), "arena": fresh.arena.clear}[how]()
+    assert not g.in_flight and not gpu.in_flight
+    np.testing.assert_array_equal(y.read(np.float32), 2 * v)
+
+
 def test_budget_refuses_with_does_not_fit(gpu):
     """With a limit, an allocation or a growth past it raises DoesNotFit and allocates nothing."""
     fresh = gpu.with_options(gpu.options, own_arena=True)

@@ -48,15 +48,17 @@ class Gpu:
         self._staging: "Staging | None" = None
         self.ledger = Ledger(self.caps.uma)
         self.arena = Arena(self)
+        self.in_flight: dict[int, "Graph"] = {}  # graphs with submissions not yet waited for (shared by every view)
 
     def with_options(self, options: GpuOptions, own_arena: bool = False) -> "Gpu":
-        """The same device, buffers and pipelines (and arena and ledger, unless `own_arena`: then
-        fresh ones, to measure one configuration), building graphs with other options."""
+        """The same device, buffers and pipelines (and arena, ledger and staging ring, unless
+        `own_arena`: then fresh ones, to measure one configuration), building graphs with other options."""
         other = copy.copy(self)
         other.options = options
         if own_arena:
             other.ledger = Ledger(self.caps.uma)
             other.arena = Arena(other)
+            other._staging = None
         return other
 
     # --- buffers --------------------------------------------------------------------------
@@ -91,6 +93,7 @@ class Gpu:
 
         old = buf.tensor
         assert old is not None
+        self.idle()
         self.retire(buf)
         if not keep:
             old.destroy()
@@ -106,12 +109,19 @@ class Gpu:
 
     def free(self, buf: Buffer) -> None:
         """Release buf's memory now (graphs that bind it must be rebuilt)."""
+        self.idle()
         self.retire(buf)
         if buf.tensor is not None:
             buf.tensor.destroy()
             buf.tensor = None
         buf.committed = 0
         self.ledger.drop(buf)
+
+    def idle(self) -> None:
+        """Wait for every submission still in flight: memory is freed or replaced only after this, as
+        a graph submitted without a wait (the MTP catch-up) may still read it."""
+        while self.in_flight:
+            self.in_flight.popitem()[1].wait()
 
     def upload(self, data: np.ndarray, name: str = "") -> Buffer:
         """A new buffer holding a copy of `data`."""
@@ -181,6 +191,7 @@ class PlanningGpu(Gpu):
         self._staging = None
         self.ledger = Ledger(caps.uma)
         self.arena = Arena(self)
+        self.in_flight = {}
         if not caps.uma:
             self.staging  # a discrete GPU's ring exists once the weights are uploaded
 

@@ -338,6 +338,7 @@ class Graph:
             except RuntimeError as e:  # kp's form of VK_ERROR_DEVICE_LOST, out of memory, …
                 raise DeviceError(f"{self.name}: submission failed: {e}") from e
             self._pending.append(sub)
+            self.gpu.in_flight[id(self)] = self
             trace.submitted(self, sub, sub_t0)
 
     @property
@@ -349,6 +350,7 @@ class Graph:
         """Wait for every submission still in flight."""
         while self._pending:
             self._finish(self._pending.pop(0))
+        self.gpu.in_flight.pop(id(self), None)
 
     def _finish(self, sub: Submission) -> None:
         t0 = time.perf_counter()
@@ -356,6 +358,7 @@ class Graph:
             sub.seq.eval_await()
         except RuntimeError as e:
             self._pending.clear()
+            self.gpu.in_flight.pop(id(self), None)
             raise DeviceError(f"{self.name}: the GPU failed while running it: {e}") from e
         trace.finished(self, sub, t0)
 
