@@ -57,6 +57,19 @@ def test_missing_file(tmp_path):
     assert_one_line_error(vkflash("inspect", str(tmp_path / "nope.gguf")))
 
 
+def test_installed_command_is_the_checked_entry(tmp_path):
+    """The installed `vkflash` command is cli.main (the one-line error for what escapes a command),
+    not the bare Typer app, and answers bad input in one line like `python -m vkflash.cli`."""
+    from importlib.metadata import entry_points
+
+    (ep,) = entry_points(group="console_scripts", name="vkflash")
+    assert ep.value == "vkflash.cli:main"
+    script = Path(sys.executable).parent / "vkflash"
+    r = subprocess.run([str(script), "inspect", str(tmp_path / "absent.gguf")], capture_output=True, text=True,
+                       timeout=120)
+    assert_one_line_error(r, "absent.gguf")
+
+
 def test_unknown_arch(tmp_path):
     p = tmp_path / "llama.gguf"
     write_gguf(p, "llama", {"llama.context_length": 16}, {"token_embd.weight": np.zeros((4, 8), np.float32)})
