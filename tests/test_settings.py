@@ -46,6 +46,10 @@ def test_precedence_default_env_flag():
 def test_ggml_alias():
     s = settings.load(env={"GGML_VK_VISIBLE_DEVICES": "3"})
     assert s["VKFLASH_DEVICE"] == 3 and s.sources["VKFLASH_DEVICE"] == "env GGML_VK_VISIBLE_DEVICES"
+    # llama.cpp's list form: one device runs the model, the first listed
+    assert settings.load(env={"GGML_VK_VISIBLE_DEVICES": "1,2"})["VKFLASH_DEVICE"] == 1
+    with pytest.raises(ConfigError, match="'64,1'"):
+        settings.load(env={"GGML_VK_VISIBLE_DEVICES": "64,1"})
     s = settings.load(env={"GGML_VK_PERF_LOGGER": "1"})
     assert s["VKFLASH_PERF_LOGGER"] is True
 

@@ -36,6 +36,14 @@ def _int_range(lo: int, hi: int) -> Parser:
     return parse
 
 
+def _device_index(s: str) -> int:
+    # one index, or llama.cpp's comma list (GGML_VK_VISIBLE_DEVICES): its first, as one device runs a model
+    return _int_range(0, 63)(s.split(",")[0])
+
+
+_device_index.__doc__ = "integer 0..63, or a comma list (its first)"
+
+
 def _float_range(lo: float, hi: float) -> Parser:
     def parse(s: str) -> float:
         v = float(s.strip())
@@ -215,7 +223,8 @@ KNOBS: tuple[Knob, ...] = (
     # backend
     _k("VKFLASH_BACKEND", _choice("auto", "gpu", "reference"), "auto",
        "auto: the GPU forward where the arch has step graphs, else the NumPy reference", "backend"),
-    _k("VKFLASH_DEVICE", _int_range(0, 63), 0, "Vulkan device index", "backend", "GGML_VK_VISIBLE_DEVICES"),
+    _k("VKFLASH_DEVICE", _device_index, 0, "Vulkan device index (a list as llama.cpp takes it: the first; one "
+       "device runs the model)", "backend", "GGML_VK_VISIBLE_DEVICES"),
     _k("VKFLASH_MAX_INFLIGHT", _int_range(1, 16), 2, "submissions in flight at most", "backend"),
     _k("VKFLASH_SERIALIZE_SUBMISSIONS", _bool, False, "wait for each submission before the next", "backend",
        "GGML_VK_SERIALIZE_SUBMISSIONS"),
