@@ -52,7 +52,7 @@ def _caps(name: str, shared: int, sg: tuple[int, int, int], shapes: tuple[tuple[
         heaps=(), host_visible_device_local=True, extensions=frozenset())
 
 
-PROFILES = {  # as the devices report them (TOOLCHAIN.md, LESSONS.md)
+PROFILES = {  # as the devices report them
     "h200": _caps("NVIDIA H200", 48 << 10, (32, 32, 32), ((16, 16, 16), (16, 8, 16), (16, 8, 8))),
     "radv": _caps("AMD Radeon 8060S (RADV)", 64 << 10, (64, 32, 64), ((16, 16, 16),)),
 }

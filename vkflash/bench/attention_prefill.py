@@ -7,7 +7,7 @@ heads of 256), FLOP/s counted over the keys each query sees (4·H·Dh per query-
 Flash-Next's selection (B = 2048 cells in blocks of r = 4, plus the tail) for T queries at depth n;
 neighbouring queries share most blocks as a real model's do (each query keeps its predecessor's
 blocks but for 4%, replaced at random: the union of 128 neighbours then covers ~40% of a 32k cache,
-as LESSONS.md reports), the per-tile union built by qsa_union as the engine does; FLOP/s count only
+as reported for the real model: 30–50%), the per-tile union built by qsa_union as the engine does; FLOP/s count only
 the selected cells (the useful work). Rows are dict(name, shape, seconds, "TFLOP/s") like
 vkflash/bench/matmul.py, with seconds per call.
 """

@@ -1,5 +1,5 @@
 """The deep-context guard: caches that grow with the context, and the steps that keep a deep
-sequence inside the memory budget (LESSONS.md: boot-fit is not fill-fit).
+sequence inside the memory budget (boot-fit is not fill-fit).
 
 The K/V, indexer-key and summary caches hold memory for the positions written so far, grown in
 chunks (engine/caches.py). Before a step that needs more, the guard computes what the growth

@@ -1,6 +1,6 @@
 """Op cost model: a dispatch's GPU time estimated from the bytes it moves and the flops it does,
 against rates the device is assumed to sustain, so a prefill graph can be cut into submissions
-that each stay under a GPU-time budget (VKFLASH_SUBMIT_BUDGET_MS; LESSONS.md: long submissions
+that each stay under a GPU-time budget (VKFLASH_SUBMIT_BUDGET_MS: long submissions
 at depth trip the driver's watchdog).
 """
 

@@ -2,7 +2,7 @@
 reasoning_content, tool_calls (vkflash.server.tools) and logprobs (vkflash.server.logprobs).
 
 Each SSE event is its own chunk written to the socket as it is made (no coalescing: TTFT is the
-first token's time, LESSONS "Serving"). A client that goes away cancels its generation.
+first token's time; a hidden 8 KB buffer once held back the first 55 tokens). A client that goes away cancels its generation.
 """
 
 from __future__ import annotations
