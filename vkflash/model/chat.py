@@ -172,11 +172,13 @@ def prompt_opens_think(prompt: str) -> bool:
 
 
 def split_reasoning(text: str, in_think: bool = False) -> tuple[str, str]:
-    """(content, reasoning_content) of a complete model output; in_think if the prompt opened <think>."""
+    """(content, reasoning_content) of a complete model output, split exactly as the stream splits
+    it (in_think if the prompt opened <think>); only the reasoning is trimmed, so content equals
+    the concatenated stream deltas."""
     p = ReasoningParser(in_think=in_think)
     r1, c1 = p.push(text)
     r2, c2 = p.flush()
-    return (c1 + c2).strip(), (r1 + r2).strip()
+    return c1 + c2, (r1 + r2).strip()
 
 
 @dataclass
