@@ -160,8 +160,8 @@ class Graph:
     def dispatch(self, kernel: str, buffers: Sequence[Buffer], groups: Sequence[int],
                  push: PushConstants | Sequence[int] = (), spec: SpecConstants | Sequence[int] = (), name: str = "",
                  writes: Sequence[int] | None = None, desc: str = "", nbytes: int = 0, flops: int = 0) -> Dispatch:
-        """Append a dispatch. push / spec are the kernel's declared typed constants (plain word lists
-        for a kernel that declares none); `writes` are indices into `buffers` (default: the last one)."""
+        """Append a dispatch. push / spec are the kernel's declared typed constants (left empty where
+        the declaration has no fields); `writes` are indices into `buffers` (default: the last one)."""
         from vkflash.gpu.registry import kernel as lookup
 
         k = lookup(kernel)
