@@ -110,6 +110,8 @@ class Submission:
     n_recorded: int = 0  # kp ops incl. barriers (timestamps are per kp op)
     op_slots: list[int] = field(default_factory=list)  # kp op index of each dispatch
     timestamps: bool = False  # recorded with a timestamp after every kp op
+    job_id: int = -1  # the job log's number for it (trace.before_submit)
+    t_submit: float = 0.0  # perf_counter() when it was sent (trace.submitted)
 
 
 class Graph:
@@ -351,13 +353,12 @@ class Graph:
             self._finish(self._pending.pop(0))
 
     def _finish(self, sub: Submission) -> None:
-        t0 = time.perf_counter()
         try:
             sub.seq.eval_await()
         except RuntimeError as e:
             self._pending.clear()
             raise DeviceError(f"{self.name}: the GPU failed while running it: {e}") from e
-        trace.finished(self, sub, t0)
+        trace.finished(self, sub)
 
 
 class PlannedGraph(Graph):
