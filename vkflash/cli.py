@@ -19,7 +19,7 @@ from vkflash import settings
 from vkflash.errors import ConfigError, VkflashError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="vkflash: Vulkan inference for Qwen3.8-Flash-Next")
-bench_app = typer.Typer(no_args_is_help=True, help="Measure kernels (and later: models, the server).")
+bench_app = typer.Typer(no_args_is_help=True, help="Measure kernels, a model (pp/tg at depths), the HTTP server, a cluster.")
 app.add_typer(bench_app, name="bench")
 console = Console()
 _debug = False
