@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fakes import ArgmaxTableForward, ByteCodec, ScriptForward, TableForward  # noqa: E402
 
 from vkflash.engine.api import Finish, InvalidRequest, SamplingParams, TokenEvent  # noqa: E402
-from vkflash.engine.generate import StopMatcher, generate, held_suffix  # noqa: E402
+from vkflash.engine.generate import StopMatcher, generate  # noqa: E402
+from vkflash.model.chat import held_suffix  # noqa: E402
 
 V = 300
 EOG = 299

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from hybrid_ref import rel
 from qwen2_tiny import Geometry, write_qwen2
 from vkflash.engine.api import ArgmaxForward, Forward, InvalidRequest
 from vkflash.engine.gpu_forward import GpuForward, pieces
@@ -52,11 +53,6 @@ def gpu(gpu, request):
     return gpu.with_options(replace(gpu.options, coopmat=on, fa_coopmat=on, gemv_q8="gemv_q8" in name))
 
 
-def _rel(got: np.ndarray, ref: np.ndarray) -> float:
-    """max|Δ| in units of std(ref)."""
-    return float(np.abs(got - ref).max() / ref.std())
-
-
 def _model(tmp_path: Path, rng: np.random.Generator, qtype: Q = Q.F32, embd: Q | None = None,
            tied: bool = False) -> Path:
     path = tmp_path / f"qwen2-{qtype.name}.gguf"
@@ -82,7 +78,7 @@ def test_coopmat_prefill_close(gpu, rng, tmp_path):
     toks = rng.integers(0, GEO.V, 100)
     got = GpuForward(path, ctx=300, ub=64, kv="f32", gpu=gpu).prefill_logits(toks)
     ref = _reference(path, toks)
-    assert _rel(got, ref) <= COOPMAT, f"max|Δ| = {_rel(got, ref):.2e}·std"
+    assert rel(got, ref) <= COOPMAT, f"max|Δ| = {rel(got, ref):.2e}·std"
     assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.95
 
 
@@ -102,11 +98,11 @@ def test_coopmat_attention_prefill_close(gpu, rng, tmp_path):
     fwd = GpuForward(path, ctx=300, ub=64, kv="f16", gpu=gpu)
     got = fwd.prefill_logits(toks)
     ref = _reference(path, toks, np.float16)
-    assert _rel(got, ref) <= COOPMAT, f"max|Δ| = {_rel(got, ref):.2e}·std"
+    assert rel(got, ref) <= COOPMAT, f"max|Δ| = {rel(got, ref):.2e}·std"
     assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.95
     fwd.reset()
     steps = [fwd.prefill(toks[:90])] + [fwd.decode(int(t)) for t in toks[90:]]
-    assert _rel(np.stack(steps), got[89:]) <= COOPMAT
+    assert rel(np.stack(steps), got[89:]) <= COOPMAT
 
 
 @pytest.mark.parametrize("qtype,embd,tied", [(Q.F32, None, False), (Q.Q8_0, None, True), (Q.Q4_0, Q.Q8_0, False),
@@ -122,7 +118,7 @@ def test_logits_at_every_position(gpu, rng, tmp_path, qtype, embd, tied):
     got = fwd.prefill_logits(toks)
     ref = _reference(path, toks)
     assert np.isfinite(got).all()
-    assert _rel(got, ref) <= EXACT, f"{qtype.name}: max|Δ| = {_rel(got, ref):.2e}·std"
+    assert rel(got, ref) <= EXACT, f"{qtype.name}: max|Δ| = {rel(got, ref):.2e}·std"
     assert fwd.n_past == len(toks)
 
 
@@ -141,9 +137,9 @@ def test_prefill_then_decode_equals_one_prefill(gpu, rng, tmp_path, kv):
     fwd.reset()
     steps = [fwd.prefill(toks[:37])] + [fwd.decode(int(t)) for t in toks[37:]]
     ref = _reference(path, toks, np.float32 if kv == "f32" else np.float16)
-    assert _rel(np.stack(steps), whole[36:]) <= (1e-4 if kv == "f32" else EXACT)
-    assert _rel(whole, ref) <= EXACT
-    assert _rel(np.stack(steps), ref[36:]) <= EXACT
+    assert rel(np.stack(steps), whole[36:]) <= (1e-4 if kv == "f32" else EXACT)
+    assert rel(whole, ref) <= EXACT
+    assert rel(np.stack(steps), ref[36:]) <= EXACT
 
 
 def test_q8_0_cache_close_to_f32(gpu, rng, tmp_path):
@@ -157,8 +153,8 @@ def test_q8_0_cache_close_to_f32(gpu, rng, tmp_path):
     whole = fwd.prefill_logits(toks)
     fwd.reset()
     steps = [fwd.prefill(toks[:30])] + [fwd.decode(int(t)) for t in toks[30:]]
-    assert _rel(np.stack(steps), whole[29:]) <= 5e-3
-    assert _rel(whole, _reference(path, toks)) <= 5e-2
+    assert rel(np.stack(steps), whole[29:]) <= 5e-3
+    assert rel(whole, _reference(path, toks)) <= 5e-2
 
 
 def test_greedy_matches_reference(gpu, rng, tmp_path):
@@ -189,7 +185,7 @@ def test_ubatch_size_does_not_change_results(gpu, rng, tmp_path):
         fwd = GpuForward(path, ctx=128, ub=ub, kv="f32", gpu=gpu)
         last = fwd.prefill(toks[:97])
         nxt = [fwd.decode(int(t)) for t in toks[97:]]
-        assert _rel(np.stack([last, *nxt]), ref[96:]) <= EXACT, f"UB={ub}"
+        assert rel(np.stack([last, *nxt]), ref[96:]) <= EXACT, f"UB={ub}"
 
 
 def test_context_end_and_truncate(gpu, rng, tmp_path):
@@ -212,7 +208,7 @@ def test_context_end_and_truncate(gpu, rng, tmp_path):
     alt = rng.integers(0, GEO.V, 3)
     got = fwd.prefill(alt)
     ref = _reference(path, np.concatenate([toks[:11], alt]))
-    assert _rel(got, ref[-1]) <= EXACT
+    assert rel(got, ref[-1]) <= EXACT
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=lambda q: q.name)
@@ -228,7 +224,7 @@ def test_stacked_weights_equal_plain(gpu, rng, tmp_path, qtype):
         w = fwd.model.weights
         assert (w["blk.0.attn_k.weight"].buf is w["blk.0.attn_q.weight"].buf) == (stack == "1")
         out[stack] = np.vstack([fwd.prefill_logits(toks[:39]), fwd.decode(int(toks[39]))[None]])
-    assert _rel(out["1"], out["0"]) <= 1e-5
+    assert rel(out["1"], out["0"]) <= 1e-5
 
 
 def test_decode_graph_is_one_submission(gpu, rng, tmp_path):
@@ -274,7 +270,7 @@ def test_real_qwen2_teacher_forced(gpu, rng):
     got = np.vstack([fwd.prefill_logits(toks[:16]), fwd.decode(int(toks[16]))[None]])
     # float64 weights like every other oracle here: an f32 reference adds its own rounding
     ref = reference.prefill(toks, reference.new_state(load_model(path, np.float64)))
-    assert _rel(got, ref) <= REAL, f"max|Δ| = {_rel(got, ref):.2e}·std"
+    assert rel(got, ref) <= REAL, f"max|Δ| = {rel(got, ref):.2e}·std"
     assert (got.argmax(1) == ref.argmax(1)).all()
 
 
@@ -302,7 +298,7 @@ def test_gemv_q8_greedy(gpu, rng, tmp_path):
     for t in toks:
         a.append(f32.decode(t))
         b.append(q8.decode(t))
-    assert _rel(np.stack(b), np.stack(a)) <= Q8_LOGITS
+    assert rel(np.stack(b), np.stack(a)) <= Q8_LOGITS
     checked = 0
     for i, (got, want) in enumerate(zip(b, ref)):
         top2 = np.sort(want)[-2:]

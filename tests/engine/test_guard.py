@@ -17,6 +17,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from fakes import ByteCodec
+from hybrid_ref import rel
 from qwen2_tiny import Geometry, write_qwen2
 from vkflash.engine.api import SamplingParams, TokenEvent
 from vkflash.engine.generate import generate
@@ -131,10 +132,6 @@ def test_boot_over_budget_does_not_fit(gpu, model):
                    guard=GuardConfig(budget=Budget(1 << 16, "test")))
 
 
-def _rel(got: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(got - ref).max() / ref.std())
-
-
 def test_requantized_kv_logits(gpu, rng, tmp_path):
     """GUARD_KV=40 on an f16 run: before the step that reaches 48 the 32 positions written are
     re-quantized (each row the q8_0 codec of its f16 values); the logits of all 96 positions stay
@@ -162,10 +159,10 @@ def test_requantized_kv_logits(gpu, rng, tmp_path):
         got_v, want_v = (dequantize(b.reshape(-1), Q.Q8_0, rows.size).reshape(-1, 32) for b in (raw, want))
         assert (raw == want).mean() > 0.99 and np.all(np.abs(got_v - want_v) <= 1.01 * step)
     ref = reference.prefill(toks, reference.new_state(load_model(path, np.float64), cache_dtype=np.float32))
-    assert _rel(got, ref) <= 5e-2
+    assert rel(got, ref) <= 5e-2
     q8 = GpuForward(path, ctx=256, ub=16, kv="q8_0", gpu=fresh, guard=GuardConfig(budget=NONE))
     want = q8.prefill_logits(toks)
-    assert _rel(got[48:], want[48:]) <= 5e-2
+    assert rel(got[48:], want[48:]) <= 5e-2
     row = 34 * geo.H_kv * geo.Dh // 32
     for x in "kv":
         a, b = getattr(fwd.model.kv[0], x).buf, getattr(q8.model.kv[0], x).buf

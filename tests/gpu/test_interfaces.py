@@ -131,8 +131,9 @@ def test_words_pack_and_check_ranges():
 
 def test_pack_takes_the_declared_class_only():
     assert pack("k", Push, Push(1, 2, 0.0)) == (1, 2, 0)
-    assert pack("k", None, [1, -1]) == (1, 0xFFFFFFFF)
     assert pack("k", SpecConstants, ()) == ()
+    with pytest.raises(InterfaceError, match="takes a SpecConstants, not a list"):
+        pack("k", SpecConstants, [1])
     with pytest.raises(InterfaceError, match="takes a Push, not a list"):
         pack("k", Push, [1, 2, 0])
     with pytest.raises(InterfaceError, match="takes Push, got Missing"):

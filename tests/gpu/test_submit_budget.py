@@ -158,8 +158,8 @@ def test_in_flight_bound(gpu, rng, monkeypatch, serialize):
         if graph is g:
             seen.append(graph.in_flight)
 
-    def on_done(graph, sub, t_wait):
-        done(graph, sub, t_wait)
+    def on_done(graph, sub):
+        done(graph, sub)
         if graph is g:
             seen.append(-1)  # a wait: one fewer in flight
 

@@ -81,7 +81,8 @@ def test_reasoning_effort_remap():
 
 @pytest.mark.parametrize("in_think", [False, True])
 def test_reasoning_split_whole_and_streamed(in_think):
-    """Any chunking of the output gives the same (content, reasoning) as the whole text."""
+    """Any chunking of the output gives the same (content, reasoning) as the whole text: content is
+    exactly the concatenated stream deltas (the non-streamed answer must equal the streamed one)."""
     rng = np.random.default_rng()
     reasoning = "Let me think: 2 < 3 and <b> is a tag " + str(rng.integers(1e6))
     content = "The answer is 42 </thinking> ok"
@@ -94,6 +95,6 @@ def test_reasoning_split_whole_and_streamed(in_think):
             dr, dc = p.push("".join(piece))
             r, c = r + dr, c + dc
         dr, dc = p.flush()
-        assert ((c + dc).strip(), (r + dr).strip()) == (content, reasoning)
-    assert split_reasoning("plain answer <think> not reasoning") == ("plain answer <think> not reasoning", "")
+        assert (c + dc, (r + dr).strip()) == (content, reasoning)
+    assert split_reasoning("plain answer <think> not reasoning ") == ("plain answer <think> not reasoning ", "")
     assert split_reasoning("<think>unfinished", in_think=False) == ("", "unfinished")

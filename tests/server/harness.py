@@ -16,14 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vkflash.bench.serve import free_port, stop_process
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -106,12 +101,7 @@ def start_server(tmp: Path, env: dict[str, str], args: list[str] = (), want_heal
 
 def stop_server(s: Server) -> None:
     """SIGTERM, then wait (kill if it hangs)."""
-    s.proc.terminate()
-    try:
-        s.proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        s.proc.kill()
-        s.proc.wait()
+    stop_process(s.proc, 15)
 
 
 @dataclass

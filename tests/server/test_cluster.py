@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from harness import ROOT, Server, call, free_port, start_server, stop_server
+from vkflash.bench.serve import stop_process
 
 LAUNCH = ROOT / "launcher" / "vkflash-launch"
 WORDS = ["def", "return", "fibonacci", "for", "in", "range", "print", "hello", "value", "n", "agent", "tool"]
@@ -83,12 +84,7 @@ def start_cluster(tmp: Path, replicas: list[Server]) -> Cluster:
 
 def stop_cluster(c: Cluster) -> None:
     """SIGTERM to HAProxy's master (it stops its worker), then wait (kill if it hangs)."""
-    c.proc.terminate()
-    try:
-        c.proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        c.proc.kill()
-        c.proc.wait()
+    stop_process(c.proc, 10)
 
 
 def signal_when_running(s: Server, sig: signal.Signals) -> None:

@@ -11,7 +11,6 @@ GB/s) with seconds per call (attention + combine) and GB/s = K/V bytes read ÷ s
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType as Q
 
 from vkflash.bench.kernels import timed
 from vkflash.formats.quants import random_blocks
@@ -32,8 +31,7 @@ PATTERN = 4096  # positions of random rows repeated to fill a cache (contents do
 
 def _cache_bytes(ctype: CacheType, n_ctx: int) -> np.ndarray:
     """Bytes of a [n_ctx, H_KV, DH] cache of `ctype` holding repeated random rows."""
-    qtype = {CacheType.F16: Q.F16, CacheType.Q8_0: Q.Q8_0}[ctype]
-    raw = random_blocks(qtype, min(n_ctx, PATTERN) * H_KV * DH, np.random.default_rng())
+    raw = random_blocks(ctype.qtype, min(n_ctx, PATTERN) * H_KV * DH, np.random.default_rng())
     return np.resize(raw, Cache.nbytes(n_ctx, H_KV, DH, ctype))
 
 

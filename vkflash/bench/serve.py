@@ -134,6 +134,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM, then wait; kill if it has not exited within timeout_s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 class ServerProcess:
     """`python -m vkflash.server` with this environment (its knobs) on a free loopback port, its
     output in a file."""
@@ -175,12 +185,7 @@ class ServerProcess:
 
     def stop(self) -> None:
         """SIGTERM, then kill if it hangs; the log file goes too."""
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, 15)
         self.log.unlink(missing_ok=True)
 
 

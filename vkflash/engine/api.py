@@ -1,5 +1,6 @@
 """The engine's public types: sampling parameters, the Forward protocol every backend implements
-(NumPy reference now, the Vulkan forward later), the events a generation yields, engine info.
+(the Vulkan forward, engine/gpu_forward.py, and the NumPy reference, engine/reference_backend.py),
+the events a generation yields, engine info.
 
 The server talks only to these types, so swapping the backend changes nothing above the engine.
 """

@@ -20,17 +20,7 @@ from vkflash.engine.api import ArgmaxForward, Finish, Forward, InvalidRequest, P
     SpeculativeForward, TextCodec, Timings, TokenEvent
 from vkflash.engine.grammar import Constraint
 from vkflash.engine.sampling import Sampler
-
-
-def held_suffix(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of text that is a proper prefix of some stop string."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best
+from vkflash.model.chat import held_suffix
 
 
 @dataclass

@@ -110,6 +110,8 @@ class Submission:
     n_recorded: int = 0  # kp ops incl. barriers (timestamps are per kp op)
     op_slots: list[int] = field(default_factory=list)  # kp op index of each dispatch
     timestamps: bool = False  # recorded with a timestamp after every kp op
+    job_id: int = -1  # the job log's number for it (trace.before_submit)
+    t_submit: float = 0.0  # perf_counter() when it was sent (trace.submitted)
 
 
 class Graph:
@@ -160,8 +162,8 @@ class Graph:
     def dispatch(self, kernel: str, buffers: Sequence[Buffer], groups: Sequence[int],
                  push: PushConstants | Sequence[int] = (), spec: SpecConstants | Sequence[int] = (), name: str = "",
                  writes: Sequence[int] | None = None, desc: str = "", nbytes: int = 0, flops: int = 0) -> Dispatch:
-        """Append a dispatch. push / spec are the kernel's declared typed constants (plain word lists
-        for a kernel that declares none); `writes` are indices into `buffers` (default: the last one)."""
+        """Append a dispatch. push / spec are the kernel's declared typed constants (left empty where
+        the declaration has no fields); `writes` are indices into `buffers` (default: the last one)."""
         from vkflash.gpu.registry import kernel as lookup
 
         k = lookup(kernel)
@@ -353,14 +355,13 @@ class Graph:
         self.gpu.in_flight.pop(id(self), None)
 
     def _finish(self, sub: Submission) -> None:
-        t0 = time.perf_counter()
         try:
             sub.seq.eval_await()
         except RuntimeError as e:
             self._pending.clear()
             self.gpu.in_flight.pop(id(self), None)
             raise DeviceError(f"{self.name}: the GPU failed while running it: {e}") from e
-        trace.finished(self, sub, t0)
+        trace.finished(self, sub)
 
 
 class PlannedGraph(Graph):

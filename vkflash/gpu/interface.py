@@ -125,14 +125,13 @@ class SpecConstants(Constants):
         cls._raise(cls._mismatches(want, have, "specialization constants besides the workgroup size"), shader)
 
 
-def pack(kernel: str, declared: type[Constants] | None, value: Constants | Sequence[int]) -> tuple[int, ...]:
-    """The words of a dispatch's push or spec constants: a typed value of the kernel's declared class,
-    or a plain list for a kernel that declares none (or an empty one for an empty declaration)."""
+def pack(kernel: str, declared: type[Constants], value: Constants | Sequence[int]) -> tuple[int, ...]:
+    """The words of a dispatch's push or spec constants: a typed value of the kernel's declared class
+    (an empty list stands for a declaration without fields)."""
     if isinstance(value, Constants):
         if type(value) is not declared:
-            want = declared.__name__ if declared is not None else "a plain list"
-            raise InterfaceError(f"{kernel}: takes {want}, got {type(value).__name__}")
+            raise InterfaceError(f"{kernel}: takes {declared.__name__}, got {type(value).__name__}")
         return value.words()
-    if declared is not None and (value or layout(declared)):
+    if value or layout(declared):
         raise InterfaceError(f"{kernel}: takes a {declared.__name__}, not a list")
-    return tuple(int(x) & 0xFFFFFFFF for x in value)
+    return ()

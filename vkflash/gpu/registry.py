@@ -29,8 +29,8 @@ class Kernel:
     defines: tuple[tuple[str, str | int], ...] = ()
     local_size: int = 256
     needs: frozenset[str] = field(default_factory=frozenset)  # e.g. {"coopmat_f16", "fp16"}
-    push: type[PushConstants] | None = None  # typed push constants (None: a family not converted yet)
-    spec: type[SpecConstants] | None = None  # typed constant_ids 1, 2, … (likewise)
+    push: type[PushConstants] = field(kw_only=True)  # typed push constants
+    spec: type[SpecConstants] = field(kw_only=True)  # typed constant_ids 1, 2, … (the bare class: none)
 
     def usable(self, caps: Capabilities) -> bool:
         """Whether the device offers what this variant needs."""
@@ -46,8 +46,6 @@ class Kernel:
         """Raise InterfaceError unless the declared push and spec constants and the buffer count are
         what the compiled shader declares (bindings 0..n_buffers-1 of set 0)."""
         where = f"{self.name} ({self.shader})"
-        if self.push is None or self.spec is None:
-            raise InterfaceError(f"{where}: no typed push/spec constants declared")
         self.push.check_against(r, where)
         self.spec.check_against(r, where)
         bindings = sorted({(b.set, b.binding) for b in r.bindings})

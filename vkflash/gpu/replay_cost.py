@@ -10,17 +10,21 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import kp
 import numpy as np
 
+from vkflash.gpu.ops.copy import CopyPush
 
-def measure(spirv: bytes, n: int, reps: int) -> dict:
+
+def measure(spirv: bytes, n: int, reps: int) -> dict[str, float]:
+    """One sequence of n copy dispatches (copy.comp's SPIR-V): µs to record and run it, µs per replay."""
     mgr = kp.Manager(0)
     a = mgr.tensor_t(np.zeros(256, np.uint32), tensor_type=kp.TensorTypes.host)
     b = mgr.tensor_t(np.zeros(256, np.uint32), tensor_type=kp.TensorTypes.host)
     spec = np.array([64], np.uint32)
-    push = np.array([0, 0, 64], np.uint32)
+    push = np.array(CopyPush(src_off=0, dst_off=0, n=64, wide=0).words(), np.uint32)  # 64 words, one each
     algo = mgr.algorithm([a, b], spirv, [1, 1, 1], spec, push)
     t0 = time.perf_counter()
     seq = mgr.sequence()
@@ -37,7 +41,7 @@ def measure(spirv: bytes, n: int, reps: int) -> dict:
 
 
 def main() -> int:
-    spirv = open(sys.argv[1], "rb").read()
+    spirv = Path(sys.argv[1]).read_bytes()
     for n in map(int, sys.argv[2:] or ["1", "100", "1000"]):
         print(json.dumps(measure(spirv, n, reps=max(5, 2000 // n))), flush=True)
     return 0

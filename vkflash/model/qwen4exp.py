@@ -3,7 +3,6 @@ GDN and QSA-gated attention layers, MoE, and the head mixer. Decode = prefill of
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +10,7 @@ import numpy as np
 
 from vkflash.model.hparams import HParams
 from vkflash.model.layers.attention import KVCache, attention_output, causal_mask, project
-from vkflash.model.layers.common import RefOptions, emit, emit_global
+from vkflash.model.layers.common import RefOptions, Snapshots, emit, emit_global
 from vkflash.model.layers.gdn import GDNState, gdn_layer
 from vkflash.model.layers.hc import hc_combine, hc_mix
 from vkflash.model.layers.moe import moe
@@ -30,7 +29,7 @@ class AttnState:
 
 
 @dataclass
-class State:
+class State(Snapshots):
     """Per-sequence state: position, per-layer caches/states, PLE conv state and token history."""
 
     weights: Weights
@@ -41,10 +40,6 @@ class State:
     n: int = 0  # tokens processed = next position
     tokens: list[int] = field(default_factory=list)
     hidden: np.ndarray | None = None  # h_nextn rows (n, hc, d) when opts.keep_hidden
-
-    def snapshot(self) -> State:
-        """A deep copy sharing the (read-only) weights and options."""
-        return copy.deepcopy(self, memo={id(self.weights): self.weights, id(self.opts): self.opts})
 
 
 @dataclass

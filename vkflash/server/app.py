@@ -233,6 +233,7 @@ def create_app(state: ServerState) -> ASGIApp:
 
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket on host:port, or a ConfigError saying why not."""
+    sock: socket.socket | None = None
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
@@ -240,6 +241,8 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind(addr)
         sock.listen(128)
     except OSError as e:
+        if sock is not None:  # the port is taken or not ours: the socket made for the try is closed now
+            sock.close()
         raise ConfigError(f"cannot listen on HOST={host} PORT={port}: {e.strerror or e}") from None
     sock.set_inheritable(True)
     return sock

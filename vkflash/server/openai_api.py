@@ -27,7 +27,7 @@ from vkflash.engine.api import Finish, InvalidRequest, SamplingParams, TokenEven
 from vkflash.engine.generate import check_prompt
 from vkflash.engine.grammar import Grammar
 from vkflash.errors import DeviceError, VkflashError
-from vkflash.model.chat import EFFORTS, ReasoningParser, prompt_opens_think, render_chat
+from vkflash.model.chat import EFFORTS, ReasoningParser, prompt_opens_think, render_chat, split_reasoning
 from vkflash.server.backend import Loaded
 from vkflash.server.errors import ApiError
 from vkflash.server.logprobs import Piece, ScoredToken, chat_entries, completion_logprobs
@@ -337,15 +337,6 @@ async def collect(job: Job, request: Request) -> tuple[str, Finish, list[ScoredT
     return "".join(parts), fin, scored
 
 
-def split_output(text: str, in_think: bool) -> tuple[str, str]:
-    """(content, reasoning) of a whole output, split exactly as the stream splits it; only the
-    reasoning is trimmed, so content equals the concatenated stream deltas."""
-    p = ReasoningParser(in_think=in_think)
-    r1, c1 = p.push(text)
-    r2, c2 = p.flush()
-    return c1 + c2, (r1 + r2).strip()
-
-
 def failure(fin: Finish) -> ApiError:
     """The error answer of a generation that ended in an error: 503 when the server is going away
     (shut down, device lost), else 500."""
@@ -409,7 +400,7 @@ def make_router(state: ServerState) -> APIRouter:
         raise_for(fin)
         msg: dict[str, Any] = {"role": "assistant", "content": out}
         if split:
-            msg["content"], reasoning = split_output(out, prep.in_think)
+            msg["content"], reasoning = split_reasoning(out, prep.in_think)
             if reasoning:
                 msg["reasoning_content"] = reasoning
         calls = []

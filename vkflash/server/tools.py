@@ -14,6 +14,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from vkflash.model.chat import held_suffix
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
@@ -42,14 +44,6 @@ def parse_call(body: str) -> ToolCall | None:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
-
-
-def _partial_suffix(s: str, tag: str) -> int:
-    """Length of the longest suffix of s that is a proper prefix of tag."""
-    for n in range(min(len(tag) - 1, len(s)), 0, -1):
-        if s.endswith(tag[:n]):
-            return n
-    return 0
 
 
 @dataclass
@@ -85,7 +79,7 @@ class ToolCallParser:
                 out += self._buf[:k].rstrip()
                 self._buf, self._in_call = self._buf[k + len(OPEN):], True
                 continue
-            keep = _partial_suffix(self._buf, OPEN)
+            keep = held_suffix(self._buf, (OPEN,))
             head = self._buf[: len(self._buf) - keep]
             text = head.rstrip()  # trailing whitespace waits: it may only separate content from a call
             out += text

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from vkflash.formats.quant_blocks import row_bytes
 from vkflash.formats.quants import dequantize
 from vkflash.gpu.graph import Node
 from vkflash.gpu.interface import PushConstants, SpecConstants, boolean, f32, u32
@@ -48,9 +49,14 @@ class CacheType(str, Enum):
     def define(self) -> str:
         return {"f32": "KV_F32", "f16": "KV_F16", "q8_0": "KV_Q8_0"}[self.value]
 
+    @property
+    def qtype(self) -> Q:
+        """The GGML type of a cache row (its block geometry is formats/quant_blocks.py's)."""
+        return {"f32": Q.F32, "f16": Q.F16, "q8_0": Q.Q8_0}[self.value]
+
     def row_bytes(self, n: int) -> int:
         """Bytes of n consecutive elements (n a multiple of 32 for q8_0)."""
-        return {"f32": 4 * n, "f16": 2 * n, "q8_0": 34 * (n // 32)}[self.value]
+        return row_bytes(self.qtype, n)
 
 
 @dataclass(frozen=True)
@@ -219,7 +225,7 @@ class Cache:
         elif self.type is CacheType.F16:
             x = self.buf.read(np.float16, m).astype(np.float32)
         else:
-            x = dequantize(self.buf.read(np.uint8, 34 * (m // 32)), Q.Q8_0, m)
+            x = dequantize(self.buf.read(np.uint8, self.type.row_bytes(m)), self.type.qtype, m)
         return x.reshape(n, self.n_heads, self.dim)
 
 

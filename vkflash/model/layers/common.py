@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Self
 
 import numpy as np
 
@@ -37,6 +38,18 @@ class RefOptions:
             raise ValueError(f"tie_rule must be 'heap' or 'index', not {self.tie_rule!r}")
         if self.mtp_hnorm not in ("grouped", "flat"):
             raise ValueError(f"mtp_hnorm must be 'grouped' or 'flat', not {self.mtp_hnorm!r}")
+
+
+class Snapshots:
+    """Base of the reference's per-sequence states: snapshot() is a deep copy sharing the (read-only)
+    weights and options."""
+
+    weights: Any
+    opts: RefOptions
+
+    def snapshot(self) -> Self:
+        """A deep copy sharing the (read-only) weights and options."""
+        return copy.deepcopy(self, memo={id(self.weights): self.weights, id(self.opts): self.opts})
 
 
 def emit(opts: RefOptions, i: int, op: str, x: np.ndarray) -> None:
