@@ -119,7 +119,7 @@ def prompt_ids(session: Session, messages: list[dict[str, str]] | None, raw: str
     """Token ids of a raw text prompt, or of the messages through the chat template."""
     from vkflash.model.chat import render_chat
 
-    text = raw if messages is None else render_chat(session.template, messages)
+    text = raw if messages is None else render_chat(session.template, messages, **session.tokenizer.template_tokens())
     assert text is not None
     return session.tokenizer.encode(text, add_special=messages is None)
 

@@ -133,6 +133,21 @@ def test_reasoning_effort_in_template_kwargs_is_the_effort(in_process, tiny_mode
         _assert_error(r, 400, "chat_template_kwargs", "invalid_value")
 
 
+def test_template_sees_the_models_bos_and_eos_text(in_process, tiny_model, tokenizer):
+    """A template's bos_token / eos_token are the model's special-token texts (llama-server passes
+    them; they rendered empty), and chat_template_kwargs may still set them."""
+    template = "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}"
+    fwd = ScriptedForward(tokenizer.encode("fib"), tokenizer.eos_id, tokenizer.vocab_size, 256)
+    base = serve_scripted(in_process, tiny_model, tokenizer, fwd, template)
+    text = {k: tokenizer.decode([t], special=True) if t is not None else "" for k, t in
+            (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id))}
+    assert text["eos"] and tokenizer.template_tokens() == {"bos_token": text["bos"], "eos_token": text["eos"]}
+    r = call(base, "POST", "/apply-template", {"messages": USER})
+    assert r.status == 200 and r.body["prompt"] == text["bos"] + "hello" + text["eos"]
+    r = call(base, "POST", "/apply-template", {"messages": USER, "chat_template_kwargs": {"eos_token": "<e>"}})
+    assert r.body["prompt"] == text["bos"] + "hello<e>"
+
+
 @pytest.mark.parametrize("call_", [
     {"type": "function", "id": "c1", "function": {"name": 7, "arguments": "{}"}},
     {"type": "function", "id": "c1", "function": "get_weather"},

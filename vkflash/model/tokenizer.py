@@ -198,6 +198,12 @@ class Tokenizer:
         """Text of a token sequence (invalid UTF-8 becomes U+FFFD)."""
         return b"".join(self.token_bytes(int(i), special) for i in ids).decode("utf-8", errors="replace")
 
+    def template_tokens(self) -> dict[str, str]:
+        """bos_token / eos_token for a chat template: the special tokens' texts ("" where the model
+        has none), as llama-server passes them."""
+        return {f"{k}_token": self.decode([t], special=True) if t is not None else ""
+                for k, t in (("bos", self.bos_id), ("eos", self.eos_id))}
+
     def streamer(self, special: bool = False) -> IncrementalDetokenizer:
         """A fresh incremental detokenizer for streaming output."""
         return IncrementalDetokenizer(self, special)

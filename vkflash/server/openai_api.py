@@ -220,6 +220,7 @@ def render(req: ChatRequest, state: ServerState, loaded: Loaded, tools: list[dic
         raise ApiError(400, f"chat_template_kwargs.reasoning_effort must be one of {'|'.join(EFFORTS)} "
                        f"(got {asked!r})", param="chat_template_kwargs", code="invalid_value")
     effort = req.reasoning_effort or asked or state.settings["REASONING"] or None
+    kwargs = loaded.tokenizer.template_tokens() | kwargs  # the request's kwargs may set them
     try:
         return render_chat(loaded.info.chat_template, messages, tools=tools,
                            enable_thinking=kwargs.pop("enable_thinking", None), reasoning_effort=effort,

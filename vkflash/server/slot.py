@@ -175,8 +175,12 @@ class Slot:
                     self._running = None
 
     def _finish(self, job: Job, fin: Finish) -> None:
-        """Count a job's Finish and hand it to its client (exactly once per job)."""
+        """Count a job's Finish, free the slot, then hand the Finish to its client (exactly once per
+        job): as in llama-server, /metrics and /slots read right after the response show it idle."""
         self.on_finish(fin)
+        with self._cv:
+            if self._running is job:
+                self._running = None
         job.deliver(fin)
 
     def _serve(self, job: Job) -> None:
