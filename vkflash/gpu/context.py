@@ -154,10 +154,11 @@ class Gpu:
 
     def algorithm(self, op: "Dispatch", buffers: Sequence[Buffer]) -> "kp.Algorithm":
         """The shared kp.Algorithm for this dispatch's kernel, (physical) buffers, workgroups and constants."""
-        key = (op.kernel.name, tuple(b.id for b in buffers), op.groups, op.spec, len(op.push) or 1)
+        wg = op.kernel.workgroup(self.caps)  # in the key: a test may swap a kernel for one of another local size
+        key = (op.kernel.name, wg, tuple(b.id for b in buffers), op.groups, op.spec, len(op.push) or 1)
         algo = self._algos.get(key)
         if algo is None:
-            spec = np.array((op.kernel.workgroup(self.caps), *op.spec), np.uint32)
+            spec = np.array((wg, *op.spec), np.uint32)
             push = np.zeros(len(op.push) or 1, np.uint32)
             algo = self.mgr.algorithm([b.tensor for b in buffers], self.spirv(op.kernel), list(op.groups),
                                       spec, push)
@@ -166,7 +167,7 @@ class Gpu:
 
     def retire(self, buf: Buffer) -> None:
         """Forget the algorithms bound to a buffer being replaced (the arena grows one)."""
-        for key in [k for k in self._algos if buf.id in k[1]]:
+        for key in [k for k in self._algos if buf.id in k[2]]:
             del self._algos[key]
 
     def graph(self, name: str, max_ops_per_submission: int = 0) -> "Graph":
