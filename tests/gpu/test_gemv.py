@@ -18,8 +18,9 @@ from matmul_util import (make_problem, outside_untouched, q8_quantize, q8_tolera
                          tolerance)
 from vkflash.gpu.graph import Graph
 from vkflash.gpu.ops import matmul as mm
-from vkflash.gpu.ops.matmul import (GEMV_MAX_COLS, Q8_TYPES, TEAM_WG, TEAMS_SLOWER, TYPES, GemvPlan, QWeight,
-                                    gemv_cols, gemv_plan, matmul, q8_possible, team_smem, team_width)
+from vkflash.gpu.ops.matmul import (GEMV_MAX_COLS, Q8_TYPES, TEAM_ROWS_WIDE, TEAM_STACK_ROWS, TEAM_WG, TEAMS_SLOWER,
+                                    TYPES, GemvPlan, QWeight, gemv_cols, gemv_plan, matmul, q8_possible, team_smem,
+                                    team_width)
 from vkflash.gpu.ops.views import Rows
 from vkflash.gpu.options import GpuOptions
 
@@ -54,8 +55,8 @@ def _check(tag: str, got: np.ndarray, ref: np.ndarray, tol: np.ndarray) -> None:
 
 @pytest.mark.parametrize("q", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.F16], ids=lambda q: q.name)
 def test_team_widths(gpu, rng, q):
-    """Explicit plans: teams narrower and wider than a subgroup, 1 or 2 rows per team, ragged rows."""
-    for tpr, m in ((8, 2), (16, 1), (TEAM_WG, 2)):
+    """Explicit plans: teams narrower and wider than a subgroup, 1, 2 or 4 rows per team, ragged rows."""
+    for tpr, m in ((8, 2), (16, 1), (TEAM_WG, 2), (16, TEAM_ROWS_WIDE)):
         n_tok = int(rng.integers(1, GEMV_MAX_COLS + 1))
         p = make_problem(gpu, q, 2 * int(rng.integers(1, 40)) + 1, _k(q, rng), n_tok, rng)
         got, name = _run(gpu, p, plan=GemvPlan(tpr, m))
@@ -176,6 +177,11 @@ def test_plan_at_model_shapes(gpu):
     for slices, rows in ((80, 12288), (40, 12288), (10, 10240), (320, 320)):
         tpr, nr = team_width(caps, slices, rows)
         assert tpr & (tpr - 1) == 0 and 8 <= tpr <= TEAM_WG and nr in (1, 2)
+    on_gpu = SimpleNamespace(gpu=SimpleNamespace(caps=caps), options=gpu.options)
+    assert gemv_plan(on_gpu, Q.Q6_K, 2560, 248320) == GemvPlan(8, TEAM_ROWS_WIDE)  # LM head: wider rows, same width
+    assert gemv_plan(on_gpu, Q.Q4_K, 2560, 12288).tpr == team_width(caps, 80, 12288)[0]
+    assert gemv_plan(on_gpu, Q.Q4_K, 10240, 320).m <= 2  # few rows: the teams stay many
+    assert gemv_plan(on_gpu, Q.Q4_K, 2560, 12288, n_stack=2).m == TEAM_STACK_ROWS // 2
     g = Graph(gpu, "plan")
     assert gemv_plan(g, Q.Q4_K, 2560, 12288, tpr=32, m=1) == GemvPlan(32, 1)
     with pytest.raises(ValueError, match="power of two"):
