@@ -8,9 +8,9 @@
 // count (matmul.gemv_plan), so short rows (K = 320: 10 slices) do not idle most of a 128-wide
 // workgroup and long ones still spread over enough invocations.
 // Columns: a pass accumulates NCOL token columns at once (llama.cpp's NUM_COLS): each slice's
-// weights are loaded (and decoded: slice_dot / qslice_dot of the same loaded slice for every
-// column, the decode a common subexpression) once and dotted with every column's x, into
-// acc[c·NR + i]. Each column's sum is formed in the same order as with NCOL = 1 (one column per
+// weights are loaded once and dotted with every column's x, into acc[c·NR + i]; on f32 x each
+// 4-code piece of a slice is decoded once (slice_codes) and used for every column, then scaled per
+// column (slice_sum), the sums slice_dot's. Each column's sum is formed in the same order as with NCOL = 1 (one column per
 // pass, the per-column loop that VKFLASH_GEMV_COLS=0 keeps), so both give the same bits.
 //
 // Two inner loops, by GEMV_Q8:
@@ -144,16 +144,28 @@ void gemv_pass(uint K) {
         Slice w[NR];  // all rows' loads first, once for every column
         [[unroll]] for (uint i = 0u; i < NR; ++i) w[i] = slice_fetch(gemv_wrow(i) * gpr + u);
         const uvec2 runs = slice_runs(u) / 4u;
-        [[unroll]] for (uint c = 0u; c < NCOL; ++c) {
-            const uint xb = gemv_xrow(c);
-            vec4 xg[8];
-            [[unroll]] for (uint q = 0u; q < 4u; ++q) {
-                xg[q] = gemv_xpre(xv[xb + runs.x + q]);
-                xg[q + 4u] = gemv_xpre(xv[xb + runs.y + q]);
+        // slice_dot's sums for every (column, row), each code vec4 decoded once for all columns
+        float s0[NACC], s1[NACC];
+        vec4 xr0[NCOL], xr1[NCOL];  // the runs' running x sums: xs = dot(((x0 + x1) + x2) + x3, 1) as slice_dot's callers
+        [[unroll]] for (uint j = 0u; j < NACC; ++j) { s0[j] = 0.0; s1[j] = 0.0; }
+        [[unroll]] for (uint q = 0u; q < 4u; ++q) {
+            vec4 c0[NR], c1[NR];
+            [[unroll]] for (uint i = 0u; i < NR; ++i) { c0[i] = slice_codes(w[i], q); c1[i] = slice_codes(w[i], q + 4u); }
+            [[unroll]] for (uint c = 0u; c < NCOL; ++c) {
+                const uint xb = gemv_xrow(c);
+                const vec4 x0 = gemv_xpre(xv[xb + runs.x + q]), x1 = gemv_xpre(xv[xb + runs.y + q]);
+                xr0[c] = q == 0u ? x0 : xr0[c] + x0;
+                xr1[c] = q == 0u ? x1 : xr1[c] + x1;
+                [[unroll]] for (uint i = 0u; i < NR; ++i) {
+                    s0[c * NR + i] += dot(c0[i], x0);
+                    s1[c * NR + i] += dot(c1[i], x1);
+                }
             }
-            const vec4 one = vec4(1.0);
-            const vec2 xs = vec2(dot(xg[0] + xg[1] + xg[2] + xg[3], one), dot(xg[4] + xg[5] + xg[6] + xg[7], one));
-            [[unroll]] for (uint i = 0u; i < NR; ++i) acc[c * NR + i] += slice_dot(w[i], xg, xs);
+        }
+        const vec4 one = vec4(1.0);
+        [[unroll]] for (uint c = 0u; c < NCOL; ++c) {
+            const vec2 xs = vec2(dot(xr0[c], one), dot(xr1[c], one));
+            [[unroll]] for (uint i = 0u; i < NR; ++i) acc[c * NR + i] += slice_sum(w[i], s0[c * NR + i], s1[c * NR + i], xs);
         }
     }
 #endif

@@ -18,13 +18,17 @@
 //    32-bit where the block is 4-byte aligned (Q4_K, Q5_K, IQ4_XS, floats as uvec4), 16-bit where
 //    it is only 2-byte aligned (Q8_0, Q4_0, Q5_0, Q6_K).
 //      Slice slice_fetch(uint S)   float slice_dot(Slice w, vec4 xg[8], vec2 xs)   uvec2 slice_runs(uint u)
+//      vec4 slice_codes(Slice w, uint i)   float slice_sum(Slice w, float s0, float s1, vec2 xs)
 //      float dot_slice(uint S, vec4 xg[8], vec2 xs) = slice_dot(slice_fetch(S), xg, xs)
 //    are the GEMV's variant: slice S also holds 32 elements of the buffer's S/SPB-th block of
 //    32·SPB elements, but as two runs of 16 at in-row element offsets slice_runs(u) (u = the
 //    slice's index within its row). slice_fetch only loads (the raw words a slice needs), so a
 //    caller can issue the loads of several rows before using any; slice_dot returns Σ W·x over
 //    the slice given x's values there (xg[0..3] = run 0, xg[4..7] = run 1) and the runs' sums xs
-//    (scales and mins are applied once per run, not per element). For K-quants (SPB = 8) a slice is one
+//    (scales and mins are applied once per run, not per element). slice_dot is, for every type,
+//    slice_sum(w, s0, s1, xs) with s0 = Σ_{i<4} dot(slice_codes(w, i), xg[i]) and s1 the same over
+//    i = 4..7 (each summed in i order from 0): slice_codes(w, i) are the slice's 4 unscaled codes
+//    against xg[i], so a GEMV over several x columns decodes each once (common/gemv_core.glsl). For K-quants (SPB = 8) a slice is one
 //    16-byte chunk of the block's quants, so consecutive invocations read consecutive 16 bytes
 //    (coalesced uvec4 / u16 loads); for the other types (SPB = 1) a slice is the group itself.
 
@@ -347,11 +351,8 @@ vec4 bits4(uint w, uint s, uint mask) {  // fields of `mask` at bit offsets s, s
 #if QTYPE == GGML_TYPE_F32
 struct Slice { vec4 w[8]; };
 Slice slice_fetch(uint S) { Slice r; for (uint i = 0u; i < 8u; ++i) r.w[i] = qw[S * 8u + i]; return r; }
-float slice_dot(Slice r, vec4 xg[8], vec2 xs) {
-    float s = 0.0;
-    for (uint i = 0u; i < 8u; ++i) s += dot(r.w[i], xg[i]);
-    return s;
-}
+vec4 slice_codes(Slice r, uint i) { return r.w[i]; }
+float slice_sum(Slice r, float s0, float s1, vec2 xs) { return s0 + s1; }
 
 #elif QTYPE == GGML_TYPE_F16 || QTYPE == GGML_TYPE_BF16
 struct Slice { uvec4 h[4]; };
@@ -363,14 +364,11 @@ vec2 half2(uint w) {
     return vec2(uintBitsToFloat(w << 16), uintBitsToFloat(w & 0xFFFF0000u));
 #endif
 }
-float slice_dot(Slice r, vec4 xg[8], vec2 xs) {
-    float s = 0.0;
-    for (uint i = 0u; i < 4u; ++i) {
-        s += dot(vec4(half2(r.h[i].x), half2(r.h[i].y)), xg[2u * i]);
-        s += dot(vec4(half2(r.h[i].z), half2(r.h[i].w)), xg[2u * i + 1u]);
-    }
-    return s;
+vec4 slice_codes(Slice r, uint i) {
+    const uvec4 h = r.h[i >> 1];
+    return (i & 1u) == 0u ? vec4(half2(h.x), half2(h.y)) : vec4(half2(h.z), half2(h.w));
 }
+float slice_sum(Slice r, float s0, float s1, vec2 xs) { return s0 + s1; }
 
 #elif QTYPE == GGML_TYPE_Q8_0
 struct Slice { float d; uint q[8]; };
@@ -387,16 +385,14 @@ Slice slice_fetch(uint S) {
 #endif
     return r;
 }
-float slice_dot(Slice r, vec4 xg[8], vec2 xs) {
-    float s = 0.0;
+vec4 slice_codes(Slice r, uint i) {
 #ifdef QUANT_FAST_CVT
-    for (uint i = 0u; i < 8u; ++i) s += dot(bits4(r.q[i] ^ 0x80808080u, 0u, 0xFFu) - 128.0, xg[i]);  // q + 128 ≥ 0
+    return bits4(r.q[i] ^ 0x80808080u, 0u, 0xFFu) - 128.0;  // q + 128 ≥ 0
 #else
-    for (uint i = 0u; i < 8u; ++i)
-        s += dot(vec4(int(r.q[i] << 24) >> 24, int(r.q[i] << 16) >> 24, int(r.q[i] << 8) >> 24, int(r.q[i]) >> 24), xg[i]);
+    return vec4(int(r.q[i] << 24) >> 24, int(r.q[i] << 16) >> 24, int(r.q[i] << 8) >> 24, int(r.q[i]) >> 24);
 #endif
-    return r.d * s;
 }
+float slice_sum(Slice r, float s0, float s1, vec2 xs) { return r.d * (s0 + s1); }
 
 #elif QTYPE == GGML_TYPE_Q4_0 || QTYPE == GGML_TYPE_Q5_0
 struct Slice { float d; uint qh; uint q[4]; };
@@ -424,27 +420,24 @@ Slice slice_fetch(uint S) {
 #endif
     return r;
 }
-float slice_dot(Slice r, vec4 xg[8], vec2 xs) {
-    float s = 0.0;
-    for (uint i = 0u; i < 4u; ++i) {
-        uint hl = r.qh >> (4u * i), hh = r.qh >> (4u * i + 16u);
+vec4 slice_codes(Slice r, uint i) {  // i < 4: low nibbles of q[i], else the high ones of q[i − 4]
+    const uint k = i & 3u, sh = 4u * (i >> 2), h = r.qh >> (4u * k + 4u * sh);  // qh bits 4k.. (lo), 16 + 4k.. (hi)
 #if defined(QUANT_FAST_CVT)
-        // 5-bit codes assembled in the integer domain, 4 per word: bit j of a nibble → bit 8j
-        vec4 lo = bits4((r.q[i] & 0x0F0F0F0Fu) | (((hl & 15u) * 0x00204081u & 0x01010101u) << 4), 0u, 0xFFu);
-        vec4 hi = bits4(((r.q[i] >> 4) & 0x0F0F0F0Fu) | (((hh & 15u) * 0x00204081u & 0x01010101u) << 4), 0u, 0xFFu);
+    // 5-bit codes assembled in the integer domain, 4 per word: bit j of a nibble → bit 8j
+    return bits4(((r.q[k] >> sh) & 0x0F0F0F0Fu) | (((h & 15u) * 0x00204081u & 0x01010101u) << 4), 0u, 0xFFu);
 #else
-        vec4 lo = bits4(r.q[i], 0u, 15u), hi = bits4(r.q[i], 4u, 15u);
+    vec4 v = bits4(r.q[k], sh, 15u);
 #if QTYPE == GGML_TYPE_Q5_0
-        lo += 16.0 * vec4(hl & 1u, (hl >> 1) & 1u, (hl >> 2) & 1u, (hl >> 3) & 1u);
-        hi += 16.0 * vec4(hh & 1u, (hh >> 1) & 1u, (hh >> 2) & 1u, (hh >> 3) & 1u);
+    v += 16.0 * vec4(h & 1u, (h >> 1) & 1u, (h >> 2) & 1u, (h >> 3) & 1u);
 #endif
+    return v;
 #endif
-        s += dot(lo, xg[i]) + dot(hi, xg[i + 4u]);
-    }
+}
+float slice_sum(Slice r, float s0, float s1, vec2 xs) {
 #if QTYPE == GGML_TYPE_Q5_0
-    return r.d * (s - 16.0 * (xs.x + xs.y));
+    return r.d * ((s0 + s1) - 16.0 * (xs.x + xs.y));
 #else
-    return r.d * (s - 8.0 * (xs.x + xs.y));
+    return r.d * ((s0 + s1) - 8.0 * (xs.x + xs.y));
 #endif
 }
 
@@ -464,25 +457,20 @@ Slice slice_fetch(uint S) {
 #endif
     return r;
 }
-float slice_dot(Slice r, vec4 xg[8], vec2 xs) {
-    uint g0 = 2u * (r.c >> 1);
-    vec2 dm = unpackHalf2x16(r.hdr.x);
-    vec2 sm0 = k_scale_min(r.hdr.yzw, g0), sm1 = k_scale_min(r.hdr.yzw, g0 + 1u);
-    float s0 = 0.0, s1 = 0.0;
-    for (uint k = 0u; k < 4u; ++k) {
+vec4 slice_codes(Slice r, uint i) {  // i < 4: low nibbles of q[i] (group g0), else the high ones of q[i − 4]
+    const uint k = i & 3u, hb = 2u * (r.c >> 1) + (i >> 2), sh = 4u * (i >> 2);
 #if defined(QUANT_FAST_CVT) && QTYPE == GGML_TYPE_Q5_K
-        vec4 lo = bits4((r.q[k] & 0x0F0F0F0Fu) | (((r.qh[k] >> g0) & 0x01010101u) << 4), 0u, 0xFFu);
-        vec4 hi = bits4(((r.q[k] >> 4) & 0x0F0F0F0Fu) | (((r.qh[k] >> (g0 + 1u)) & 0x01010101u) << 4), 0u, 0xFFu);
+    return bits4(((r.q[k] >> sh) & 0x0F0F0F0Fu) | (((r.qh[k] >> hb) & 0x01010101u) << 4), 0u, 0xFFu);
+#elif QTYPE == GGML_TYPE_Q5_K
+    return bits4(r.q[k], sh, 15u) + 16.0 * bits4(r.qh[k], hb, 1u);
 #else
-        vec4 lo = bits4(r.q[k], 0u, 15u), hi = bits4(r.q[k], 4u, 15u);
-#if QTYPE == GGML_TYPE_Q5_K
-        lo += 16.0 * bits4(r.qh[k], g0, 1u);
-        hi += 16.0 * bits4(r.qh[k], g0 + 1u, 1u);
+    return bits4(r.q[k], sh, 15u);
 #endif
-#endif
-        s0 += dot(lo, xg[k]);
-        s1 += dot(hi, xg[k + 4u]);
-    }
+}
+float slice_sum(Slice r, float s0, float s1, vec2 xs) {
+    const uint g0 = 2u * (r.c >> 1);
+    const vec2 dm = unpackHalf2x16(r.hdr.x);
+    const vec2 sm0 = k_scale_min(r.hdr.yzw, g0), sm1 = k_scale_min(r.hdr.yzw, g0 + 1u);
     return dm.x * (sm0.x * s0 + sm1.x * s1) - dm.y * (sm0.y * xs.x + sm1.y * xs.y);
 }
 
@@ -514,18 +502,15 @@ Slice slice_fetch(uint S) {
 #endif
     return r;
 }
-float slice_dot(Slice r, vec4 xg[8], vec2 xs) {
-    uint slo2 = 2u * ((r.c & 3u) >> 1), shi2 = slo2 + 4u;
-    float s0 = 0.0, s1 = 0.0;
-    for (uint k = 0u; k < 4u; ++k) {
+vec4 slice_codes(Slice r, uint i) {  // i < 4: low nibbles of l[i], else the high ones of l[i − 4]
+    const uint k = i & 3u, sh = 4u * (i >> 2), hs = 2u * ((r.c & 3u) >> 1) + sh;
 #ifdef QUANT_FAST_CVT
-        s0 += dot(bits4((r.l[k] & 0x0F0F0F0Fu) | (((r.h[k] >> slo2) & 0x03030303u) << 4), 0u, 0xFFu), xg[k]);
-        s1 += dot(bits4(((r.l[k] >> 4) & 0x0F0F0F0Fu) | (((r.h[k] >> shi2) & 0x03030303u) << 4), 0u, 0xFFu), xg[k + 4u]);
+    return bits4(((r.l[k] >> sh) & 0x0F0F0F0Fu) | (((r.h[k] >> hs) & 0x03030303u) << 4), 0u, 0xFFu);
 #else
-        s0 += dot(bits4(r.l[k], 0u, 15u) + 16.0 * bits4(r.h[k], slo2, 3u), xg[k]);
-        s1 += dot(bits4(r.l[k], 4u, 15u) + 16.0 * bits4(r.h[k], shi2, 3u), xg[k + 4u]);
+    return bits4(r.l[k], sh, 15u) + 16.0 * bits4(r.h[k], hs, 3u);
 #endif
-    }
+}
+float slice_sum(Slice r, float s0, float s1, vec2 xs) {
     return r.d * (r.sc.x * (s0 - 32.0 * xs.x) + r.sc.y * (s1 - 32.0 * xs.y));
 }
 
@@ -539,12 +524,24 @@ Slice slice_fetch(uint S) {
     for (uint i = 0u; i < 4u; ++i) r.q[i] = qw[ib].qs[4u * g + i];
     return r;
 }
-float slice_dot(Slice r, vec4 xg[8], vec2 xs) {
-    float s = 0.0;
-    for (uint i = 0u; i < 4u; ++i) s += dot(iq4_lookup(r.q[i], 0u), xg[i]) + dot(iq4_lookup(r.q[i], 4u), xg[i + 4u]);
-    return r.dl * s;
-}
+vec4 slice_codes(Slice r, uint i) { return iq4_lookup(r.q[i & 3u], 4u * (i >> 2)); }  // values, not codes
+float slice_sum(Slice r, float s0, float s1, vec2 xs) { return r.dl * (s0 + s1); }
 #endif
+// Σ W·x over the slice: its codes against x's two runs, then its scales.
+// Written out, not looped: slice_codes indexes the slice's arrays by i, which must be a constant
+// (a loop left rolled puts the Slice in local memory: Q6_K's decode GEMV ran 6.6× slower on the H200).
+float slice_dot(Slice r, vec4 xg[8], vec2 xs) {
+    float s0 = 0.0, s1 = 0.0;
+    s0 += dot(slice_codes(r, 0u), xg[0]);
+    s1 += dot(slice_codes(r, 4u), xg[4]);
+    s0 += dot(slice_codes(r, 1u), xg[1]);
+    s1 += dot(slice_codes(r, 5u), xg[5]);
+    s0 += dot(slice_codes(r, 2u), xg[2]);
+    s1 += dot(slice_codes(r, 6u), xg[6]);
+    s0 += dot(slice_codes(r, 3u), xg[3]);
+    s1 += dot(slice_codes(r, 7u), xg[7]);
+    return slice_sum(r, s0, s1, xs);
+}
 // Σ W·x over slice S in one call (fetch and dot together).
 float dot_slice(uint S, vec4 xg[8], vec2 xs) { return slice_dot(slice_fetch(S), xg, xs); }
 #endif  // QTYPE
