@@ -178,10 +178,11 @@ def test_plan_at_model_shapes(gpu):
         tpr, nr = team_width(caps, slices, rows)
         assert tpr & (tpr - 1) == 0 and 8 <= tpr <= TEAM_WG and nr in (1, 2)
     on_gpu = SimpleNamespace(gpu=SimpleNamespace(caps=caps), options=gpu.options)
-    assert gemv_plan(on_gpu, Q.Q6_K, 2560, 248320) == GemvPlan(8, TEAM_ROWS_WIDE)  # LM head: wider rows, same width
-    assert gemv_plan(on_gpu, Q.Q4_K, 2560, 12288).tpr == team_width(caps, 80, 12288)[0]
-    assert gemv_plan(on_gpu, Q.Q4_K, 10240, 320).m <= 2  # few rows: the teams stay many
-    assert gemv_plan(on_gpu, Q.Q4_K, 2560, 12288, n_stack=2).m == TEAM_STACK_ROWS // 2
+    assert gemv_plan(on_gpu, Q.Q6_K, 2560, 248320) == GemvPlan(8, 2)  # LM head, decode
+    assert gemv_plan(on_gpu, Q.Q6_K, 2560, 248320, n_tok=7) == GemvPlan(8, TEAM_ROWS_WIDE)  # verify: same width
+    assert gemv_plan(on_gpu, Q.Q4_K, 2560, 12288, n_tok=7).tpr == team_width(caps, 80, 12288)[0]
+    assert gemv_plan(on_gpu, Q.Q4_K, 10240, 320, n_tok=7).m <= 2  # few rows: the teams stay many
+    assert gemv_plan(on_gpu, Q.Q4_K, 2560, 12288, n_stack=2, n_tok=7).m == TEAM_STACK_ROWS // 2
     g = Graph(gpu, "plan")
     assert gemv_plan(g, Q.Q4_K, 2560, 12288, tpr=32, m=1) == GemvPlan(32, 1)
     with pytest.raises(ValueError, match="power of two"):

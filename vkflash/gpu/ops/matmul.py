@@ -103,11 +103,12 @@ TEAM_THREADS = 1 << 16
 TEAM_THREADS_CPU = 64  # CPU drivers: speed is moot, this keeps the tests' small GEMVs on varied team widths
 TEAM_STACK_ROWS = 4  # weight rows a team decodes in the fused modes (GLU: 2 output rows, HC: hc blocks of 1)
 TEAM_ROWS_WIDE = 4
-"""Rows per team of a plain row-group GEMV on a GPU while the teams still span TEAM_THREADS / 2
-invocations: each x slice loaded serves 4 rows, not 2. H200, one call, 4 rows against 2 at the team
-width team_width picks: MTP verify's 7 columns 1.2–1.7× faster (Q6_K LM head 1243 → 856 µs, Q6_K /
-Q5_K / Q4_K 2560×12288 63 → 44, 105 → 60, 89 → 74 µs), decode's one column 1.02–1.06×; 8 rows were
-1.05–7× slower than 2 at 7 columns (registers)."""
+"""Rows per team of a plain row-group GEMV of several token columns (MTP verify) on a GPU, while the
+teams still span TEAM_THREADS / 2 invocations: each x slice loaded serves 4 rows, not 2. H200, one
+call, 4 rows against 2 at team_width's width, 7 columns: 1.2–1.7× faster (Q6_K LM head 1243 → 856 µs,
+Q6_K / Q5_K / Q4_K 2560×12288 63 → 44, 105 → 60, 89 → 74 µs); 8 rows were 1.05–7× slower (registers).
+Decode's single column keeps 2: there half the teams made whole decode steps 2–11% slower (a GEMV's
+latency between barriers, not its throughput, is what counts)."""
 Q8_TYPES: tuple[Q, ...] = (Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 """Weight types with an integer-dot GEMV on 8-bit activations (common/quant_q8.glsl)."""
 Q8_SLICE_64: tuple[Q, ...] = (Q.Q4_K, Q.Q5_K, Q.Q6_K)  # their integer-dot slices hold 64 elements (else 32)
@@ -518,11 +519,11 @@ def use_teams(g: "Graph", qtype: int, k: int) -> bool:
 
 
 def gemv_plan(g: "Graph", qtype: int, k: int, rows: int, n_stack: int = 1, tpr: int | None = None,
-              m: int | None = None, q8: bool | None = None) -> GemvPlan:
+              m: int | None = None, q8: bool | None = None, n_tok: int = 1) -> GemvPlan:
     """The row-group GEMV plan for weight rows of k elements. `rows` is the row count of the plain
     GEMV(s) a fused mode replaces (GLU: F, HC: hc·d, MoE: d), so fused and plain pick the same team
     width and sum in the same order; n_stack weight blocks per output row (1 plain; on a GPU a plain
-    GEMV's teams take TEAM_ROWS_WIDE rows where that leaves enough teams). q8 defaults to
+    GEMV of n_tok > 1 columns gives its teams TEAM_ROWS_WIDE rows where enough teams remain). q8 defaults to
     the options (VKFLASH_GEMV_Q8) where q8_possible; tpr and m override the choice (benches, tests)."""
     caps = g.gpu.caps
     if q8 is None:
@@ -532,7 +533,7 @@ def gemv_plan(g: "Graph", qtype: int, k: int, rows: int, n_stack: int = 1, tpr: 
     w, nr = team_width(caps, k // slice_elems(qtype, q8), rows)
     if n_stack > 1:
         nr = max(1, TEAM_STACK_ROWS // n_stack)
-    elif caps.device_type != "cpu" and -(-rows // TEAM_ROWS_WIDE) * w >= TEAM_THREADS // 2:
+    elif n_tok > 1 and caps.device_type != "cpu" and -(-rows // TEAM_ROWS_WIDE) * w >= TEAM_THREADS // 2:
         nr = max(nr, TEAM_ROWS_WIDE)  # the team width (so the sums' order) stays team_width's
     plan = GemvPlan(tpr or w, m or nr, q8)
     if plan.tpr & (plan.tpr - 1) or not 1 <= plan.tpr <= TEAM_WG or plan.m < 1:
@@ -580,7 +581,7 @@ def _dispatch(g: "Graph", w: QWeight, x: Rows, y: Rows, ep: Epilogue, coopmat: b
     flops = 2 * w.k * w.n_out * n_tok
     desc = f"{t} {w.k}x{w.n_out} n={n_tok}"
     if n_tok <= GEMV_MAX_COLS and (plan is not None or use_teams(g, w.qtype, w.k)):
-        plan = plan or gemv_plan(g, w.qtype, w.k, w.n_out)
+        plan = plan or gemv_plan(g, w.qtype, w.k, w.n_out, n_tok=n_tok)
         spec = _gemv_spec(g, plan, w.k, ep.flags, n_tok)
         g.dispatch(plan.kernel(w.qtype), bufs + [x.buf] * 3, _grid(caps, -(-w.n_out // plan.rows_per_group())),
                    MatVecPush(*push), spec, name=name, writes=[5], desc=f"{desc} {plan}{_cols(spec.ncol)}",
@@ -739,7 +740,7 @@ def stacked_gemv(g: "Graph", w: QWeight, x: Rows, y: Rows, mode: int, name: str,
     tag = {GEMV_GLU: "glu", GEMV_HC: f"hc={hc}", GEMV_MOE: f"moe k={k}"}[mode]
     bufs = [w.buf, x.buf, x.buf, x.buf, x.buf, y.buf, streams.buf, ys.buf, gate.buf]
     if use_teams(g, w.qtype, w.k):
-        plan = gemv_plan(g, w.qtype, w.k, n * n_stack if mode == GEMV_HC else n, n_stack)
+        plan = gemv_plan(g, w.qtype, w.k, n * n_stack if mode == GEMV_HC else n, n_stack, n_tok=n_tok)
         spec = _gemv_spec(g, plan, w.k, 0, n_tok, mode, hc, k)
         g.dispatch(plan.kernel(w.qtype), bufs, _grid(caps, -(-n // plan.rows_per_group())), push, spec, writes=[5],
                    name=name, desc=f"{w.type_name} {w.k}x{w.n_out} n={n_tok} {tag} {plan}{_cols(spec.ncol)}",

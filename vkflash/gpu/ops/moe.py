@@ -512,7 +512,7 @@ def expert_gemv(g: "Graph", ids: Rows, mode: Mode, w: ExpertStack, x: Rows, y: R
     desc = f"{w.type_name} {w.k}x{w.n_out} T={T} k={k}"
     nbytes, flops = nb * T * k * w.expert_bytes + 4 * (x.size + y.size), 2 * nb * w.k * w.n_out * T * k
     if plan is not None or use_teams(g, w.qtype, w.k):
-        plan = plan or gemv_plan(g, w.qtype, w.k, w.n_out * T * k, nb)
+        plan = plan or gemv_plan(g, w.qtype, w.k, w.n_out * T * k, nb, n_tok=T)
         args = (mode, plan.tpr, plan.m * nb, max(1, caps.subgroup_min))
         spec = ExpertTeamQ8Spec(*args, kq=w.k) if plan.q8 else ExpertTeamSpec(*args)
         g.dispatch(f"gemv_id_{'q8_' if plan.q8 else ''}{w.type_name}", bufs,
