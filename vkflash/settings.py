@@ -200,8 +200,9 @@ KNOBS: tuple[Knob, ...] = (
        "from K with fewer decode instructions per byte (gemv.comp); routed-expert decode GEMVs likewise", "revert"),
     _k("VKFLASH_GEMV_COLS", _bool, True,
        "0: decode / MTP-verify GEMVs (≤ 8 tokens) load and decode the weights again for every token column "
-       "instead of once for all the columns the shared memory holds (gemv.comp, mul_mat_vec.comp; the same sums "
-       "bit for bit; CPU drivers keep one column per pass)", "revert"),
+       "instead of once for all the columns the shared memory holds, and their row groups keep 2 rows per team "
+       "instead of 4 (gemv.comp, mul_mat_vec.comp; the same sums bit for bit; CPU drivers keep one column per "
+       "pass and 2 rows)", "revert"),
     _k("VKFLASH_TOPK_WIDE", _bool, True,
        "0: the previous QSA selection (8 radix passes with serial bin scans) instead of a 3-pass radix select "
        "over a 1024-wide workgroup (H200, 32k: 66 vs 16 µs)", "revert"),

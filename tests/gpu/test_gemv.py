@@ -180,6 +180,8 @@ def test_plan_at_model_shapes(gpu):
     on_gpu = SimpleNamespace(gpu=SimpleNamespace(caps=caps), options=gpu.options)
     assert gemv_plan(on_gpu, Q.Q6_K, 2560, 248320) == GemvPlan(8, 2)  # LM head, decode
     assert gemv_plan(on_gpu, Q.Q6_K, 2560, 248320, n_tok=7) == GemvPlan(8, TEAM_ROWS_WIDE)  # verify: same width
+    per_column = SimpleNamespace(gpu=on_gpu.gpu, options=replace(gpu.options, gemv_cols=False))
+    assert gemv_plan(per_column, Q.Q6_K, 2560, 248320, n_tok=7) == GemvPlan(8, 2)  # the revert knob
     assert gemv_plan(on_gpu, Q.Q4_K, 2560, 12288, n_tok=7).tpr == team_width(caps, 80, 12288)[0]
     assert gemv_plan(on_gpu, Q.Q4_K, 10240, 320, n_tok=7).m <= 2  # few rows: the teams stay many
     assert gemv_plan(on_gpu, Q.Q4_K, 2560, 12288, n_stack=2, n_tok=7).m == TEAM_STACK_ROWS // 2

@@ -523,7 +523,8 @@ def gemv_plan(g: "Graph", qtype: int, k: int, rows: int, n_stack: int = 1, tpr: 
     """The row-group GEMV plan for weight rows of k elements. `rows` is the row count of the plain
     GEMV(s) a fused mode replaces (GLU: F, HC: hc·d, MoE: d), so fused and plain pick the same team
     width and sum in the same order; n_stack weight blocks per output row (1 plain; on a GPU a plain
-    GEMV of n_tok > 1 columns gives its teams TEAM_ROWS_WIDE rows where enough teams remain). q8 defaults to
+    GEMV of n_tok > 1 columns gives its teams TEAM_ROWS_WIDE rows where enough teams remain, with
+    VKFLASH_GEMV_COLS). q8 defaults to
     the options (VKFLASH_GEMV_Q8) where q8_possible; tpr and m override the choice (benches, tests)."""
     caps = g.gpu.caps
     if q8 is None:
@@ -533,7 +534,8 @@ def gemv_plan(g: "Graph", qtype: int, k: int, rows: int, n_stack: int = 1, tpr: 
     w, nr = team_width(caps, k // slice_elems(qtype, q8), rows)
     if n_stack > 1:
         nr = max(1, TEAM_STACK_ROWS // n_stack)
-    elif n_tok > 1 and caps.device_type != "cpu" and -(-rows // TEAM_ROWS_WIDE) * w >= TEAM_THREADS // 2:
+    elif n_tok > 1 and g.options.gemv_cols and caps.device_type != "cpu" and \
+            -(-rows // TEAM_ROWS_WIDE) * w >= TEAM_THREADS // 2:
         nr = max(nr, TEAM_ROWS_WIDE)  # the team width (so the sums' order) stays team_width's
     plan = GemvPlan(tpr or w, m or nr, q8)
     if plan.tpr & (plan.tpr - 1) or not 1 <= plan.tpr <= TEAM_WG or plan.m < 1:
