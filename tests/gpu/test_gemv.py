@@ -227,6 +227,23 @@ def test_columns(gpu, rng, monkeypatch, q):
     assert np.array_equal(on, off), f"{desc}: columns per pass differ from the per-column loop"
 
 
+@pytest.mark.parametrize("q", [Q.Q4_K, Q.Q6_K, Q.Q5_0], ids=lambda q: q.name)
+def test_rows_per_team_keep_the_bits(gpu, rng, monkeypatch, q):
+    """A verify's several columns on 4-row teams (TEAM_ROWS_WIDE) give, bit for bit, the one-column
+    decode on gemv_plan's 2-row teams of the same width, column by column (so MTP's greedy verify
+    agrees with plain decoding); ragged n_out and K."""
+    monkeypatch.setattr(mm, "GEMV_COLS_CPU", COLS_CPU)
+    n_tok = int(rng.integers(2, GEMV_MAX_COLS + 1))
+    p = make_problem(gpu, q, 2 * int(rng.integers(4, 40)) + 1, _k(q, rng, hi=1200), n_tok, rng)
+    tpr = int(rng.choice([8, 16]))
+    wide, _ = _run(gpu, p, plan=GemvPlan(tpr, TEAM_ROWS_WIDE))
+    for n in range(n_tok):
+        one = make_problem(gpu, q, p.w.n_out, p.w.k, 1, rng)
+        one = _reupload(gpu, replace(one, w=p.w, x=p.x[n:n + 1].copy()))
+        got, _ = _run(gpu, one, plan=GemvPlan(tpr, 2))
+        assert np.array_equal(got[0], wide[n]), f"{q.name} tpr={tpr}: column {n} of {n_tok} differs from decode"
+
+
 @pytest.mark.parametrize("q", Q8_TYPES, ids=lambda q: q.name)
 def test_columns_q8(gpu, rng, monkeypatch, q):
     """The integer-dot GEMV quantizes each column of a pass into its own shared blocks: bit for bit the
