@@ -12,8 +12,8 @@
 // bytes), issues the loads of all NDEC rows' slices once, then for each of the pass's columns
 // loads its matching 32 x elements (and their run sums, for the per-run scales and mins) and dots
 // each row with them (x is read from L2 once per NDEC rows: with one row per x load, x traffic
-// rather than the weights bounded the GEMV; the weights once per NCOL columns, their decode a
-// common subexpression of the columns' slice_dot). NCOL = 1 (VKFLASH_GEMV_COLS=0, and the
+// rather than the weights bounded the GEMV; the weights once per NCOL columns, decoded again by each
+// column's slice_dot, where gemv.comp decodes each piece once for all columns). NCOL = 1 (VKFLASH_GEMV_COLS=0, and the
 // transposed mode) fetches the rows again per column; each column's sum is formed in the same order
 // either way. Partial sums are reduced with subgroupAdd, then one shared slot per subgroup
 // (SG_MIN = the device's smallest subgroup size bounds the slot count; gl_SubgroupSize is never

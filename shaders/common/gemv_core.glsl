@@ -10,8 +10,9 @@
 // Columns: a pass accumulates NCOL token columns at once (llama.cpp's NUM_COLS): each slice's
 // weights are loaded once and dotted with every column's x, into acc[c·NR + i]; on f32 x each
 // 4-code piece of a slice is decoded once (slice_codes) and used for every column, then scaled per
-// column (slice_sum), the sums slice_dot's. Each column's sum is formed in the same order as with NCOL = 1 (one column per
-// pass, the per-column loop that VKFLASH_GEMV_COLS=0 keeps), so both give the same bits.
+// column (slice_sum), the sums slice_dot's. Each column's sum is formed in the same order as with
+// NCOL = 1 (one column per pass, the per-column loop that VKFLASH_GEMV_COLS=0 keeps), so both give
+// the same bits.
 //
 // Two inner loops, by GEMV_Q8:
 //   f32 x (default): common/quant.glsl's slices (32 elements; K-quants one 16-byte quant chunk),
@@ -146,11 +147,15 @@ void gemv_pass(uint K) {
         const uvec2 runs = slice_runs(u) / 4u;
         // slice_dot's sums for every (column, row), each code vec4 decoded once for all columns
         float s0[NACC], s1[NACC];
-        vec4 xr0[NCOL], xr1[NCOL];  // the runs' running x sums: xs = dot(((x0 + x1) + x2) + x3, 1) as slice_dot's callers
+        // the runs' running x sums: xs = dot(((x0 + x1) + x2) + x3, 1), as slice_dot's callers form it
+        vec4 xr0[NCOL], xr1[NCOL];
         [[unroll]] for (uint j = 0u; j < NACC; ++j) { s0[j] = 0.0; s1[j] = 0.0; }
         [[unroll]] for (uint q = 0u; q < 4u; ++q) {
             vec4 c0[NR], c1[NR];
-            [[unroll]] for (uint i = 0u; i < NR; ++i) { c0[i] = slice_codes(w[i], q); c1[i] = slice_codes(w[i], q + 4u); }
+            [[unroll]] for (uint i = 0u; i < NR; ++i) {
+                c0[i] = slice_codes(w[i], q);
+                c1[i] = slice_codes(w[i], q + 4u);
+            }
             [[unroll]] for (uint c = 0u; c < NCOL; ++c) {
                 const uint xb = gemv_xrow(c);
                 const vec4 x0 = gemv_xpre(xv[xb + runs.x + q]), x1 = gemv_xpre(xv[xb + runs.y + q]);
@@ -165,7 +170,8 @@ void gemv_pass(uint K) {
         const vec4 one = vec4(1.0);
         [[unroll]] for (uint c = 0u; c < NCOL; ++c) {
             const vec2 xs = vec2(dot(xr0[c], one), dot(xr1[c], one));
-            [[unroll]] for (uint i = 0u; i < NR; ++i) acc[c * NR + i] += slice_sum(w[i], s0[c * NR + i], s1[c * NR + i], xs);
+            [[unroll]] for (uint i = 0u; i < NR; ++i)
+                acc[c * NR + i] += slice_sum(w[i], s0[c * NR + i], s1[c * NR + i], xs);
         }
     }
 #endif

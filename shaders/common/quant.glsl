@@ -28,9 +28,10 @@
 //    (scales and mins are applied once per run, not per element). slice_dot is, for every type,
 //    slice_sum(w, s0, s1, xs) with s0 = Σ_{i<4} dot(slice_codes(w, i), xg[i]) and s1 the same over
 //    i = 4..7 (each summed in i order from 0): slice_codes(w, i) are the slice's 4 unscaled codes
-//    against xg[i], so a GEMV over several x columns decodes each once (common/gemv_core.glsl). For K-quants (SPB = 8) a slice is one
-//    16-byte chunk of the block's quants, so consecutive invocations read consecutive 16 bytes
-//    (coalesced uvec4 / u16 loads); for the other types (SPB = 1) a slice is the group itself.
+//    against xg[i], so a GEMV over several x columns decodes each once (common/gemv_core.glsl).
+//    For K-quants (SPB = 8) a slice is one 16-byte chunk of the block's quants, so consecutive
+//    invocations read consecutive 16 bytes (coalesced uvec4 / u16 loads); for the other types
+//    (SPB = 1) a slice is the group itself.
 
 #define GGML_TYPE_F32 0
 #define GGML_TYPE_F16 1
