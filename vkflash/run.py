@@ -78,11 +78,11 @@ class Turn:
 
 
 def stream(session: Session, ids: list[int], params: SamplingParams, out: TextIO,
-           cancel: threading.Event | None = None) -> Turn:
+           cancel: threading.Event | None = None, checkpoint_at: int | None = None) -> Turn:
     """Generate from ids, writing each piece of text to `out` as it is released; the whole turn."""
     pieces: list[str] = []
     events: Iterator[TokenEvent | Finish] = generate(session.fwd, session.tokenizer, ids, params, cancel,
-                                                     session.ubatch)
+                                                     session.ubatch, checkpoint_at=checkpoint_at)
     for ev in events:
         if ev.text:
             out.write(ev.text)
@@ -115,13 +115,20 @@ def report(fin: Finish, n_ctx: int, console: "Console") -> None:
         console.print(f"[yellow]context end reached ({n_ctx} tokens): generation stopped[/yellow]")
 
 
-def prompt_ids(session: Session, messages: list[dict[str, str]] | None, raw: str | None) -> list[int]:
-    """Token ids of a raw text prompt, or of the messages through the chat template."""
-    from vkflash.model.chat import render_chat
+def prompt_ids(session: Session, messages: list[dict[str, str]] | None,
+               raw: str | None) -> tuple[list[int], int | None]:
+    """Token ids of a raw text prompt, or of the messages through the chat template, and where the
+    prompt's state is kept for the next turn (a chat: before its generation prompt; None: its end)."""
+    from vkflash.model.chat import render_chat, reply_start
 
-    text = raw if messages is None else render_chat(session.template, messages, **session.tokenizer.template_tokens())
-    assert text is not None
-    return session.tokenizer.encode(text, add_special=messages is None)
+    if messages is None:
+        assert raw is not None
+        return session.tokenizer.encode(raw, add_special=True), None
+    kw = session.tokenizer.template_tokens()
+    text = render_chat(session.template, messages, **kw)
+    ids = session.tokenizer.encode(text, add_special=False)
+    history = render_chat(session.template, messages, add_generation_prompt=False, **kw)
+    return ids, reply_start(text, history, ids, lambda s: session.tokenizer.encode(s, add_special=False))
 
 
 def run_prompt(session: Session, prompt: str, params: SamplingParams, out: TextIO, console: "Console",
@@ -129,7 +136,8 @@ def run_prompt(session: Session, prompt: str, params: SamplingParams, out: TextI
     """One prompt (as a user message through the chat template unless raw), streamed, then the rates."""
     msgs = None if raw else ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": prompt}]
-    turn = stream(session, prompt_ids(session, msgs, prompt if raw else None), params, out)
+    ids, _ = prompt_ids(session, msgs, prompt if raw else None)  # one prompt: no next turn to keep a state for
+    turn = stream(session, ids, params, out)
     out.write("\n")
     out.flush()
     report(turn.finish, session.fwd.n_ctx, console)
@@ -155,8 +163,8 @@ class Chat:
         cancel = threading.Event()
         try:
             with interrupt_sets(cancel):  # from the start: a Ctrl-C while the prompt renders stops it as well
-                ids = prompt_ids(self.session, self.messages, None)
-                reply = stream(self.session, ids, self.params, out, cancel)
+                ids, keep = prompt_ids(self.session, self.messages, None)
+                reply = stream(self.session, ids, self.params, out, cancel, keep)
         except InvalidRequest as e:  # the history alone no longer leaves room for an answer
             self.messages.pop()
             console.print(f"[yellow]context end reached: {e}; type {RESET_WORD} to start over[/yellow]")

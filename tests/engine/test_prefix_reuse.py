@@ -252,3 +252,35 @@ def test_reuse_keeps_the_guards_steps(gpu, rng, tmp_path):
     got = fwd.prefill(C[16:])
     other.reset()
     assert rel(got, other.prefill(C)) <= 5e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["gpu", "reference"])
+def test_generate_keeps_the_state_at_checkpoint_at(gpu, rng, tmp_path, backend):
+    """generate(checkpoint_at=k) stops its prefill at k for the checkpoint (none at the prompt's end),
+    its tokens are those of a run that prefills in one go, and a next prompt that leaves the first
+    one right after k restarts there (cache_n = k)."""
+    path = _model("qwen4exp", tmp_path, rng)
+
+    def forward():
+        if backend == "gpu":
+            return GpuForward(path, ctx=128, ub=UB, kv="f16", gpu=gpu, ckpt=4, ckpt_every=0)
+        return ReferenceForward(load_model(path), 128, ckpt=4, ckpt_every=0)
+
+    fwd, cold = forward(), forward()
+    V = fwd.n_vocab
+    params = SamplingParams(temperature=0.0, max_tokens=int(rng.integers(3, 7)), ignore_eos=True)
+
+    def run(f, prompt: list[int], keep: int | None) -> tuple[list[int], Finish]:
+        evs = list(generate(f, ByteCodec(eog=-1), prompt, params, ubatch=UB, checkpoint_at=keep))
+        assert isinstance(evs[-1], Finish)
+        return [e.token for e in evs if isinstance(e, TokenEvent)], evs[-1]
+
+    A = [int(t) for t in rng.integers(0, V, int(rng.integers(2 * UB + 1, 4 * UB)))]
+    k = len(A) - int(rng.integers(1, 6))  # a generation prompt's worth of tokens before the end
+    out, _ = run(fwd, A, k)
+    assert set(fwd.book.held) == {k}
+    assert out == run(cold, A, None)[0]
+    B = A[:k] + [(A[k] + 1) % V] + [int(t) for t in rng.integers(0, V, int(rng.integers(1, 9)))]
+    _, fin = run(fwd, B, None)
+    assert fin.timings.cache_n == k

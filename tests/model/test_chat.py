@@ -8,7 +8,7 @@ import pytest
 
 from vkflash.errors import ConfigError
 from vkflash.model.chat import (QWEN3_THINKING_TEMPLATE, ReasoningParser, accepted_efforts,
-                                prompt_opens_think, remap_effort, render_chat, split_reasoning)
+                                prompt_opens_think, remap_effort, render_chat, reply_start, split_reasoning)
 
 STRICT = """\
 {%- for m in messages %}
@@ -35,6 +35,23 @@ def test_qwen3_template_thinking_tools_and_history():
     assert on.endswith("<|im_start|>assistant\n") and off.endswith("<think>\n\n</think>\n\n")
     assert not prompt_opens_think(on) and not prompt_opens_think(off)
     assert prompt_opens_think(on + "<think>\n")
+
+
+def test_reply_start_is_where_the_generation_prompt_begins():
+    """The tokens before the generation prompt, or None when the text or the tokens do not split there."""
+    def encode(s: str) -> list[int]:  # one token per character, but "\n\n" is one token
+        return [ord(c) for c in s.replace("\n\n", "\x00")]
+
+    msgs = [{"role": "user", "content": "hi"}]
+    for thinking in (True, False):
+        text = render_chat(QWEN3_THINKING_TEMPLATE, msgs, enable_thinking=thinking)
+        history = render_chat(QWEN3_THINKING_TEMPLATE, msgs, add_generation_prompt=False)
+        ids = encode(text)
+        assert reply_start(text, history, ids, encode) == len(encode(history))
+    assert reply_start(text, text, ids, encode) is None  # no generation prompt
+    assert reply_start(text, "<|im_start|>system", ids, encode) is None  # not a prefix
+    assert history.endswith("\n")  # and a tail that starts with one merges with it into one "\n\n" token
+    assert reply_start(history + "\nx", history, encode(history + "\nx"), encode) is None
 
 
 def test_helpers_and_sandbox():

@@ -1,7 +1,10 @@
 """Prompt reuse through the server (in this process, real sockets, the official openai client)
 over the GPU forward of the tiny qwen4exp model: a multi-turn chat reports the reused prefix as
 usage.prompt_tokens_details.cached_tokens and timings.cache_n, streamed and not; cache_prompt false
-prefills it all; /v1/completions with token ids likewise."""
+prefills it all; /v1/completions with token ids likewise. A chat turn keeps its state where its
+generation prompt begins, so the next turn reuses it even when the history does not repeat the
+generation prompt (thinking off: the empty think block is dropped) or a reply's first newline
+merges with it."""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ WORDS = ["def", "return", "fibonacci", "for", "in", "range", "print", "hello", "
 
 def _expected(fwd: GpuForward, prompt_ends: list[int], ids: list[int]) -> int:
     """What reuse keeps of ids: the whole common prefix when it is the whole sequence, else the last
-    prompt end (the checkpoints) at or below it."""
+    kept prompt position (the checkpoints) at or below it."""
     c = min(common_prefix(fwd._seq, ids), len(ids) - 1)
     return c if c == fwd.n_past else max((e for e in prompt_ends if e <= c), default=0)
 
@@ -44,15 +47,17 @@ def test_cached_tokens_over_a_conversation(in_process, gpu, tiny_model, tokenize
     def say() -> str:
         return " ".join(rng.choice(WORDS, size=int(rng.integers(4, 10))))
 
-    def ids_of(messages: list[dict]) -> list[int]:
-        return tokenizer.encode(render_chat(template, messages), add_special=True, parse_special=True)
+    def ids_of(messages: list[dict], generation_prompt: bool = True) -> list[int]:
+        text = render_chat(template, messages, add_generation_prompt=generation_prompt, enable_thinking=False)
+        return tokenizer.encode(text, add_special=True, parse_special=True)
 
     ends: list[int] = []
     messages = [{"role": "system", "content": say()}, {"role": "user", "content": say()}]
     for turn in range(4):
         ids = ids_of(messages)
+        assert ids[-4:] == tokenizer.encode("<think>\n\n</think>\n\n", parse_special=True)[-4:]  # thinking off
         want = _expected(fwd, ends, ids) if turn else 0
-        body = {"ignore_eos": True, "cache_prompt": turn != 2}
+        body = {"ignore_eos": True, "cache_prompt": turn != 2, "chat_template_kwargs": {"enable_thinking": False}}
         if turn == 2:
             want = 0  # cache_prompt false: a cold prefill
         if turn == 3:
@@ -69,10 +74,12 @@ def test_cached_tokens_over_a_conversation(in_process, gpu, tiny_model, tokenize
             assert r.usage.prompt_tokens == len(ids)
             assert r.usage.prompt_tokens_details.cached_tokens == r.model_extra["timings"]["cache_n"] == want
             text = r.choices[0].message.content or ""
-        if turn == 1:
-            assert want > 0  # the conversation's earlier turns were kept
+        if turn:
+            assert want > 0 or turn == 2  # the conversation's earlier turns were kept
         ends = [] if turn == 2 else ends
-        ends.append(len(ids))
+        ends.append(len(ids_of(messages, generation_prompt=False)))  # where the generation prompt begins
+        if turn == 0:
+            text = "\n\n" + text  # a reply starting with newlines: they merge with the prompt's last token
         messages += [{"role": "assistant", "content": text}, {"role": "user", "content": say()}]
 
     # /v1/completions, token ids: the second prompt extends the first and restarts from its end

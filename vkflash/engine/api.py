@@ -127,7 +127,12 @@ class ArgmaxForward(Forward, Protocol):
 class PrefixForward(Forward, Protocol):
     """A Forward that keeps the prefix a new prompt shares with its sequence (prompt reuse,
     engine/prefix.py): `reuse(ids)` keeps what it can and says how many of ids to skip (never
-    all), `checkpoint()` marks the state after the tokens fed so far as a place to come back to."""
+    all), `checkpoint()` marks the state after the tokens fed so far as a place to come back to;
+    `keeps_checkpoints` says whether it keeps anything (a recurrent state, which reuse cannot cut
+    at any position, and checkpoint slots for it)."""
+
+    @property
+    def keeps_checkpoints(self) -> bool: ...
 
     def reuse(self, ids: Sequence[int]) -> int: ...
 

@@ -59,12 +59,16 @@ def check_prompt(n_prompt: int, n_ctx: int) -> None:
 def generate(fwd: Forward, codec: TextCodec, prompt: Sequence[int], params: SamplingParams,
              cancel: threading.Event | None = None, ubatch: int = 2048,
              clock: Callable[[], float] = time.perf_counter,
-             constraint: Constraint | None = None) -> Iterator[TokenEvent | Finish]:
+             constraint: Constraint | None = None, checkpoint_at: int | None = None) -> Iterator[TokenEvent | Finish]:
     """Yield one TokenEvent per generated token, then exactly one Finish.
 
     With params.cache_prompt and a PrefixForward, the prefix the prompt shares with the last
-    sequence is kept (Timings.cache_n), else the sequence starts over; a checkpoint marks the
-    prompt's end either way (engine/prefix.py). Backend exceptions end the stream with
+    sequence is kept (Timings.cache_n), else the sequence starts over; either way a checkpoint
+    marks the state after the prompt's first `checkpoint_at` tokens (default: all of them;
+    engine/prefix.py), for a later request that comes back there. A chat prompt puts it where its
+    generation prompt begins: the next turn repeats the conversation up to there, not the
+    generation prompt itself (a template may drop its empty think block from the history, and the
+    reply's first characters may merge with its last token). Backend exceptions end the stream with
     Finish(reason="error", error=exc); a set `cancel` event ends it with "cancelled" within one token
     (or one ubatch of prefill). With a `constraint` every token is drawn from the logits it masks (no
     device argmax, no speculation), and the output stops once the grammar is complete.
@@ -106,22 +110,26 @@ def generate(fwd: Forward, codec: TextCodec, prompt: Sequence[int], params: Samp
             n_cached = prefix.reuse(prompt)
         else:
             fwd.reset()
-        rest = prompt[n_cached:]
+        keep = len(prompt) if checkpoint_at is None else min(max(checkpoint_at, 1), len(prompt))
+        if keep < n_cached or prefix is None or not prefix.keeps_checkpoints:
+            keep = len(prompt)  # past the kept sequence, or nothing to keep: the prompt in one go
         nxt: int | None = None
-        for a in range(0, len(rest), ubatch):
-            if cancel.is_set():
-                yield finish("cancelled")
-                return
-            chunk = rest[a:a + ubatch]
-            last = a + ubatch >= len(rest)
-            if last and fast:
-                nxt = fwd.prefill_argmax(chunk)  # type: ignore[attr-defined]
-            elif last:
-                nxt = pick(fwd.prefill(chunk))
-            else:
-                fwd.prefill(chunk)
-        if prefix is not None:
-            prefix.checkpoint()  # a later request may come back here, whether or not this one reused
+        pos = n_cached
+        for end in (keep, len(prompt)) if n_cached < keep < len(prompt) else (len(prompt),):
+            while pos < end:
+                if cancel.is_set():
+                    yield finish("cancelled")
+                    return
+                chunk = prompt[pos:min(pos + ubatch, end)]
+                pos += len(chunk)
+                if pos == len(prompt) and fast:
+                    nxt = fwd.prefill_argmax(chunk)  # type: ignore[attr-defined]
+                elif pos == len(prompt):
+                    nxt = pick(fwd.prefill(chunk))
+                else:
+                    fwd.prefill(chunk)
+            if prefix is not None and end == keep:
+                prefix.checkpoint()  # a later request may come back here, whether or not this one reused
         t_prefill_end = clock()
         assert nxt is not None
         while True:

@@ -214,6 +214,10 @@ class GpuForward:
         if rec is not None:
             rec.compile_checkpoints()
 
+    @property
+    def keeps_checkpoints(self) -> bool:
+        return recurrent_of(self.model.state) is not None and self.book.slots > 0
+
     def checkpoint(self) -> None:
         """Keep the recurrent state after the tokens fed so far in a checkpoint (the end of a prompt:
         where the next turn of a conversation goes on); nothing without recurrent state."""

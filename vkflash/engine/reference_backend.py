@@ -98,6 +98,10 @@ class ReferenceForward:
             return c
         return self._restore(self.book.best(c))
 
+    @property
+    def keeps_checkpoints(self) -> bool:
+        return self._recurrent and self.book.slots > 0
+
     def checkpoint(self) -> None:
         """Keep a snapshot of the state after the tokens fed so far (recurrent models)."""
         slot = self.book.take(self.n_past)

@@ -201,6 +201,10 @@ class Speculator:
         self.drafter.truncated(n)
         return n
 
+    @property
+    def keeps_checkpoints(self) -> bool:
+        return isinstance(self.fwd, PrefixForward) and self.fwd.keeps_checkpoints
+
     def checkpoint(self) -> None:
         if isinstance(self.fwd, PrefixForward):
             self.fwd.checkpoint()

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -111,6 +111,18 @@ def remap_effort(effort: str, source: str) -> str:
         return effort
     i = EFFORTS.index(effort)
     return min(ok, key=lambda e: (abs(EFFORTS.index(e) - i), -EFFORTS.index(e)))
+
+
+def reply_start(text: str, history: str, ids: Sequence[int], encode: Callable[[str], list[int]]) -> int | None:
+    """How many of a chat prompt's tokens `ids` (of `text`) come before its generation prompt, given
+    `history`, the same conversation rendered without one: the next turn repeats the prompt up to
+    there, but not always the generation prompt (a template may drop an empty think block from past
+    turns, and a reply's first characters may merge with its last token). None when the text or the
+    tokens (`encode`: text → ids without BOS, special tokens parsed) do not split there cleanly."""
+    if not history or len(history) >= len(text) or not text.startswith(history):
+        return None
+    tail = encode(text[len(history):])
+    return len(ids) - len(tail) if 0 < len(tail) < len(ids) and list(ids[len(ids) - len(tail):]) == tail else None
 
 
 def render_chat(source: str, messages: list[dict], *, tools: list[dict] | None = None,

@@ -54,6 +54,10 @@ class LogitsTap:
         self.fwd.reset()
         return 0
 
+    @property
+    def keeps_checkpoints(self) -> bool:
+        return isinstance(self.fwd, PrefixForward) and self.fwd.keeps_checkpoints
+
     def checkpoint(self) -> None:
         if isinstance(self.fwd, PrefixForward):
             self.fwd.checkpoint()

@@ -27,7 +27,7 @@ from vkflash.engine.api import Finish, InvalidRequest, SamplingParams, TokenEven
 from vkflash.engine.generate import check_prompt
 from vkflash.engine.grammar import Grammar
 from vkflash.errors import DeviceError, VkflashError
-from vkflash.model.chat import EFFORTS, ReasoningParser, prompt_opens_think, render_chat, split_reasoning
+from vkflash.model.chat import EFFORTS, ReasoningParser, prompt_opens_think, render_chat, reply_start, split_reasoning
 from vkflash.server.backend import Loaded
 from vkflash.server.errors import ApiError
 from vkflash.server.logprobs import Piece, ScoredToken, chat_entries, completion_logprobs
@@ -206,7 +206,8 @@ def chosen_tools(req: ChatRequest) -> list[dict[str, Any]] | None:
                    code="invalid_value")
 
 
-def render(req: ChatRequest, state: ServerState, loaded: Loaded, tools: list[dict[str, Any]] | None) -> str:
+def render(req: ChatRequest, state: ServerState, loaded: Loaded, tools: list[dict[str, Any]] | None,
+           generation_prompt: bool = True) -> str:
     """The request's prompt text by the chat template (run off the event loop: a long conversation
     takes a while); a request the template cannot render is a 400."""
     messages = [message_dict(m) for m in req.messages]
@@ -222,7 +223,7 @@ def render(req: ChatRequest, state: ServerState, loaded: Loaded, tools: list[dic
     effort = req.reasoning_effort or asked or state.settings["REASONING"] or None
     kwargs = loaded.tokenizer.template_tokens() | kwargs  # the request's kwargs may set them
     try:
-        return render_chat(loaded.info.chat_template, messages, tools=tools,
+        return render_chat(loaded.info.chat_template, messages, tools=tools, add_generation_prompt=generation_prompt,
                            enable_thinking=kwargs.pop("enable_thinking", None), reasoning_effort=effort,
                            tplfix=bool(state.settings["TPLFIX"]), **kwargs)
     except VkflashError as e:
@@ -230,6 +231,13 @@ def render(req: ChatRequest, state: ServerState, loaded: Loaded, tools: list[dic
     except Exception as e:  # noqa: BLE001 — the template failed on what the request holds
         raise ApiError(400, f"chat template error: {type(e).__name__}: {e}", param="messages",
                        code="invalid_value") from None
+
+
+def checkpoint_at(req: ChatRequest, state: ServerState, loaded: Loaded, tools: list[dict[str, Any]] | None,
+                  text: str, ids: list[int]) -> int | None:
+    """Where the prompt's state is kept for the conversation's next turn: before its generation prompt."""
+    history = render(req, state, loaded, tools, generation_prompt=False)
+    return reply_start(text, history, ids, lambda s: loaded.tokenizer.encode(s, False, True))
 
 
 def check_tool_calls(calls: list[dict[str, Any]]) -> None:
@@ -277,6 +285,7 @@ class Prepared:
     tools: bool = False
     top_logprobs: int | None = None
     grammar: Grammar | None = None
+    checkpoint_at: int | None = None  # the prompt position whose state is kept for the next turn
 
 
 def piece_of(loaded: Loaded) -> Piece:
@@ -302,7 +311,7 @@ def admit(state: ServerState, prep: Prepared) -> Job:
         raise ApiError(400, str(e), param=e.param, code="context_length_exceeded") from None
     assert state.slot is not None
     try:
-        return state.slot.submit(prep.ids, prep.params, prep.top_logprobs, prep.grammar)
+        return state.slot.submit(prep.ids, prep.params, prep.top_logprobs, prep.grammar, prep.checkpoint_at)
     except QueueFull:
         state.metrics.reject()
         raise ApiError(503, f"the server is busy: 1 generation running and {state.slot.depth} waiting",
@@ -389,8 +398,9 @@ def make_router(state: ServerState) -> APIRouter:
         split = req.reasoning_format == "auto"
         grammar = await run_in_threadpool(request_grammar, req, loaded.tokenizer, loaded.info.n_vocab, tools,
                                           req.tool_choice, prompt_opens_think(text))
+        keep = await run_in_threadpool(checkpoint_at, req, state, loaded, tools, text, ids)
         prep = Prepared(ids, params, split and prompt_opens_think(text), split, bool(tools), chat_top_logprobs(req),
-                        grammar)
+                        grammar, keep)
         job = admit(state, prep)
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), loaded.info.model_id
         if req.stream:

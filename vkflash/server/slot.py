@@ -56,6 +56,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     top_logprobs: int | None = None
     grammar: Grammar | None = None
+    checkpoint_at: int | None = None  # generate()'s: where the prompt's state is kept (None: its end)
     n_decoded: int = 0
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -118,9 +119,10 @@ class Slot:
         return self._running
 
     def submit(self, prompt: Sequence[int], params: SamplingParams, top_logprobs: int | None = None,
-               grammar: Grammar | None = None) -> Job:
+               grammar: Grammar | None = None, checkpoint_at: int | None = None) -> Job:
         """Admit a job or raise QueueFull / ShuttingDown (call from the event loop)."""
-        job = Job(list(prompt), params, asyncio.get_running_loop(), top_logprobs, grammar, on_abort=self._withdraw)
+        job = Job(list(prompt), params, asyncio.get_running_loop(), top_logprobs, grammar, checkpoint_at,
+                  on_abort=self._withdraw)
         with self._cv:
             if self._closed:
                 raise ShuttingDown
@@ -194,7 +196,7 @@ class Slot:
             try:
                 constraint = job.grammar.constraint() if job.grammar is not None else None
                 for ev in generate(tap or self.fwd, self.codec, job.prompt, job.params, job.cancel, self.ubatch,
-                                   constraint=constraint):
+                                   constraint=constraint, checkpoint_at=job.checkpoint_at):
                     if isinstance(ev, Finish):
                         fin = ev
                         break
