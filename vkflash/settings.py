@@ -149,7 +149,8 @@ KNOBS: tuple[Knob, ...] = (
        "qwen4exp): a new prompt that shares a prefix with the last sequence restarts from the nearest one at or "
        "below the shared prefix (0: only a prompt that extends the whole sequence reuses it)", "launcher"),
     _k("CACHE_CKPT_EVERY", _int_range(0, 1 << 24), 8192, "tokens between recurrent-state checkpoints within a "
-       "long prefill, besides the one at the end of each prompt (0: only that one)", "launcher"),
+       "long prefill, besides the one each prompt keeps (a chat's where its generation prompt begins, else its end; "
+       "0: only that one)", "launcher"),
     _k("API_KEY", _text, "", "require this bearer token on every request (empty: none)", "launcher"),
     _k("QUEUE", _int_range(0, 1024), 8, "requests that may wait for the generation slot (more get 503)", "launcher"),
     _k("SSE_KEEPALIVE", _float_range(0.0, 3600.0), 5.0, "seconds a streamed response may go without an event "
