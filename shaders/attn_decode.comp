@@ -25,6 +25,10 @@
 //   values teams of DH/4 invocations (NT = WG*4/DH teams) take keys c = team, team + NT, ...;
 //          each invocation accumulates 4 dims of all RC rows in registers. Teams share m, so at the
 //          end their sums are added in team order.
+// ROW_LISTS (push cell_stride > 0, with GATHER; prefill's per-query QSA selection): every token has
+// its own list and params, so a workgroup serves one token's G rows (RC >= G; x = token t): its
+// params at param_off + 2t (the token's own position p_t, n_kv), its list at cell_off + t*cell_stride,
+// and it sees key j iff j <= p_t.
 // Output: SPLIT (n_split > 1): the unnormalised partial (o_0..o_{DH-1}, m, l) of row (t, h) of split
 // z at partial[((z*T + t)*H + h)*(DH + 2)], attn_combine.comp's layout, merged by
 // attn_decode_combine.comp; else o/l (times sigma(gate) if GATED) to
@@ -86,7 +90,7 @@ layout(push_constant) uniform Push {
     uint gate_off; uint gate_row; uint gate_head;
     uint o_off; uint o_row; uint o_head;
     uint param_off; uint mask_off; uint mask_stride; uint cell_off;
-    uint n_split; float scale; uint flags;
+    uint n_split; float scale; uint flags; uint cell_stride;
 } p;
 const uint GATED = 1u, MASKED = 2u, GATHER = 4u, SPLIT = 8u;
 bool has(uint f) { return (p.flags & f) != 0u; }
@@ -103,9 +107,10 @@ shared float sA[RC];           // this tile's rescale factor
 shared uint sKey[BC];          // cache position of each key of the tile (NONE: no key)
 
 uvec4 pf[U];  // this invocation's share of the rows being loaded
+uint g_cell_off;  // the workgroup's list (ROW_LISTS: its token's)
 
 // Cache position of iteration slot i.
-uint key_of(uint i) { return has(GATHER) ? cells[p.cell_off + i] : i; }
+uint key_of(uint i) { return has(GATHER) ? cells[g_cell_off + i] : i; }
 
 // First byte of key j's row of kv head g.
 uint row_start(uint j, uint g) { return (j * p.H_kv + g) * RB; }
@@ -201,17 +206,21 @@ void main() {
     const uint lid = gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID;
     const uint g = gl_WorkGroupID.y, z = gl_WorkGroupID.z;
     const uint G = p.G, H = p.G * p.H_kv, rows = p.T * p.G;
-    const uint r0 = gl_WorkGroupID.x * RC;
-    const uint p0 = uint(params[p.param_off]);
-    const uint n_kv = uint(params[p.param_off + 1u]);
-    const uint t_last = (min(r0 + RC, rows) - 1u) / G;
+    const bool row_lists = p.cell_stride != 0u;
+    const uint r0 = row_lists ? gl_WorkGroupID.x * G : gl_WorkGroupID.x * RC;
+    const uint r_end = row_lists ? r0 + G : min(r0 + RC, rows);  // the workgroup's rows: r0 .. r_end - 1
+    const uint param_off = row_lists ? p.param_off + 2u * gl_WorkGroupID.x : p.param_off;
+    g_cell_off = row_lists ? p.cell_off + gl_WorkGroupID.x * p.cell_stride : p.cell_off;
+    const uint p0 = uint(params[param_off]);
+    const uint n_kv = uint(params[param_off + 1u]);
+    const uint t_last = (r_end - 1u) / G;
     const uint n_iter = has(GATHER) ? n_kv : min(min(n_kv, p0 + t_last + 1u), p.kv_rows);
     const uint n_tiles = (n_iter + BC - 1u) / BC;
 
     for (uint e = tid; e < RC * DH; e += WG) {
         const uint r = e / DH, d = e % DH, R = r0 + r;
         float x = 0.0;
-        if (R < rows) x = q[p.q_off + (R / G) * p.q_row + (g * G + R % G) * p.q_head + d] * p.scale;
+        if (R < r_end) x = q[p.q_off + (R / G) * p.q_row + (g * G + R % G) * p.q_head + d] * p.scale;
         sQ[e >> 2][e & 3u] = x;
     }
     if (tid < RC) {
@@ -262,7 +271,7 @@ void main() {
         [[unroll]] for (uint i = 0u; i < N / D; ++i) {
             const uint v = dg * (N / D) + i, k = v / RC, r = v % RC, c = cl + PP * k, R = r0 + r;
             const uint j = sKey[c], t = R / G;
-            bool vis = R < rows && j != NONE && j < p.kv_rows && j <= p0 + t;
+            bool vis = R < r_end && j != NONE && j < p.kv_rows && j <= (row_lists ? p0 : p0 + t);
             if (has(MASKED) && vis) {
                 const uint slot = i0 + c;
                 vis = ((mask[p.mask_off + t * p.mask_stride + (slot >> 5)] >> (slot & 31u)) & 1u) != 0u;
@@ -328,7 +337,7 @@ void main() {
     }
     for (uint e = tid; e < RC * DH; e += WG) {
         const uint r = e / DH, d = e % DH, R = r0 + r;
-        if (R >= rows) continue;
+        if (R >= r_end) continue;
         const uint t = R / G, h = g * G + R % G;
         const float o = sQ[e >> 2][e & 3u];
         if (has(SPLIT)) {

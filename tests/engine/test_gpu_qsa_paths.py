@@ -1,7 +1,8 @@
 """The QSA revert paths of the qwen4exp GPU forward on `make-model` tiny files (MODEL.md §5.6):
 BLKTOPK=0 (`cell` selection, index ties) vs the reference in cell/index mode, GP=1 gathered sparse
-prefill (every query tile in one attention dispatch) vs GP=0 masked dense prefill on the scalar and
-the cooperative-matrix flash kernel, and POOLED=0 re-pooling vs the lazy summary cache."""
+prefill (every query tile through its union in one flash dispatch, or with VKFLASH_QSA_ROWS=1 each
+query through its own cell list on the decode kernel) vs GP=0 masked dense prefill on the scalar and the
+cooperative-matrix flash kernel, and POOLED=0 re-pooling vs the lazy summary cache."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import flash_cm
 from test_gpu_qwen4exp import _model, _prompt
 from hybrid_ref import device_logits, knobs, reference_logits, rel
 from vkflash.engine.gpu_forward import GpuForward
+from vkflash.engine.graphs.common import Head
 from vkflash.engine.graphs import hybrid
 from vkflash.engine.qsa_config import QSAConfig
 from vkflash.gpu.ops import attention
@@ -62,15 +64,19 @@ model's two QSA attention layers that stayed at 0.4–1.1e-3·std in every draw 
 (emulated matrices), while a lost slot mask or a wrong tile list is off by ≫ 1e-2."""
 
 
+PATHS = {"rows": {"GP": "1", "VKFLASH_QSA_ROWS": "1"}, "union": {"GP": "1", "VKFLASH_QSA_ROWS": "0"},
+         "masked": {"GP": "0"}}
+
+
 @pytest.mark.parametrize("kernel", ["scalar", "coopmat"])
 def test_gathered_prefill_equals_masked(gpu, rng, tmp_path: Path, monkeypatch, kernel):
-    """GP=1 (per-tile union + slot masks, all tiles in one dispatch) and GP=0 (masked dense) each give
-    the reference's logits; tiles of 3 queries so the tiny model's tiles really gather (a 64-query
-    tile's union covers most of a short cache and falls back to dense). Scalar kernel: the two paths
-    also select the same cells (their logits agree to f32 rounding). Coopmat kernel (the device's,
-    else emulated: tests/flash_cm.py) for every prefill step: the logits within COOPMAT_LOGITS of the
-    reference; f16 rounding may move GP=1 and GP=0 apart across a router or QSA near-tie, so each
-    follows its own."""
+    """GP=1 through per-tile unions + slot masks (the default, all tiles in one dispatch), GP=1 through
+    per-query lists (VKFLASH_QSA_ROWS=1) and GP=0 (masked dense) each give the reference's
+    logits; union tiles of 3 queries so the tiny model's tiles really gather (a 64-query tile's union
+    covers most of a short cache and falls back to dense). Scalar kernel: the union and masked paths
+    also select the same cells. Coopmat kernel (the device's, else emulated: tests/flash_cm.py) for every flash prefill
+    step: the logits within COOPMAT_LOGITS of the reference; f16 rounding may move the paths apart
+    across a router or QSA near-tie, so each follows its own."""
     if kernel == "coopmat":
         flash_cm.select("device" if coopmat_flash_possible(gpu.caps, 64) else "emulated", gpu, monkeypatch)
         monkeypatch.setattr(attention, "flash_kind", lambda g, T, dim, cache, gathered=False: (
@@ -79,29 +85,33 @@ def test_gathered_prefill_equals_masked(gpu, rng, tmp_path: Path, monkeypatch, k
     path = _model(tmp_path, rng)
     toks = _prompt(rng, 236)
     out, sel, seen = {}, {}, {}
-    for gp in ("1", "0"):
-        with knobs(GP=gp):
+    for name, env in PATHS.items():
+        with knobs(**env):
             fwd = GpuForward(path, ctx=256, ub=58, kv="f32", gpu=gpu, logits_rows=58)
-        seen[gp] = Seen()
-        out[gp] = _run(fwd, toks, 232, seen[gp])
+        seen[name] = Seen()
+        out[name] = _run(fwd, toks, 232, seen[name])
+        b = f"blk.{_last_qsa(fwd)}."
+        lists = [op.desc for op in fwd.graph(58, Head.LAST).ops if op.name == b + "attn_gated"]
+        assert (name == "rows") == any("row lists" in d for d in lists), lists
+        if name == "rows":
+            continue
         # one more 10-token step (positions 236..245; steps of ≤ 8 attend row by row instead) to
         # compare the last QSA layer's bit rows
-        b = f"blk.{_last_qsa(fwd)}."
-        taps = fwd.dump_step(toks[:10], [b + "qsa_mask", b + "qsa_union.gp"])
-        sel[gp] = taps[b + "qsa_mask"].view(np.uint32)
-        if gp == "1":  # tiles of 3, 3, 3, 1 queries select ≤ 3·W = 105 cells of ~240: all gather
+        taps = fwd.dump_step(toks[:10], [b + "qsa_mask"] + [b + "qsa_union.gp"] * (name == "union"))
+        sel[name] = taps[b + "qsa_mask"].view(np.uint32)
+        if name == "union":  # tiles of 3, 3, 3, 1 queries select ≤ 3·W = 105 cells of ~240: all gather
             counts = taps[b + "qsa_union.gp"].view(np.int32).reshape(-1)[1::2]
             dense = 236 + np.array([3, 6, 9, 10])
             assert (counts < dense).all(), f"a tile fell back to dense: |U| = {counts}"
-    for gp in ("1", "0"):
-        ref = reference_logits(path, toks, seen[gp])
-        if kernel == "scalar":
-            ref.check(out[gp])
+    for name in PATHS:
+        ref = reference_logits(path, toks, seen[name])
+        if kernel == "scalar" or name == "rows":  # the per-query lists run on the f32 decode kernel
+            ref.check(out[name])
         else:
-            err = rel(out[gp], ref.logits)
-            assert err <= max(COOPMAT_LOGITS, ref.tol()), f"GP={gp} coopmat: max|Δ| = {err:.2e}·std"
+            err = rel(out[name], ref.logits)
+            assert err <= max(COOPMAT_LOGITS, ref.tol()), f"{name} coopmat: max|Δ| = {err:.2e}·std"
     if kernel == "scalar":
-        assert np.array_equal(sel["1"], sel["0"]), "selections differ between GP=1 and GP=0"
+        assert np.array_equal(sel["union"], sel["masked"]), "selections differ between the union and masked paths"
 
 
 def test_repooled_summary_equals_cache(gpu, rng, tmp_path: Path):

@@ -180,6 +180,43 @@ def test_gathered(gpu, rng, H, H_kv, Dh, ctype):
     _check(obuf.read(np.float32).reshape(T, H, Dh), want, np.abs(Vf[:n]).max(), f"gather T={T} |U|={len(U)}")
 
 
+@pytest.mark.parametrize("n_split", [1, 3])
+@pytest.mark.parametrize("H,H_kv,Dh,ctype", [CONFIGS[0], CONFIGS[1], CONFIGS[3], CONFIGS[5]])
+def test_row_lists(gpu, rng, H, H_kv, Dh, ctype, n_split):
+    """Row lists (a prefill's per-query QSA selections): T queries, more than a decode step's, each
+    through its own sorted list (ragged lengths, some empty, positions past the query's own among
+    them: causality still applies) with its own (position, count) params, in one dispatch (and a
+    combine when the keys are split)."""
+    T = int(rng.integers(9, 40))
+    n = int(rng.integers(T + 60, 700))
+    K, Kf = make_cache(gpu, rng, n + 5, H_kv, Dh, ctype, "K")
+    V, Vf = make_cache(gpu, rng, n + 5, H_kv, Dh, ctype, "V")
+    pos = n - T + np.arange(T)
+    stride = int(rng.integers(40, 90))
+    lists = np.full((T, stride), 7, np.uint32)
+    counts = rng.integers(0, stride + 1, T)
+    counts[int(rng.integers(T))] = 0
+    vis = np.zeros((T, n), bool)
+    for t in range(T):
+        U = np.sort(rng.choice(n, size=int(counts[t]), replace=False)).astype(np.uint32)
+        lists[t, :len(U)] = U
+        vis[t, U] = True
+    vis &= causal(n - T, T, n)
+    off = int(rng.integers(1, 5))
+    cbuf = gpu.upload(np.concatenate([np.full(off, 12345, np.uint32), lists.reshape(-1)]), "lists")
+    params = gpu.upload(np.concatenate([[9, 9], np.stack([pos, counts], 1).reshape(-1)]).astype(np.int32), "params")
+    q, gate, qh, gh = queries(gpu, rng, T, H, Dh, True)
+    out, obuf = _out(gpu, T, H, Dh)
+
+    g = gpu.graph("rows")
+    attention(g, params, 2, qh, K, V, out, gate=gh, cells=CellList(cbuf, stride, off), n_split=n_split, row_lists=True)
+    assert len(g.ops) == (1 if n_split == 1 else 2) and "row lists" in g.ops[0].desc, [op.desc for op in g.ops]
+    g.run()
+
+    want = attend(q, Kf[:n], Vf[:n], vis, 1 / np.sqrt(Dh), gate)
+    _check(obuf.read(np.float32).reshape(T, H, Dh), want, np.abs(Vf[:n]).max(), f"row lists T={T} {g.ops[0].desc}")
+
+
 def test_long_context(gpu, rng):
     """No context ceiling: ≥ 70 000 keys (small head dim) with the planned splits, each walking
     dozens of tiles."""

@@ -20,17 +20,19 @@ TIE_RULE = "index"
 
 @dataclass(frozen=True)
 class QSAConfig:
-    """`cell` selection (BLKTOPK=0), gathered sparse prefill (GP=1), the lazy summary cache (POOLED=1;
-    else re-pool every step)."""
+    """`cell` selection (BLKTOPK=0), gathered sparse prefill (GP=1) through per-tile unions or each
+    query's own list (VKFLASH_QSA_ROWS=1), the lazy summary cache (POOLED=1; else re-pool every step)."""
 
     cell: bool
     gathered: bool
     pooled: bool
+    rows: bool = False
 
     @classmethod
     def from_settings(cls, s: Settings | None = None) -> "QSAConfig":
         s = s or current()
-        return cls(cell=not s["BLKTOPK"], gathered=bool(s["GP"]), pooled=bool(s["POOLED"]))
+        return cls(cell=not s["BLKTOPK"], gathered=bool(s["GP"]), pooled=bool(s["POOLED"]),
+                   rows=bool(s["VKFLASH_QSA_ROWS"]))
 
     def reference_options(self) -> dict[str, Any]:
         """The NumPy reference's QSA options for the same selection (model/layers/common.RefOptions)."""

@@ -137,8 +137,8 @@ GATHER_TILE = 64  # queries per gathered-prefill tile (S1): one union list each,
 
 @dataclass(frozen=True)
 class GatheredCells:
-    """Gathered decode and verify (Q8): row t's sorted selected cells and its gather params
-    (position, count) at params[2t]."""
+    """Gathered attention (Q8): row t's sorted selected cells and its gather params (position, count)
+    at params[2t]; decode and verify attend row by row, a prefill step all rows in one dispatch."""
 
     cells: Rows
     params: Buffer
@@ -147,6 +147,10 @@ class GatheredCells:
     def row(self, t: int) -> CellList:
         """Row t's cell list."""
         return CellList(self.cells.buf, self.capacity, self.cells.off + t * self.cells.stride)
+
+    def rows(self) -> CellList:
+        """Every row's list, the rows `capacity` apart as attention(row_lists=True) reads them."""
+        return CellList(self.cells.buf, self.cells.stride, self.cells.off)
 
 
 @dataclass(frozen=True)
@@ -166,8 +170,8 @@ def qsa_select_cells(g: "Graph", m: StepModel, i: int, u: Rows, idx: IndexerCach
                      cfg: QSAConfig) -> CellMask | GatheredCells | GatheredTiles:
     """(Q1)–(Q8): write ρ, pool the blocks this step completes (or all, POOLED=0), score the visible
     blocks and select: a gathered cell list per row (positions in its gather params) for decode and
-    verify-sized steps; for more rows per-query bit rows, turned into per-tile union lists (GP=1) or
-    used as the mask of dense attention (GP=0)."""
+    verify-sized steps, and for prefill steps with VKFLASH_QSA_ROWS; else per-query bit rows, turned
+    into per-tile union lists (GP=1) or used as the mask of dense attention (GP=0)."""
     hp, w, p, n = m.hp, m.weights, m.params, u.n_rows
     b = f"blk.{i}."
     D, n_I, r, n_ctx = hp.D_I, hp.n_I, idx.r, idx.keys.n_ctx
@@ -186,7 +190,7 @@ def qsa_select_cells(g: "Graph", m: StepModel, i: int, u: Rows, idx: IndexerCach
     scores = g.tensor(n, idx.n_blocks, b + "idx_scores")
     qsa_scores(g, p.buf, 0, qI, summary, scores, n_I=n_I, r=r, name=b + "idx_scores")  # (Q5)
     W = hp.B + max(hp.r) - 1
-    if n <= p.row_steps:  # decode, verify: one cell list per row
+    if n <= p.row_steps or cfg.gathered and cfg.rows:  # one cell list per row
         cells, gp = g.tensor(n, W, b + "qsa_select"), g.temp(8 * n, b + "qsa_select.gp")
         qsa_select(g, p.buf, 0, scores, cells, r=r, B=hp.B, cell=cfg.cell, gather_params=gp,
                    name=b + "qsa_select")  # (Q6)–(Q8)
@@ -238,6 +242,10 @@ def attention_sublayer(g: "Graph", m: StepModel, i: int, u: Rows, qsa: tuple[Ind
         attention(g, sel.gp, 0, q, cache.k, cache.v, Heads(o, H, Dh), gate=gate,
                   mask=CellMask(sel.slots.buf, sel.slots.stride, sel.slots.off),
                   cells=CellList(sel.cells, sel.cap), tile=sel.tile, name=b + "attn_gated")
+    elif isinstance(sel, GatheredCells) and n > p.row_steps:  # (S3) per query: its own list, one dispatch
+        q, gate = q_and_gate(qg, H, Dh)
+        attention(g, sel.params, 0, q, cache.k, cache.v, Heads(o, H, Dh), gate=gate, cells=sel.rows(),
+                  row_lists=True, name=b + "attn_gated")
     elif n == 1 or n > p.row_steps:
         q, gate = q_and_gate(qg, H, Dh)
         listed = isinstance(sel, GatheredCells)

@@ -536,17 +536,23 @@ def check_attention(name: str, params: Buffer, param_off: int, q: Heads, k: Cach
 def attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v: Cache, out: Heads, *,
               gate: Heads | None = None, mask: CellMask | None = None, cells: CellList | None = None,
               tile: int = 0, n_split: int | None = None, partial: Buffer | None = None, scale: float | None = None,
-              kind: Flash | None = None, name: str = "attn") -> None:
+              kind: Flash | None = None, row_lists: bool = False, name: str = "attn") -> None:
     """(A5)–(A7) out[t, h] = softmax_j((q_{t,h}·k_{j,g})·scale + M_t[j]) · v_{j,g} (⊙ σ(gate_{t,h}) if
     gate), g = ⌊h/(H/H_kv)⌋, for queries at positions p0 + t with p0 = params[param_off] and
     n_kv = params[param_off + 1] keys (or list slots). M is causal, ∩ `mask` when given; `cells`
     gathers keys by position list. `tile` > 0 (with `cells`): queries in tiles of `tile`, tile k with
     its own (first position, count) at params[param_off + 2k …] and list at cells.off + k·capacity, all
-    in one dispatch (S2–S3 over qsa_union's tiles). Steps of ≤ 8 queries in one tile run on the decode
+    in one dispatch (S2–S3 over qsa_union's tiles). `row_lists` (with `cells`): every query its own
+    list (at cells.off + t·capacity) and params (its position, count at param_off + 2t), on the decode
+    kernel (a prefill's per-query QSA selections). Steps of ≤ 8 queries in one tile run on the decode
     kernel (ops/attn_decode.py, its own split count, at most what a given `partial` holds) unless
     VKFLASH_ATTN_DECODE=0 or a flash `kind` is asked for; else flash_attention()."""
     from vkflash.gpu.ops import attn_decode as dec
 
+    if row_lists:
+        dec.attn_decode(g, params, param_off, q, k, v, out, gate=gate, cells=cells, partial=partial, n_split=n_split,
+                        scale=scale, row_lists=True, name=name)
+        return
     if tile and -(-q.n_tokens // tile) == 1:
         tile = 0  # one tile: an ordinary call with its params and list
     if (not tile and kind is None and q.n_tokens <= dec.MAX_TOKENS and g.options.attn_decode

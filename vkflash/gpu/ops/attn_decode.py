@@ -6,7 +6,9 @@ to 16 rows per workgroup), splits the positions over many workgroups (grid-strid
 ceiling), loads rows with 128-bit loads into shared memory and spreads keys over subgroups; the
 split partials are merged by shaders/attn_decode_combine.comp, parallel over the splits. Dense,
 masked and gathered (cell list) attention, f32/f16/q8_0 caches. `attention()` routes T ≤ 8 here
-unless VKFLASH_ATTN_DECODE=0.
+unless VKFLASH_ATTN_DECODE=0. With row lists (any T) every token brings its own cell list and params
+(a prefill's per-query QSA selections): a workgroup serves one token's GQA group, reading each row of
+that token's selection once for all its q heads.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class DecodePush(AttnPush):
     """attn_decode.comp's push constants (see its header): the flash kernels' common ones, then the
-    mode flags (1 gated, 2 masked, 4 gather, 8 split)."""
+    mode flags (1 gated, 2 masked, 4 gather, 8 split) and the row lists' stride (0: one list)."""
 
     flags: u32
+    cell_stride: u32 = 0
 
 
 @dataclass(frozen=True)
@@ -130,21 +133,27 @@ def _shape(caps: Capabilities, rows: int, dim: int, ctype: CacheType) -> tuple[i
     return (few_loads or [f for f, _ in fits] or [None])[0]
 
 
-def supported(caps: Capabilities, T: int, H: int, H_kv: int, dim: int, ctype: CacheType) -> bool:
-    """Whether the kernel runs this shape on this device (else attention() uses flash)."""
-    return _shape(caps, T * (H // H_kv), dim, ctype) is not None
+def supported(caps: Capabilities, T: int, H: int, H_kv: int, dim: int, ctype: CacheType,
+              row_lists: bool = False) -> bool:
+    """Whether the kernel runs this shape on this device (else attention() uses flash); with row
+    lists one token's GQA group must fit a workgroup."""
+    rows = H // H_kv if row_lists else T * (H // H_kv)
+    return (not row_lists or rows <= MAX_ROWS) and _shape(caps, rows, dim, ctype) is not None
 
 
 def plan(caps: Capabilities, T: int, H: int, H_kv: int, dim: int, ctype: CacheType, n_keys: int,
-         max_split: int | None = None) -> DecodePlan:
-    """The launch shape for T queries of H heads over at most n_keys keys (_shape), with splits to
-    reach target_workgroups, at most one per key tile (a short cell list, e.g. the 2051-cell QSA
-    gather, still spreads over all its tiles) and at most max_split."""
-    shape = _shape(caps, T * (H // H_kv), dim, ctype)
-    if shape is None:
+         max_split: int | None = None, row_lists: bool = False) -> DecodePlan:
+    """The launch shape for T queries of H heads over at most n_keys keys (_shape; with row lists one
+    chunk per token), with splits to reach target_workgroups, at most one per key tile (a short cell
+    list, e.g. the 2051-cell QSA gather, still spreads over all its tiles) and at most max_split."""
+    shape = _shape(caps, H // H_kv if row_lists else T * (H // H_kv), dim, ctype)
+    if shape is None or row_lists and shape[1] > 1:
         raise ValueError(f"attn_decode does not support head dim {dim} {ctype.value} here (needs a multiple of 32 "
-                         f"whose quarter divides the workgroup, and a key tile in {caps.shared_memory} B)")
+                         f"whose quarter divides the workgroup, and a key tile in {caps.shared_memory} B"
+                         + (f"; row lists: ≤ {MAX_ROWS} q heads per kv head)" if row_lists else ")"))
     rc, n_chunks, bc, d = shape
+    if row_lists:
+        n_chunks = T
     tiles = max(1, -(-n_keys // bc))
     want = -(-target_workgroups(caps) // (H_kv * n_chunks))
     n_split = max(1, min(want, tiles, max_split or want, caps.max_workgroup_count[2]))
@@ -174,14 +183,18 @@ def _check_aliases(name: str, params: Buffer, q: Heads, k: Cache, v: Cache, out:
 def attn_decode(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v: Cache, out: Heads, *,
                 gate: Heads | None = None, mask: CellMask | None = None, cells: CellList | None = None,
                 partial: Buffer | None = None, n_split: int | None = None, scale: float | None = None,
-                name: str = "attn") -> None:
+                row_lists: bool = False, name: str = "attn") -> None:
     """attention() (A5)–(A7) for T ≤ 8 queries with the decode kernel: the same operands and params
     words (p0, n_kv at param_off). Splits: n_split, else plan()'s (at most what a given `partial`
     holds); one split writes the output directly, more add a combine dispatch whose partials go to
-    `partial` (default: an intermediate of the graph)."""
-    check_attention(name, params, param_off, q, k, v, out, gate, mask, cells)
+    `partial` (default: an intermediate of the graph). With `row_lists` (any T, `cells` needed, no
+    mask) token t attends through its own list at cells.off + t·capacity with its own params
+    (position p_t, count) at param_off + 2t, seeing positions ≤ p_t."""
     T, H, Dh, H_kv = q.n_tokens, q.n_heads, q.dim, k.n_heads
-    if T > MAX_TOKENS:
+    if row_lists and (cells is None or mask is not None):
+        raise ValueError(f"{name}: row lists need a cell list per token and no mask")
+    check_attention(name, params, param_off, q, k, v, out, gate, mask, cells, T if row_lists else 1)
+    if T > MAX_TOKENS and not row_lists:
         raise ValueError(f"{name}: attn_decode serves at most {MAX_TOKENS} queries, got {T}")
     _check_aliases(name, params, q, k, v, out, gate, mask, cells, partial)
     caps = g.gpu.caps
@@ -189,7 +202,7 @@ def attn_decode(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, 
     room = max(1, partial.nbytes // partial_bytes(T, H, Dh, 1)) if partial is not None else None
     if n_split is not None and (n_split < 1 or room is not None and n_split > room):
         raise ValueError(f"{name}: n_split={n_split} needs a partial buffer of {partial_bytes(T, H, Dh, n_split)} B")
-    pl = plan(caps, T, H, H_kv, Dh, k.type, n_keys, max_split=room)
+    pl = plan(caps, T, H, H_kv, Dh, k.type, n_keys, max_split=room, row_lists=row_lists)
     if n_split is not None:
         pl = replace(pl, n_split=n_split)
     split = pl.n_split > 1
@@ -203,13 +216,14 @@ def attn_decode(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, 
     push = DecodePush(T, H // H_kv, H_kv, k.n_ctx, q.off, q.rows.stride, q.head_stride, gv.off, gv.rows.stride,
                       gv.head_stride, out.off, out.rows.stride, out.head_stride, param_off, mask.off if mask else 0,
                       mask.stride if mask else 0, cells.off if cells else 0, pl.n_split,
-                      1.0 / np.sqrt(Dh) if scale is None else scale, flags)
+                      1.0 / np.sqrt(Dh) if scale is None else scale, flags,
+                      cells.capacity if row_lists and cells is not None else 0)
     kv_bytes = 2 * n_keys * H_kv * k.type.row_bytes(Dh) * pl.n_chunks
     g.dispatch(f"attn_decode_{k.type.value}", bufs, [pl.n_chunks, H_kv, pl.n_split], push=push,
                spec=DecodeSpec(Dh, pl.rc, pl.bc, pl.d), writes=[7 if dst is None else 8], name=name,
                desc=f"T={T} H={H}/{H_kv} Dh={Dh} {k.type.value} rows={pl.rc}x{pl.n_chunks} tile={pl.bc} "
                f"split={pl.n_split}" + (" gated" * (gate is not None)) + (" masked" * (mask is not None))
-               + (" gather" * (cells is not None)),
+               + (" gather" * (cells is not None)) + (" row lists" * row_lists),
                nbytes=kv_bytes, flops=4 * T * H * Dh * n_keys)
     if dst is not None:
         g.dispatch("attn_decode_combine", [dst, gv.rows.buf, out.rows.buf], [H, T, Dh // min(Dh, COMBINE_DIMS)],
