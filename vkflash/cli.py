@@ -285,6 +285,7 @@ def run_cmd(
     raw: bool = typer.Option(False, "--raw", help="feed the prompt as is, without the chat template"),
     system: Optional[str] = typer.Option(None, "--system", help="system message"),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help="stop after this many tokens"),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="go on past the end-of-generation token (as llama-cli)"),
     temperature: float = typer.Option(0.0, "--temp", help="0: greedy"),
     top_k: int = typer.Option(0, "--top-k", help="draw from the k most likely tokens (0: all)"),
     top_p: float = typer.Option(1.0, "--top-p", help="draw from the most likely tokens up to this mass"),
@@ -308,7 +309,7 @@ def run_cmd(
                                  "MODEL_DRAFT_SMALL": draft_small})  # checked like serve's flags
         settings.install(s)
         err = Console(stderr=True)
-        params = runner.sampling(temperature, top_k, top_p, min_p, seed, max_tokens)
+        params = runner.sampling(temperature, top_k, top_p, min_p, seed, max_tokens, ignore_eos)
         drafts = [resolve_model(s[k], k) if s[k] else None for k in ("MODEL_DRAFT", "MODEL_DRAFT_SMALL")]
         session = runner.open_session(resolve_model(model), err, s["CTX"], s["UB"], s["KV"], s["MTP"], *drafts)
         if prompt is not None:

@@ -223,8 +223,8 @@ def read_stdin(prompt: str = "> ") -> Callable[[], str | None]:
 
 
 def sampling(temperature: float, top_k: int, top_p: float, min_p: float, seed: int | None,
-             max_tokens: int | None) -> SamplingParams:
+             max_tokens: int | None, ignore_eos: bool = False) -> SamplingParams:
     """SamplingParams from CLI options (InvalidRequest names a bad one)."""
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                          max_tokens=max_tokens)
+                          max_tokens=max_tokens, ignore_eos=ignore_eos)
 

@@ -288,7 +288,7 @@ def test_gemv_q8_greedy(gpu, rng, tmp_path):
     st = reference.new_state(load_model(path, np.float64), cache_dtype=np.float16)
     ref = [reference.prefill(prompt, st)[-1]]
     toks = []
-    for _ in range(15):
+    for _ in range(31):  # enough steps that ≥ 8 are clear of near ties on any draw of the model
         toks.append(int(np.argmax(ref[-1])))
         ref.append(reference.prefill([toks[-1]], st)[-1])
     f32 = GpuForward(path, ctx=128, ub=16, kv="f16", gpu=gpu.with_options(replace(gpu.options, gemv_q8=False)))
@@ -305,4 +305,4 @@ def test_gemv_q8_greedy(gpu, rng, tmp_path):
         if top2[1] - top2[0] > Q8_LOGITS * want.std():
             assert int(np.argmax(got)) == int(np.argmax(want)), f"step {i}: q8 argmax differs beyond a near tie"
             checked += 1
-    assert checked >= len(ref) // 2, f"only {checked} of {len(ref)} steps clear of near ties"
+    assert checked >= 8, f"only {checked} of {len(ref)} steps clear of near ties"
