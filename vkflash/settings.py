@@ -175,7 +175,7 @@ KNOBS: tuple[Knob, ...] = (
        "1: gathered QSA prefill through each query's own cell list on the decode attention kernel (a cost "
        "that stays flat with depth) instead of one union of the selections per 64-query tile on cooperative "
        "matrices (dense where a union passes half the range). H200, qwen4exp 8 layers: pp512 at depth 32768 "
-       "+6.6%, pp2048 at depth 0 -16%, so off", "backend"),
+       "+6.6%, at 131072 +14%, but pp2048 at depth 0 -16%, so off", "backend"),
     _k("VKFLASH_FA_COOPMAT", _bool, True,
        "0: scalar f32 flash-attention prefill instead of cooperative-matrix Q·Kᵀ and P·V (f16 inputs, f32 "
        "softmax and sums; f16 / q8_0 KV caches, devices with 16×16×16 f16 matrices)", "revert"),
