@@ -344,3 +344,21 @@ def test_chat_ctrl_c_stops_the_reply_then_leaves(gpu, chat_model):
     text = ANSI.sub(b"", seen).decode(errors="replace")
     assert os.waitstatus_to_exitcode(status) == 0, text
     assert "Traceback" not in text and "KeyboardInterrupt" not in text
+
+
+def test_chat_prompt_keeps_its_state_before_the_generation_prompt(chat_model):
+    """`vkflash run`'s chat keeps the state where the generation prompt begins (the next turn's history
+    need not repeat it), and the prompt's end when the template cannot render without one."""
+    from vkflash.model.chat import render_chat
+    from vkflash.model.tokenizer import Tokenizer
+    from vkflash.run import Session, prompt_ids
+
+    tok = Tokenizer.from_gguf(chat_model)
+    msgs = [{"role": "user", "content": "hi there"}]
+    kw = tok.template_tokens()
+    ids, keep = prompt_ids(Session(chat_model, None, tok, QWEN3_THINKING_TEMPLATE, 16), msgs, None)
+    history = render_chat(QWEN3_THINKING_TEMPLATE, msgs, add_generation_prompt=False, **kw)
+    assert keep == len(tok.encode(history)) and 0 < keep < len(ids)
+    strict = QWEN3_THINKING_TEMPLATE + "{% if not add_generation_prompt %}{{ raise_exception('no') }}{% endif %}"
+    ids2, keep2 = prompt_ids(Session(chat_model, None, tok, strict, 16), msgs, None)
+    assert ids2 == ids and keep2 is None

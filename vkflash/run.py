@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from vkflash.engine.api import Finish, Forward, InvalidRequest, SamplingParams, TokenEvent
 from vkflash.engine.generate import generate
+from vkflash.errors import ConfigError
 from vkflash.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -127,7 +128,10 @@ def prompt_ids(session: Session, messages: list[dict[str, str]] | None,
     kw = session.tokenizer.template_tokens()
     text = render_chat(session.template, messages, **kw)
     ids = session.tokenizer.encode(text, add_special=False)
-    history = render_chat(session.template, messages, add_generation_prompt=False, **kw)
+    try:
+        history = render_chat(session.template, messages, add_generation_prompt=False, **kw)
+    except ConfigError:  # the template cannot end without a generation prompt: keep the prompt's end
+        return ids, None
     return ids, reply_start(text, history, ids, lambda s: session.tokenizer.encode(s, add_special=False))
 
 

@@ -90,3 +90,29 @@ def test_cached_tokens_over_a_conversation(in_process, gpu, tiny_model, tokenize
                                       extra_body={"ignore_eos": True})
         assert r.usage.prompt_tokens_details.cached_tokens == r.model_extra["timings"]["cache_n"] == want
         ends.append(len(prompt))
+
+
+def test_checkpoint_at_is_before_the_generation_prompt(tokenizer, tiny_model):
+    """The server's checkpoint position of a chat request: where its generation prompt begins; the
+    prompt's end (None) when the template cannot render the conversation without one."""
+    from types import SimpleNamespace
+
+    from vkflash.server.openai_api import checkpoint_at, render
+    from vkflash.server.schemas import ChatRequest
+
+    template = read_tokenizer_meta(tiny_model)["tokenizer.chat_template"]
+    req = ChatRequest(model="tiny", messages=[{"role": "system", "content": "be brief"},
+                                              {"role": "user", "content": "count to three"}])
+    state = SimpleNamespace(settings={"REASONING": "", "TPLFIX": 1})
+    for source, want_none in ((template, False), (template + "{% if not add_generation_prompt %}"
+                                                  "{{ raise_exception('no') }}{% endif %}", True)):
+        loaded = SimpleNamespace(tokenizer=tokenizer, info=SimpleNamespace(chat_template=source))
+        text = render(req, state, loaded, None)
+        ids = tokenizer.encode(text, True, True)
+        keep = checkpoint_at(req, state, loaded, None, text, ids)
+        if want_none:
+            assert keep is None
+        else:
+            history = render_chat(source, [m.model_dump(exclude_none=True) for m in req.messages],
+                                  add_generation_prompt=False)
+            assert keep == len(tokenizer.encode(history, True, True)) and 0 < keep < len(ids)

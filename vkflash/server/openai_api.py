@@ -235,8 +235,12 @@ def render(req: ChatRequest, state: ServerState, loaded: Loaded, tools: list[dic
 
 def checkpoint_at(req: ChatRequest, state: ServerState, loaded: Loaded, tools: list[dict[str, Any]] | None,
                   text: str, ids: list[int]) -> int | None:
-    """Where the prompt's state is kept for the conversation's next turn: before its generation prompt."""
-    history = render(req, state, loaded, tools, generation_prompt=False)
+    """Where the prompt's state is kept for the conversation's next turn: before its generation prompt
+    (None, the prompt's end, when the template cannot render the conversation without one)."""
+    try:
+        history = render(req, state, loaded, tools, generation_prompt=False)
+    except ApiError:
+        return None
     return reply_start(text, history, ids, lambda s: loaded.tokenizer.encode(s, False, True))
 
 
