@@ -350,6 +350,7 @@ def test_chat_ctrl_c_stops_the_reply_then_leaves(gpu, chat_model):
             os.waitpid(pid, 0)
         os.close(fd)
     text = ANSI.sub(b"", seen).decode(errors="replace")
+    assert status is not None, f"still running after Ctrl-C at the prompt:\n{text}"
     assert os.waitstatus_to_exitcode(status) == 0, text
     assert "Traceback" not in text and "KeyboardInterrupt" not in text
 
