@@ -10,7 +10,7 @@
 // is dotted with all NCOL columns (common/gemv_core.glsl); NCOL = 1 is the per-column loop
 // (VKFLASH_GEMV_COLS=0), with the same sums bit for bit.
 // Q8X (define): the integer-dot variant (the pass's x columns quantized to 8-bit blocks in shared
-// memory by the workgroup; KQ = constant_id 10 = K); its accuracy bound is common/gemv_core.glsl's.
+// memory by the workgroup; KQ = constant_id 11 = K); its accuracy bound is common/gemv_core.glsl's.
 // MODE (constant_id 6, common/mv_store.glsl): 0 plain (EPILOGUE), 1 GLU, 2 HC mix (x = ℓ_pre,
 // each element becomes ℓ = silu(ℓ_pre · (1/hc)) before the dots or the quantization, as
 // mul_mat_vec.comp / hc.comp PRE), 3 MoE output. Buffers: 0 W, 1 x, 2 bias, 3 mul, 4 res, 5 y,
@@ -36,9 +36,10 @@ layout(constant_id = 6) const uint MODE = 0;
 layout(constant_id = 7) const uint HC = 1;      // MODE 2: hc streams stacked in W_up
 layout(constant_id = 8) const uint TOPK = 1;    // MODE 3: routed slots per token
 layout(constant_id = 9) const uint NCOL = 1;    // columns per pass (≤ NPLAIN)
+layout(constant_id = 10) const uint DEQ = 1;    // f32 x: weights decoded once for all columns (common/gemv_core.glsl)
 #ifdef Q8X
 #define GEMV_Q8
-layout(constant_id = 10) const uint KQ = 32;    // shared x capacity (elements per column): K
+layout(constant_id = 11) const uint KQ = 32;    // shared x capacity (elements per column): K
 #endif
 const uint NSTACK = MODE == 1u ? 2u : (MODE == 2u ? HC : 1u);  // weight blocks per output row
 const uint M = NR / NSTACK;                                     // output rows per team

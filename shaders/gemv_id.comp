@@ -13,7 +13,7 @@
 // Buffers: 0 W (raw GGML blocks), 1 x (f32, row at x_off + row·x_stride, multiples of 4),
 // 2 ids (int32, row t at id_off + t·id_stride), 3 routing weights w (f32, row t at wt_off +
 // t·wt_stride), 4 y (f32, row at y_off + row·y_stride).
-// Q8X (define): x quantized to 8-bit blocks in shared memory and integer dots (KQ = constant_id 5 = K);
+// Q8X (define): x quantized to 8-bit blocks in shared memory and integer dots (KQ = constant_id 6 = K);
 // accuracy as common/gemv_core.glsl states.
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"
@@ -26,9 +26,10 @@ layout(constant_id = 1) const uint MODE = 0;
 layout(constant_id = 2) const uint TPR = 8;     // invocations per team
 layout(constant_id = 3) const uint NR = 2;      // weight rows decoded per team (MODE 2: M gate + M up)
 layout(constant_id = 4) const uint SG_MIN = 1;
+layout(constant_id = 5) const uint DEQ = 1;     // f32 x: weights decoded once (common/gemv_core.glsl)
 #ifdef Q8X
 #define GEMV_Q8
-layout(constant_id = 5) const uint KQ = 32;     // shared x capacity (elements): K
+layout(constant_id = 6) const uint KQ = 32;     // shared x capacity (elements): K
 #endif
 
 layout(std430, binding = 1) readonly buffer X { vec4 xv[]; };

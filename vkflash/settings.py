@@ -209,6 +209,11 @@ KNOBS: tuple[Knob, ...] = (
        "instead of once for all the columns the shared memory holds, and their row groups keep 2 rows per team "
        "instead of 4 (gemv.comp, mul_mat_vec.comp; the same sums bit for bit; CPU drivers keep one column per "
        "pass and 2 rows)", "revert"),
+    _k("VKFLASH_GEMV_DEQ", _bool, True,
+       "0: decode / MTP-verify GEMVs of f32 activations dot each token column with the weights' codes and scale "
+       "the sums per 16-element run (one multiply per weight fewer: 2–3% faster plain decode on the H200) "
+       "instead of turning the codes into weights once for all columns (7 columns: 2× faster); other sums "
+       "in the last bits, decode and verify alike", "revert"),
     _k("VKFLASH_TOPK_WIDE", _bool, True,
        "0: the previous QSA selection (8 radix passes with serial bin scans) instead of a 3-pass radix select "
        "over a 1024-wide workgroup (H200, 32k: 66 vs 16 µs)", "revert"),

@@ -9,10 +9,15 @@
 // workgroup and long ones still spread over enough invocations.
 // Columns: a pass accumulates NCOL token columns at once (llama.cpp's NUM_COLS): each slice's
 // weights are loaded once and dotted with every column's x, into acc[c·NR + i]; on f32 x each
-// 4-code piece of a slice is decoded once (slice_codes) and used for every column, then scaled per
-// column (slice_sum), the sums slice_dot's. Each column's sum is formed in the same order as with
-// NCOL = 1 (one column per pass, the per-column loop that VKFLASH_GEMV_COLS=0 keeps), so both give
-// the same bits.
+// 4-code piece of a slice is decoded once (slice_codes) and used for every column:
+//   DEQ = 1 (VKFLASH_GEMV_DEQ): turned into weights once, a·code + b with the run's (a, b)
+//     (slice_affine), then dotted with each column: a column costs one FMA per weight and holds
+//     only its NR sums (H200, 7 columns: Q4_K 2560×12288 95 → 44 µs; one column 18.1 → 19.8 µs);
+//   DEQ = 0: dotted as codes per column and run, then scaled per column (slice_sum: slice_dot's
+//     sums), one FMA per weight fewer, but 2·NR run sums and two x sums live per column.
+// Each column's sum is formed in the same order as with NCOL = 1 (one column per pass, the
+// per-column loop that VKFLASH_GEMV_COLS=0 keeps), so both give the same bits, and an MTP verify's
+// rows those of decode steps.
 //
 // Two inner loops, by GEMV_Q8:
 //   f32 x (default): common/quant.glsl's slices (32 elements; K-quants one 16-byte quant chunk),
@@ -25,7 +30,7 @@
 //     |y − y_f32| ≤ Σ_k |W[r, k]|·d_{b(k)}/2 (+ f32 rounding): the activation quantization is
 //     the accuracy trade llama.cpp's MMVQ makes (~1e-2 relative at worst, far less typically).
 //
-// The includer defines, before including: TPR, NR, NCOL, SG_MIN (constants), GEMV_Q8 and KQ (the
+// The includer defines, before including: TPR, NR, NCOL, SG_MIN, DEQ (constants), GEMV_Q8 and KQ (the
 // shared x capacity in elements per column) for the integer path, the f32 x buffer xv (vec4), and
 //   uint gemv_wrow(uint i)   global weight row of the team's decoded row i (i < NR)
 //   uint gemv_xrow(uint c)   vec4 index of the x row of the pass's column c (c < NCOL)
@@ -144,6 +149,24 @@ void gemv_pass(uint K) {
     for (uint u = g_lane; u < gpr; u += TPR) {
         Slice w[NR];  // all rows' loads first, once for every column
         [[unroll]] for (uint i = 0u; i < NR; ++i) w[i] = slice_fetch(gemv_wrow(i) * gpr + u);
+        if (DEQ != 0u) {
+            vec4 ab[NR];  // each run's weights, a·code + b
+            [[unroll]] for (uint i = 0u; i < NR; ++i) ab[i] = slice_affine(w[i]);
+            const uvec2 runs = slice_runs(u) / 4u;
+            [[unroll]] for (uint q = 0u; q < 4u; ++q) {
+                vec4 v0[NR], v1[NR];  // the rows' weights at x[runs.x + q] and x[runs.y + q], for every column
+                [[unroll]] for (uint i = 0u; i < NR; ++i) {
+                    v0[i] = fma(slice_codes(w[i], q), vec4(ab[i].x), vec4(ab[i].y));
+                    v1[i] = fma(slice_codes(w[i], q + 4u), vec4(ab[i].z), vec4(ab[i].w));
+                }
+                [[unroll]] for (uint c = 0u; c < NCOL; ++c) {
+                    const uint xb = gemv_xrow(c);
+                    const vec4 x0 = gemv_xpre(xv[xb + runs.x + q]), x1 = gemv_xpre(xv[xb + runs.y + q]);
+                    [[unroll]] for (uint i = 0u; i < NR; ++i) acc[c * NR + i] += dot(v0[i], x0) + dot(v1[i], x1);
+                }
+            }
+            continue;
+        }
         const uvec2 runs = slice_runs(u) / 4u;
         // slice_dot's sums for every (column, row), each code vec4 decoded once for all columns
         float s0[NACC], s1[NACC];

@@ -19,6 +19,7 @@
 //    it is only 2-byte aligned (Q8_0, Q4_0, Q5_0, Q6_K).
 //      Slice slice_fetch(uint S)   float slice_dot(Slice w, vec4 xg[8], vec2 xs)   uvec2 slice_runs(uint u)
 //      vec4 slice_codes(Slice w, uint i)   float slice_sum(Slice w, float s0, float s1, vec2 xs)
+//      vec4 slice_affine(Slice w)
 //      float dot_slice(uint S, vec4 xg[8], vec2 xs) = slice_dot(slice_fetch(S), xg, xs)
 //    are the GEMV's variant: slice S also holds 32 elements of the buffer's S/SPB-th block of
 //    32·SPB elements, but as two runs of 16 at in-row element offsets slice_runs(u) (u = the
@@ -28,7 +29,8 @@
 //    (scales and mins are applied once per run, not per element). slice_dot is, for every type,
 //    slice_sum(w, s0, s1, xs) with s0 = Σ_{i<4} dot(slice_codes(w, i), xg[i]) and s1 the same over
 //    i = 4..7 (each summed in i order from 0): slice_codes(w, i) are the slice's 4 unscaled codes
-//    against xg[i], so a GEMV over several x columns decodes each once (common/gemv_core.glsl).
+//    against xg[i], so a GEMV over several x columns decodes each once (common/gemv_core.glsl);
+//    slice_affine(w) = (a0, b0, a1, b1): run r's weights are a_r·code + b_r (the element decoders' values).
 //    For K-quants (SPB = 8) a slice is one 16-byte chunk of the block's quants, so consecutive
 //    invocations read consecutive 16 bytes (coalesced uvec4 / u16 loads); for the other types
 //    (SPB = 1) a slice is the group itself.
@@ -361,6 +363,7 @@ struct Slice { vec4 w[8]; };
 Slice slice_fetch(uint S) { Slice r; for (uint i = 0u; i < 8u; ++i) r.w[i] = qw[S * 8u + i]; return r; }
 vec4 slice_codes(Slice r, uint i) { return r.w[i]; }
 float slice_sum(Slice r, float s0, float s1, vec2 xs) { return s0 + s1; }
+vec4 slice_affine(Slice r) { return vec4(1.0, 0.0, 1.0, 0.0); }
 
 #elif QTYPE == GGML_TYPE_F16 || QTYPE == GGML_TYPE_BF16
 struct Slice { uvec4 h[4]; };
@@ -377,6 +380,7 @@ vec4 slice_codes(Slice r, uint i) {
     return (i & 1u) == 0u ? vec4(half2(h.x), half2(h.y)) : vec4(half2(h.z), half2(h.w));
 }
 float slice_sum(Slice r, float s0, float s1, vec2 xs) { return s0 + s1; }
+vec4 slice_affine(Slice r) { return vec4(1.0, 0.0, 1.0, 0.0); }
 
 #elif QTYPE == GGML_TYPE_Q8_0
 struct Slice { float d; uint q[8]; };
@@ -401,6 +405,7 @@ vec4 slice_codes(Slice r, uint i) {
 #endif
 }
 float slice_sum(Slice r, float s0, float s1, vec2 xs) { return r.d * (s0 + s1); }
+vec4 slice_affine(Slice r) { return vec4(r.d, 0.0, r.d, 0.0); }
 
 #elif QTYPE == GGML_TYPE_Q4_0 || QTYPE == GGML_TYPE_Q5_0
 struct Slice { float d; uint qh; uint q[4]; };
@@ -448,6 +453,14 @@ float slice_sum(Slice r, float s0, float s1, vec2 xs) {
     return r.d * ((s0 + s1) - 8.0 * (xs.x + xs.y));
 #endif
 }
+vec4 slice_affine(Slice r) {
+#if QTYPE == GGML_TYPE_Q5_0
+    const float b = -16.0 * r.d;
+#else
+    const float b = -8.0 * r.d;
+#endif
+    return vec4(r.d, b, r.d, b);
+}
 
 #elif QTYPE == GGML_TYPE_Q4_K || QTYPE == GGML_TYPE_Q5_K
 // header [dm, scales], quants chunk c, (Q5_K) the qh half of the chunk's 16 positions
@@ -480,6 +493,12 @@ float slice_sum(Slice r, float s0, float s1, vec2 xs) {
     const vec2 dm = unpackHalf2x16(r.hdr.x);
     const vec2 sm0 = k_scale_min(r.hdr.yzw, g0), sm1 = k_scale_min(r.hdr.yzw, g0 + 1u);
     return dm.x * (sm0.x * s0 + sm1.x * s1) - dm.y * (sm0.y * xs.x + sm1.y * xs.y);
+}
+vec4 slice_affine(Slice r) {
+    const uint g0 = 2u * (r.c >> 1);
+    const vec2 dm = unpackHalf2x16(r.hdr.x);
+    const vec2 sm0 = k_scale_min(r.hdr.yzw, g0), sm1 = k_scale_min(r.hdr.yzw, g0 + 1u);
+    return vec4(dm.x * sm0.x, -dm.y * sm0.y, dm.x * sm1.x, -dm.y * sm1.y);
 }
 
 #elif QTYPE == GGML_TYPE_Q6_K
@@ -521,6 +540,10 @@ vec4 slice_codes(Slice r, uint i) {  // i < 4: low nibbles of l[i], else the hig
 float slice_sum(Slice r, float s0, float s1, vec2 xs) {
     return r.d * (r.sc.x * (s0 - 32.0 * xs.x) + r.sc.y * (s1 - 32.0 * xs.y));
 }
+vec4 slice_affine(Slice r) {
+    const vec2 a = r.d * r.sc;
+    return vec4(a.x, -32.0 * a.x, a.y, -32.0 * a.y);
+}
 
 #elif QTYPE == GGML_TYPE_IQ4_XS
 struct Slice { float dl; uint q[4]; };
@@ -534,6 +557,7 @@ Slice slice_fetch(uint S) {
 }
 vec4 slice_codes(Slice r, uint i) { return iq4_lookup(r.q[i & 3u], 4u * (i >> 2)); }  // values, not codes
 float slice_sum(Slice r, float s0, float s1, vec2 xs) { return r.dl * (s0 + s1); }
+vec4 slice_affine(Slice r) { return vec4(r.dl, 0.0, r.dl, 0.0); }
 #endif
 // Σ W·x over the slice: its codes against x's two runs, then its scales.
 // Written out, not looped: slice_codes indexes the slice's arrays by i, which must be a constant

@@ -212,35 +212,42 @@ def _both_cols(gpu, monkeypatch, p, plan: GemvPlan | None = None, **opts) -> tup
     return out[True], out[False], desc[True]
 
 
+@pytest.mark.parametrize("deq", [True, False], ids=["deq", "scaled"])
 @pytest.mark.parametrize("q", TYPES, ids=lambda q: q.name)
-def test_columns(gpu, rng, monkeypatch, q):
+def test_columns(gpu, rng, monkeypatch, q, deq):
     """VKFLASH_GEMV_COLS: the weights loaded once per pass of several columns give the per-column
     loop's outputs bit for bit, within the f32 bound of float64; ragged n_tok (2..8), n_out and K,
-    every type on its default decode GEMV (gemv.comp; mul_mat_vec.comp for the TEAMS_SLOWER types)."""
+    every type on its default decode GEMV (gemv.comp; mul_mat_vec.comp for the TEAMS_SLOWER types),
+    codes turned into weights once (VKFLASH_GEMV_DEQ=1) or scaled per column (0)."""
     n_tok = int(rng.integers(2, GEMV_MAX_COLS + 1))
     p = make_problem(gpu, q, 2 * int(rng.integers(1, 40)) + 1, _k(q, rng, hi=1200), n_tok, rng,
                      expert=int(rng.integers(0, 2)))
-    on, off, desc = _both_cols(gpu, monkeypatch, p)
+    on, off, desc = _both_cols(gpu, monkeypatch, p, gemv_deq=deq)
     assert desc.startswith("mul_mat_vec_" if q in TEAMS_SLOWER else "gemv_"), desc
     ref, bound = reference(p)
     _check(desc, on, ref, tolerance(bound, p.w.k, False))
     assert np.array_equal(on, off), f"{desc}: columns per pass differ from the per-column loop"
 
 
+@pytest.mark.parametrize("deq", [True, False], ids=["deq", "scaled"])
 @pytest.mark.parametrize("q", [Q.Q4_K, Q.Q6_K, Q.Q5_0], ids=lambda q: q.name)
-def test_rows_per_team_keep_the_bits(gpu, rng, monkeypatch, q):
+def test_rows_per_team_keep_the_bits(gpu, rng, monkeypatch, q, deq):
     """A verify's several columns on 4-row teams (TEAM_ROWS_WIDE) give, bit for bit, the one-column
     decode on gemv_plan's 2-row teams of the same width, column by column (so MTP's greedy verify
-    agrees with plain decoding); ragged n_out and K."""
+    agrees with plain decoding); ragged n_out and K; both VKFLASH_GEMV_DEQ paths, each within the
+    f32 bound of float64."""
     monkeypatch.setattr(mm, "GEMV_COLS_CPU", COLS_CPU)
     n_tok = int(rng.integers(2, GEMV_MAX_COLS + 1))
     p = make_problem(gpu, q, 2 * int(rng.integers(4, 40)) + 1, _k(q, rng, hi=1200), n_tok, rng)
     tpr = int(rng.choice([8, 16]))
-    wide, _ = _run(gpu, p, plan=GemvPlan(tpr, TEAM_ROWS_WIDE))
+    opts = _opts(gpu, gemv_deq=deq)
+    wide, _ = _run(gpu, p, opts, plan=GemvPlan(tpr, TEAM_ROWS_WIDE))
+    ref, bound = reference(p)
+    _check(f"{q.name} deq={deq}", wide, ref, tolerance(bound, p.w.k, False))
     for n in range(n_tok):
         one = make_problem(gpu, q, p.w.n_out, p.w.k, 1, rng)
         one = _reupload(gpu, replace(one, w=p.w, x=p.x[n:n + 1].copy()))
-        got, _ = _run(gpu, one, plan=GemvPlan(tpr, 2))
+        got, _ = _run(gpu, one, opts, plan=GemvPlan(tpr, 2))
         assert np.array_equal(got[0], wide[n]), f"{q.name} tpr={tpr}: column {n} of {n_tok} differs from decode"
 
 

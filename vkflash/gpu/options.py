@@ -55,6 +55,7 @@ class GpuOptions:
     gemv_teams: bool = True  # decode GEMVs in row groups sized from K (gemv.comp; else mul_mat_vec.comp)
     gemv_q8: bool = False  # decode GEMVs of quantized weights on 8-bit activations and integer dots
     gemv_cols: bool = True  # decode GEMVs load each weight slice once for all token columns (else once per column)
+    gemv_deq: bool = True  # decode GEMVs turn codes into weights once for all columns (else scale per column)
     topk_wide: bool = True  # QSA selection in few wide passes (else the previous kernel)
     qsa_score_tile: bool = True  # prefill QSA block scores in tiles of queries × blocks
     router_rank: bool = False  # MoE router by rank counting in one pass (else k argmax rounds)
@@ -90,7 +91,7 @@ class GpuOptions:
                    mm_splitk=bool(s["VKFLASH_MM_SPLITK"]),
                    gdn_matrix=bool(s["VKFLASH_GDN_MATRIX"]), attn_decode=bool(s["VKFLASH_ATTN_DECODE"]),
                    gemv_teams=bool(s["VKFLASH_GEMV_TEAMS"]), gemv_q8=bool(s["VKFLASH_GEMV_Q8"]),
-                   gemv_cols=bool(s["VKFLASH_GEMV_COLS"]),
+                   gemv_cols=bool(s["VKFLASH_GEMV_COLS"]), gemv_deq=bool(s["VKFLASH_GEMV_DEQ"]),
                    topk_wide=bool(s["VKFLASH_TOPK_WIDE"]), router_rank=bool(s["VKFLASH_ROUTER_RANK"]),
                    qsa_score_tile=bool(s["VKFLASH_QSA_SCORE_TILE"]),
                    stack_weights=bool(s["VKFLASH_STACK_WEIGHTS"]), dep_barriers=bool(s["VKFLASH_DEP_BARRIERS"]),

@@ -203,7 +203,8 @@ class MatVecSpec(MatMulSpec):
 @dataclass(frozen=True)
 class GemvSpec(MatMulSpec):
     """gemv.comp's: the epilogue, invocations per team, weight rows per team, columns, smallest
-    subgroup size, then the fused mode (GEMV_*; 0 plain) with its hc and top-k, and the columns per pass."""
+    subgroup size, then the fused mode (GEMV_*; 0 plain) with its hc and top-k, the columns per pass,
+    and whether weights are decoded once for all columns (VKFLASH_GEMV_DEQ)."""
 
     tpr: u32
     nr: u32
@@ -213,6 +214,7 @@ class GemvSpec(MatMulSpec):
     hc: u32 = 1
     topk: u32 = 1
     ncol: u32 = 1
+    deq: u32 = 1
 
 
 @dataclass(frozen=True)
@@ -549,7 +551,7 @@ def _gemv_spec(g: "Graph", plan: GemvPlan, k: int, epilogue: int, n_tok: int, mo
     n_stack = 2 if mode == GEMV_GLU else (hc if mode == GEMV_HC else 1)
     nr = plan.m * n_stack
     ncol = gemv_cols(g, n_tok, lambda c: team_smem(caps, k, nr, plan.q8, c))
-    args = (epilogue, plan.tpr, nr, n_tok, max(1, caps.subgroup_min), mode, hc, topk, ncol)
+    args = (epilogue, plan.tpr, nr, n_tok, max(1, caps.subgroup_min), mode, hc, topk, ncol, int(g.options.gemv_deq))
     return GemvQ8Spec(*args, kq=k) if plan.q8 else GemvSpec(*args)
 
 

@@ -196,12 +196,14 @@ class ExpertGemvSpec(SpecConstants):
 
 @dataclass(frozen=True)
 class ExpertTeamSpec(SpecConstants):
-    """gemv_id.comp's store (Mode), invocations per team, weight rows per team, smallest subgroup size."""
+    """gemv_id.comp's store (Mode), invocations per team, weight rows per team, smallest subgroup size,
+    weights decoded once for all columns (VKFLASH_GEMV_DEQ)."""
 
     mode: u32
     tpr: u32
     nr: u32
     sg_min: u32
+    deq: u32 = 1
 
 
 @dataclass(frozen=True)
@@ -513,7 +515,7 @@ def expert_gemv(g: "Graph", ids: Rows, mode: Mode, w: ExpertStack, x: Rows, y: R
     nbytes, flops = nb * T * k * w.expert_bytes + 4 * (x.size + y.size), 2 * nb * w.k * w.n_out * T * k
     if plan is not None or use_teams(g, w.qtype, w.k):
         plan = plan or gemv_plan(g, w.qtype, w.k, w.n_out * T * k, nb, n_tok=T)
-        args = (mode, plan.tpr, plan.m * nb, max(1, caps.subgroup_min))
+        args = (mode, plan.tpr, plan.m * nb, max(1, caps.subgroup_min), int(g.options.gemv_deq))
         spec = ExpertTeamQ8Spec(*args, kq=w.k) if plan.q8 else ExpertTeamSpec(*args)
         g.dispatch(f"gemv_id_{'q8_' if plan.q8 else ''}{w.type_name}", bufs,
                    [-(-w.n_out // plan.rows_per_group()), T * k], push=push, spec=spec, name=name,
