@@ -127,7 +127,7 @@ def test_table_and_bad_depth(gpu, tmp_path, rng):
 
 def test_mtp_rows(gpu, tmp_path, rng):
     """--mtp --quick on a tiny qwen4exp with its MTP block: per depth a plain row and one row per
-    agreement probability (the speculative output is checked against the plain one inside); with
+    agreement probability, one timed run each (the speculative output is checked against the plain one inside); with
     every draft agreeing, rounds carry more than one token; a bad --accept is one error line."""
     from vkflash.model.make_model import make_model
 
@@ -138,7 +138,8 @@ def test_mtp_rows(gpu, tmp_path, rng):
     rows = json.loads(r.stdout)["rows"]
     assert [(x["depth"], x["accept"]) for x in rows] == [(0, None), (0, 0.0), (0, 1.0), (40, None), (40, 0.0),
                                                          (40, 1.0)]
-    assert all(x["tokens"] == Plan.quick().tg and x["tok_per_s"] > 0 for x in rows)
+    assert all(x["tokens"] == Plan.quick().tg and len(x["rates"]) == 1 and x["tok_per_s"] == x["rates"][0] > 0
+               for x in rows)
     full = [x for x in rows if x["accept"] == 1.0]
     assert all(x["accepted"] == x["drafted"] and x["rounds"] < x["tokens"] for x in full)
     bad = CliRunner().invoke(cli.app, ["bench", "model", str(path), "--quick", "--mtp", "--accept", "2"])

@@ -379,15 +379,20 @@ MTP_DEPTHS = (0, 32768)
 """Default depths of `--mtp`."""
 
 
+MTP_RUNS = 3
+"""Timed runs of each `--mtp` row (after an untimed one): the table prints their median and range."""
+
+
 @dataclass
 class MtpRow:
-    """Greedy decoding of `tokens` at `depth`: plain (accept None) or speculative, with drafts that
-    agree with the known continuation with probability `accept`."""
+    """Greedy decoding of `tokens` at `depth`, timed over several runs (`rates`, tok/s each): plain
+    (accept None) or speculative, with drafts that agree with the known continuation with probability
+    `accept`; the round counts are the timed runs' together."""
 
     depth: int
     accept: float | None
     tokens: int
-    seconds: float
+    rates: list[float]
     rounds: int = 0
     plain_rounds: int = 0
     drafted: int = 0
@@ -395,7 +400,7 @@ class MtpRow:
 
     @property
     def rate(self) -> float:
-        return self.tokens / self.seconds
+        return float(np.median(self.rates))
 
 
 @dataclass
@@ -411,11 +416,13 @@ class MtpResult:
 
 
 def bench_mtp(path: Path, draft: Path | None, depths: Sequence[int], accepts: Sequence[float], tg: int,
-              ub: int | None = None, kv: str | None = None) -> MtpResult:
-    """At each depth: plain greedy decoding of tg tokens (the continuation; its second run timed), then
-    for each agreement probability P speculative decoding of the same tokens from the same prefix
-    (its second run timed), its output checked against the continuation. Random weights accept almost nothing, so the drafts are
-    replaced (`agreeing`) after the draft head ran: the draft and verify work is the real one."""
+              ub: int | None = None, kv: str | None = None, runs: int = MTP_RUNS) -> MtpResult:
+    """At each depth: plain greedy decoding of tg tokens (the continuation), then for each agreement
+    probability P speculative decoding of the same tokens from the same prefix, its output checked
+    against the continuation. Each is run once untimed (GPU clocks up, graphs recorded; the adaptive
+    draft length learns its estimates, as a server's does over its first requests), then `runs` times
+    timed. Random weights accept almost nothing, so the drafts are replaced (`agreeing`) after the
+    draft head ran: the draft and verify work is the real one."""
     n_train = hparams_from_gguf(GGUFFile(path)).n_ctx_train
     depths = sorted(d for d in set(depths) if d + tg + 16 <= n_train)
     sp = Speculator.open(path, draft, ctx=min(n_train, max(depths) + tg + 16), ub=ub, kv=kv)
@@ -427,18 +434,21 @@ def bench_mtp(path: Path, draft: Path | None, depths: Sequence[int], accepts: Se
     greedy = Sampler(SamplingParams(temperature=0.0))
     for d in depths:
         fwd.hooks, hooks = None, fwd.hooks  # plain decoding: the draft head neither runs nor catches up
-        for _ in range(2):  # the first, untimed, pass brings the GPU to its clocks (the H200 idles at 345 MHz)
+        rates: list[float] = []
+        for _ in range(1 + runs):
             sp.reset()
             x0 = sp.prefill_argmax(ids[:d + 1])
             t0, truth = time.perf_counter(), [x0]
             for _ in range(tg):
                 truth.append(fwd.decode_argmax(truth[-1]))
-        res.rows.append(MtpRow(d, None, tg, time.perf_counter() - t0))
+            rates.append(tg / (time.perf_counter() - t0))
+        res.rows.append(MtpRow(d, None, tg, rates[1:]))
         fwd.hooks = hooks
         for p in accepts:
-            for _ in range(2):  # timed on the second run, as plain decoding: the first records the
-                sp.reset()      # graphs the caches' growth during the prefill invalidated
-                sp.policy = DraftPolicy(sp.cfg.adapt)
+            sp.policy = DraftPolicy(sp.cfg.adapt)
+            row = MtpRow(d, p, tg, [])
+            for i in range(1 + runs):
+                sp.reset()
                 x = sp.prefill_argmax(ids[:d + 1])
                 sp.propose = agreeing(truth, d + 1, p, fwd.n_vocab, rng)
                 out, t0 = [x], time.perf_counter()
@@ -448,23 +458,31 @@ def bench_mtp(path: Path, draft: Path | None, depths: Sequence[int], accepts: Se
                 sp.propose = None
                 if out != truth:
                     raise DeviceError(f"depth {d}, P={p}: speculative decoding gave other tokens than plain decoding")
-            res.rows.append(MtpRow(d, p, tg, seconds, sp.rounds, sp.plain, sp.drafted, sp.accepted))
+                if i:
+                    row.rates.append(tg / seconds)
+                    row.rounds, row.plain_rounds = row.rounds + sp.rounds, row.plain_rounds + sp.plain
+                    row.drafted, row.accepted = row.drafted + sp.drafted, row.accepted + sp.accepted
+            res.rows.append(row)
     return res
 
 
 def show_mtp(res: MtpResult, console: Console) -> None:
-    """The MTP rows: tok/s and speed-up over plain decoding at the same depth, per agreement P."""
+    """The MTP rows: tok/s (median and range of the timed runs) and speed-up over plain decoding at the
+    same depth, per agreement P."""
     t = Table(title=f"vkflash bench model --mtp — {res.model} (draft: {res.draft}) on {res.device}")
-    for c in ("depth", "drafts agree", "tok/s", "× plain", "tokens/round", "drafted/round", "plain rounds"):
+    for c in ("depth", "drafts agree", "tok/s", "range", "× plain", "tokens/round", "drafted/round", "plain rounds"):
         t.add_column(c)
     plain: dict[int, float] = {}
     for r in res.rows:
+        spread = f"{min(r.rates):.1f}–{max(r.rates):.1f}"
         if r.accept is None:
             plain[r.depth] = r.rate
-            t.add_row(str(r.depth), "plain decode", f"{r.rate:.1f}", "1.00", "1", "", "")
+            t.add_row(str(r.depth), "plain decode", f"{r.rate:.1f}", spread, "1.00", "1", "", "")
             continue
-        t.add_row(str(r.depth), f"{r.accept:g}", f"{r.rate:.1f}", f"{r.rate / plain[r.depth]:.2f}",
-                  f"{r.tokens / max(r.rounds, 1):.2f}", f"{r.drafted / max(r.rounds, 1):.2f}", str(r.plain_rounds))
+        runs = len(r.rates)
+        t.add_row(str(r.depth), f"{r.accept:g}", f"{r.rate:.1f}", spread, f"{r.rate / plain[r.depth]:.2f}",
+                  f"{runs * r.tokens / max(r.rounds, 1):.2f}", f"{r.drafted / max(r.rounds, 1):.2f}",
+                  f"{r.plain_rounds / runs:g}")
     console.print(t)
 
 
@@ -473,7 +491,8 @@ def run_mtp(path: Path, draft: Path | None, quick: bool, depths: Sequence[int] |
             kv: str | None = None) -> MtpResult:
     """`vkflash bench model --mtp`: measure, then print a table or JSON."""
     plan = Plan.quick(depths) if quick else Plan(depths=tuple(depths) if depths is not None else MTP_DEPTHS)
-    res = bench_mtp(path, draft, plan.depths, accepts if accepts is not None else ACCEPTS, plan.tg, ub, kv)
+    res = bench_mtp(path, draft, plan.depths, accepts if accepts is not None else ACCEPTS, plan.tg, ub, kv,
+                    runs=1 if quick else MTP_RUNS)
     if as_json:
         console.print_json(json.dumps(res.to_json()))
     else:
