@@ -211,9 +211,9 @@ KNOBS: tuple[Knob, ...] = (
        "pass and 2 rows)", "revert"),
     _k("VKFLASH_GEMV_DEQ", _bool, True,
        "0: decode / MTP-verify GEMVs of f32 activations dot each token column with the weights' codes and scale "
-       "the sums per 16-element run (one multiply per weight fewer: 2–3% faster plain decode on the H200) "
-       "instead of turning the codes into weights once for all columns (7 columns: 2× faster); other sums "
-       "in the last bits, decode and verify alike", "revert"),
+       "the sums per 16-element run instead of turning the codes into weights once for all columns: one multiply "
+       "per weight fewer (plain decode 3% faster on the H200, whose GEMVs are not bandwidth-bound), but a "
+       "7-column verify GEMV 2× slower; other sums in the last bits, decode and verify alike", "revert"),
     _k("VKFLASH_TOPK_WIDE", _bool, True,
        "0: the previous QSA selection (8 radix passes with serial bin scans) instead of a 3-pass radix select "
        "over a 1024-wide workgroup (H200, 32k: 66 vs 16 µs)", "revert"),
