@@ -119,10 +119,10 @@ def start_in_process(state: Any) -> InProcess:
     returns once /health answers at all. The caller must call stop_in_process."""
     import uvicorn
 
-    from vkflash.server.app import bind, create_app
+    from vkflash.server.app import Server, bind, create_app
 
     sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning", lifespan="off"))
+    server = Server(uvicorn.Config(create_app(state), log_level="warning", lifespan="off"), state)
     t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     t.start()
     state.start_loading()
@@ -140,5 +140,10 @@ def start_in_process(state: Any) -> InProcess:
 
 
 def stop_in_process(p: InProcess) -> None:
+    """Stop the server as `vkflash serve` does (its shutdown ends the slot's worker), and wait for the
+    model load and the worker: a worker left waiting would hold its forward (GPU memory) for the
+    rest of the test session."""
     p.server.should_exit = True
     p.thread.join(timeout=10)
+    p.state.stop()
+    assert p.state.close(timeout=30), "the server's engine thread did not stop"
