@@ -232,17 +232,19 @@ def test_gemv_q8_passes(gpu, rng, q_gu, q_down):
         _check(got[a], want, lim + 1e-30, f"down pair {a}")
 
 
-@pytest.mark.parametrize("teams", [False, True], ids=["legacy", "teams"])
-def test_gemv_paths(gpu, rng, teams):
+@pytest.mark.parametrize("teams,deq", [(False, True), (True, True), (True, False)],
+                         ids=["legacy", "teams", "teams-scaled"])
+def test_gemv_paths(gpu, rng, teams, deq):
     """The routed decode on mul_mat_id_vec.comp (VKFLASH_GEMV_TEAMS=0) and on gemv_id.comp at explicit
-    team widths (narrower and wider than a subgroup), all vs float64."""
+    team widths (narrower and wider than a subgroup), codes turned into weights once
+    (VKFLASH_GEMV_DEQ=1) or scaled per column (0), all vs float64."""
     from dataclasses import replace
 
     from vkflash.gpu.ops.matmul import GemvPlan
 
     E, k, T = 13, 4, int(rng.integers(1, DECODE_MAX_T + 1))
     d, F = 256, 32 * int(rng.integers(2, 9))
-    gg = gpu.with_options(replace(gpu.options, gemv_teams=teams, gemv_q8=False))
+    gg = gpu.with_options(replace(gpu.options, gemv_teams=teams, gemv_q8=False, gemv_deq=deq))
     ex = experts(gg, Q.Q4_K, Q.Q5_0, E, d, F, rng)
     x = rng.standard_normal((T, d), dtype=np.float32)
     ids, wts = routing(T, k, E, rng)
