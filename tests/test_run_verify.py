@@ -307,17 +307,24 @@ def _read_until(fd: int, seen: bytearray, done, timeout: float) -> bool:
 
 
 @pytest.mark.timeout(180)
-def test_chat_ctrl_c_stops_the_reply_then_leaves(gpu, chat_model):
+@pytest.mark.parametrize("parent", ["default", "ignored", "blocked"])
+def test_chat_ctrl_c_stops_the_reply_then_leaves(gpu, chat_model, parent):
     """`vkflash run` chat on a terminal: Ctrl-C while a reply streams stops it (stop: cancelled) and
-    the prompt comes back; Ctrl-C at the prompt ends the session with exit 0, no traceback. The reply
-    ignores the end token (--ignore-eos): a random model may end it before the Ctrl-C arrives."""
+    the prompt comes back; Ctrl-C at the prompt ends the session with exit 0, no traceback; also when
+    the process starts with SIGINT ignored or blocked (exec keeps both, e.g. under `nohup`). The
+    reply ignores the end token (--ignore-eos): a random model may end it before the Ctrl-C arrives."""
     import os
     import pty
+    import signal
     import sys
     import time
 
     pid, fd = pty.fork()
     if pid == 0:  # the child: vkflash run in chat mode on the pty
+        if parent == "ignored":
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        elif parent == "blocked":
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         os.execv(sys.executable, [sys.executable, "-m", "vkflash.cli", "run", str(chat_model), "--ctx", "4096",
                                   "--ub", "16", "--ignore-eos"])
     seen, status = bytearray(), None

@@ -215,8 +215,20 @@ def chat_loop(session: Session, params: SamplingParams, read: Callable[[], str |
             chat.turn(text, out, console)
 
 
+def hear_ctrl_c() -> None:
+    """Make Ctrl-C raise KeyboardInterrupt in the main thread even if the process was started with
+    SIGINT ignored (which exec passes on: a parent's `nohup`, a supervisor) or blocked: the chat
+    prompt would not hear it then, while a reply still stops (interrupt_sets installs its own handler)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def read_stdin(prompt: str = "> ") -> Callable[[], str | None]:
-    """A line reader for chat: input() with a prompt, None at end of input (Ctrl-D) or on Ctrl-C."""
+    """A line reader for chat: input() with a prompt, None at end of input (Ctrl-D) or on Ctrl-C
+    (hear_ctrl_c: whatever SIGINT disposition the process started with)."""
+    hear_ctrl_c()
+
     def read() -> str | None:
         try:
             return input(prompt)
