@@ -149,10 +149,10 @@ void gemv_pass(uint K) {
     for (uint u = g_lane; u < gpr; u += TPR) {
         Slice w[NR];  // all rows' loads first, once for every column
         [[unroll]] for (uint i = 0u; i < NR; ++i) w[i] = slice_fetch(gemv_wrow(i) * gpr + u);
+        const uvec2 runs = slice_runs(u) / 4u;
         if (DEQ != 0u) {
             vec4 ab[NR];  // each run's weights, a·code + b
             [[unroll]] for (uint i = 0u; i < NR; ++i) ab[i] = slice_affine(w[i]);
-            const uvec2 runs = slice_runs(u) / 4u;
             [[unroll]] for (uint q = 0u; q < 4u; ++q) {
                 vec4 v0[NR], v1[NR];  // the rows' weights at x[runs.x + q] and x[runs.y + q], for every column
                 [[unroll]] for (uint i = 0u; i < NR; ++i) {
@@ -167,7 +167,6 @@ void gemv_pass(uint K) {
             }
             continue;
         }
-        const uvec2 runs = slice_runs(u) / 4u;
         // slice_dot's sums for every (column, row), each code vec4 decoded once for all columns
         float s0[NACC], s1[NACC];
         // the runs' running x sums: xs = dot(((x0 + x1) + x2) + x3, 1), as slice_dot's callers form it

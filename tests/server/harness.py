@@ -140,10 +140,9 @@ def start_in_process(state: Any) -> InProcess:
 
 
 def stop_in_process(p: InProcess) -> None:
-    """Stop the server as `vkflash serve` does (its shutdown ends the slot's worker), and wait for the
-    model load and the worker: a worker left waiting would hold its forward (GPU memory) for the
-    rest of the test session."""
+    """Stop the server as `vkflash serve` does (its shutdown ends the slot's worker), then wait for the
+    model load and the worker (ServerState.close): a worker left waiting would hold its forward (GPU
+    memory) for the rest of the test session."""
     p.server.should_exit = True
     p.thread.join(timeout=10)
-    p.state.stop()
     assert p.state.close(timeout=30), "the server's engine thread did not stop"
