@@ -30,7 +30,9 @@ from attention_ref import TOL, TOL_CM, attend, causal, check_out, check_q8, enco
     rounded
 from fusion_util import graph
 from vkflash.gpu.ops.attention import CM_SHAPES, SG_SHAPES, Cache, CellMask, CacheType, CellList, CmTiles, Flash, \
-    Heads, attention, cm_fits, cm_tiles, flash_attention, flash_kind, kv_append, partial_bytes, sg_fits, sg_tiles
+    Heads, attention, cm_fits, cm_tiles, flash_attention, flash_kind, kv_append, list_tiles, partial_bytes, sg_fits, \
+    sg_tiles
+from vkflash.gpu.ops.attn_decode import attn_decode, supported
 from vkflash.gpu.ops.views import Rows
 from test_matmul_compile import PROFILES
 from vkflash.gpu.options import Fusion, GpuOptions
@@ -347,6 +349,55 @@ def test_cm_shapes(gpu, rng, monkeypatch, path, shape):
     g.run()
     check_out(buf.read(np.float32).reshape(T, H, Dh), q, Kf[:n], Vf[:n], causal(p0, T, n), 1 / np.sqrt(Dh), gate,
               True, f"{label} shape {shape} {ctype.value} p0={p0} T={T}")
+
+
+@pytest.mark.parametrize("path", flash_cm.PATHS)
+@pytest.mark.parametrize("H,H_kv,Dh,ctype", [(24, 2, 64, CacheType.Q8_0), (6, 2, 128, CacheType.F16),
+                                            (20, 1, 64, CacheType.F16)])
+def test_cm_row_lists(gpu, rng, monkeypatch, path, H, H_kv, Dh, ctype):
+    """Row lists (a prefill's per-query QSA selections) on the coopmat kernel, one token's GQA group
+    per query tile (list_tiles: 16 rows for G 12 and 3, 32 for G 20): ragged sorted lists, some empty,
+    positions past the query's own among them, whole or in 3 splits; within the module's coopmat bounds
+    of attend_f16 and of the decode kernel's f32 result on the same lists (where it serves G)."""
+    label = flash_cm.select(path, gpu, monkeypatch, Dh)
+    gpu = gpu.with_options(replace(gpu.options, fa_coopmat=True))  # the engine's default
+    shape = list_tiles(gpu.caps, Dh, H // H_kv)
+    if shape is None:
+        pytest.skip(f"no row-list shape fits {gpu.caps.name} at G={H // H_kv}")
+    T, n_split = int(rng.integers(9, 40)), int(rng.choice([1, 3]))
+    n = int(rng.integers(T + 60, 400))
+    K, Kf = make_cache(gpu, rng, n + 5, H_kv, Dh, ctype, "K")
+    V, Vf = make_cache(gpu, rng, n + 5, H_kv, Dh, ctype, "V")
+    stride = int(rng.integers(40, 90))
+    lists = np.full((T, stride), 7, np.uint32)
+    counts = rng.integers(0, stride + 1, T)
+    counts[int(rng.integers(T))] = 0
+    vis = np.zeros((T, n), bool)
+    for t in range(T):
+        U = np.sort(rng.choice(n, size=int(counts[t]), replace=False)).astype(np.uint32)
+        lists[t, :len(U)] = U
+        vis[t, U] = True
+    vis &= causal(n - T, T, n)
+    off = int(rng.integers(1, 5))
+    cells = CellList(gpu.upload(np.concatenate([np.full(off, 12345, np.uint32), lists.reshape(-1)]), "lists"),
+                     stride, off)
+    pos = n - T + np.arange(T)
+    params = _params(gpu, np.concatenate([[9, 9], np.stack([pos, counts], 1).reshape(-1)]))
+    q, gate, qh, gh = queries(gpu, rng, T, H, Dh, True)
+    out, obuf = _out(gpu, T, H, Dh)
+    ref, rbuf = _out(gpu, T, H, Dh)
+    part = gpu.buffer(partial_bytes(T, H, Dh, n_split), "partial")
+    g = gpu.graph("rows")
+    attention(g, params, 2, qh, K, V, out, gate=gh, cells=cells, n_split=n_split, partial=part, row_lists=True)
+    descs = [op.desc for op in g.ops]
+    assert "coopmat" in descs[0] and "row lists" in descs[0], descs
+    decoded = supported(gpu.caps, T, H, H_kv, Dh, ctype, row_lists=True)  # G ≤ 16 there
+    if decoded:
+        attn_decode(g, params, 2, qh, K, V, ref, gate=gh, cells=cells, row_lists=True, name="decode")
+    g.run()
+    check_out(obuf.read(np.float32).reshape(T, H, Dh), q, Kf[:n], Vf[:n], vis, 1 / np.sqrt(Dh), gate, True,
+              f"{label} rows {shape}: H={H}/{H_kv} Dh={Dh} {ctype.value} T={T} split={n_split}",
+              rbuf.read(np.float32).reshape(T, H, Dh) if decoded else None)
 
 
 @pytest.mark.parametrize("path,kind", flash_cm.RUNS, ids=flash_cm.RUN_IDS)

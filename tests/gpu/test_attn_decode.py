@@ -209,7 +209,8 @@ def test_row_lists(gpu, rng, H, H_kv, Dh, ctype, n_split):
     out, obuf = _out(gpu, T, H, Dh)
 
     g = gpu.graph("rows")
-    attention(g, params, 2, qh, K, V, out, gate=gh, cells=CellList(cbuf, stride, off), n_split=n_split, row_lists=True)
+    dec.attn_decode(g, params, 2, qh, K, V, out, gate=gh, cells=CellList(cbuf, stride, off), n_split=n_split,
+                    row_lists=True)
     assert len(g.ops) == (1 if n_split == 1 else 2) and "row lists" in g.ops[0].desc, [op.desc for op in g.ops]
     g.run()
 

@@ -21,9 +21,10 @@ import numpy as np
 from vkflash.bench.kernels import gpu_seconds
 from vkflash.gpu.context import Gpu
 from vkflash.gpu.graph import Graph
-from vkflash.gpu.ops.attention import (CM_SHAPES, SG_SHAPES, Cache, CacheType, CellList, CellMask, CmTiles, Flash,
+from vkflash.gpu.ops.attention import (CM_SHAPES, LIST_SHAPES, SG_SHAPES, Cache, CacheType, CellList, CellMask, CmTiles, Flash,
                                        Heads, SgTiles, cm_fits, cm_tiles, coopmat_flash_possible, flash_attention,
                                        partial_bytes, rows_flash_possible, sg_fits, sg_tiles)
+from vkflash.gpu.ops.attn_decode import attn_decode
 from vkflash.gpu.ops.qsa import qsa_union
 from vkflash.gpu.ops.views import Rows
 
@@ -140,6 +141,18 @@ def _selections(s: Shape, rng: np.random.Generator) -> np.ndarray:
     return sel
 
 
+def _lists(gpu: Gpu, s: Shape, sel: np.ndarray) -> tuple[CellList, object]:
+    """Every query's own sorted cell list (rows W = B + r - 1 apart) and its (position, count) params,
+    as qsa_select's listing mode writes them for VKFLASH_QSA_ROWS."""
+    W = s.B + s.r - 1
+    cells = np.zeros((s.T, W), np.uint32)
+    counts = sel.sum(axis=1)
+    for t in range(s.T):
+        cells[t, :counts[t]] = np.nonzero(sel[t])[0]
+    params = np.stack([s.n - s.T + np.arange(s.T), counts], 1).astype(np.int32)
+    return CellList(gpu.upload(cells, "bench.lists"), W), gpu.upload(params, "bench.lists.params")
+
+
 @dataclass(frozen=True)
 class Union:
     """qsa_union's output for query tiles of `tile`: per-tile params, lists and slot rows, mean |U|."""
@@ -211,6 +224,13 @@ def qsa_prefill(gpu: Gpu, quick: bool = False) -> list[dict]:
     row("qsa prefill one dispatch, scalar", u, lambda g: one(g, u, Flash.SCALAR))
     row("qsa prefill masked dense (GP=0), scalar", None, lambda g: flash_attention(
         g, params, 0, q, K, V, out, mask=CellMask(sel_rows.buf, words), kind=Flash.SCALAR))
+    lists, lp = _lists(gpu, s, sel)
+    row("qsa prefill per-query lists, decode kernel", None, lambda g: attn_decode(
+        g, lp, 0, q, K, V, out, cells=lists, row_lists=True))
+    for t in LIST_SHAPES if _coopmat(gpu, s.Dh) else ():
+        if t.br >= s.H // s.H_kv and cm_fits(gpu.caps, s.Dh, t):
+            row(f"qsa prefill per-query lists, coopmat {t.br}x{t.bc}/{t.parts}", None, lambda g, t=t: flash_attention(
+                g, lp, 0, q, K, V, out, cells=lists, tile=1, n_split=1, kind=Flash.COOPMAT, shape=t))
     if default is not Flash.SCALAR:
         for t, ut in unions.items():
             row(f"qsa prefill one dispatch, {default.value} tile={t}", ut, lambda g, ut=ut: one(g, ut, default))

@@ -20,13 +20,13 @@ TIE_RULE = "index"
 
 @dataclass(frozen=True)
 class QSAConfig:
-    """`cell` selection (BLKTOPK=0), gathered sparse prefill (GP=1) through per-tile unions or each
-    query's own list (VKFLASH_QSA_ROWS=1), the lazy summary cache (POOLED=1; else re-pool every step)."""
+    """`cell` selection (BLKTOPK=0), gathered sparse prefill (GP=1) through each query's own list
+    (VKFLASH_QSA_ROWS=1) or per-tile unions, the lazy summary cache (POOLED=1; else re-pool every step)."""
 
     cell: bool
     gathered: bool
     pooled: bool
-    rows: bool = False
+    rows: bool = True
 
     @classmethod
     def from_settings(cls, s: Settings | None = None) -> "QSAConfig":

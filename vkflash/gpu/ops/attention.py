@@ -461,6 +461,18 @@ def rows_flash_possible(caps: "Capabilities", dim: int) -> bool:
             and kernel(f"{SG_KERNEL}_f16").workgroup(caps) == SG_WG)
 
 
+LIST_SHAPES = (CmTiles(16, 32, 8), CmTiles(16, 32, 4), CmTiles(32, 32, 4), CmTiles(16, 16, 8), CmTiles(16, 16, 4),
+               CmTiles(32, 16, 4))
+"""Shapes of the coopmat kernel for row lists (a query tile of one token: its G q heads padded to BR
+rows), in order of preference: the fewest rows that hold G, the head dim split over 8 workers
+(subgroups of 32) or 4 (subgroups of 64)."""
+
+
+def list_tiles(caps: "Capabilities", dim: int, G: int) -> CmTiles | None:
+    """The first LIST_SHAPES entry with at least G rows that the device runs at head dim `dim`."""
+    return next((t for t in LIST_SHAPES if t.br >= G and cm_fits(caps, dim, t)), None)
+
+
 def has_coopmat_16(caps: "Capabilities") -> bool:
     """Whether the device offers 16×16×16 f16·f16 + f32 cooperative matrices (the coopmat kernel's)."""
     return any((s.m, s.n, s.k, s.a, s.b, s.c, s.result) == (16, 16, 16, "f16", "f16", "f32", "f32")
@@ -543,15 +555,23 @@ def attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v:
     gathers keys by position list. `tile` > 0 (with `cells`): queries in tiles of `tile`, tile k with
     its own (first position, count) at params[param_off + 2k …] and list at cells.off + k·capacity, all
     in one dispatch (S2–S3 over qsa_union's tiles). `row_lists` (with `cells`): every query its own
-    list (at cells.off + t·capacity) and params (its position, count at param_off + 2t), on the decode
-    kernel (a prefill's per-query QSA selections). Steps of ≤ 8 queries in one tile run on the decode
+    list (at cells.off + t·capacity) and params (its position, count at param_off + 2t): a prefill's
+    per-query QSA selections, as query tiles of one token on the coopmat kernel (list_tiles) where the
+    flash prefill would take matrices (VKFLASH_FA_COOPMAT), else on the decode kernel. Steps of ≤ 8 queries in one tile run on the decode
     kernel (ops/attn_decode.py, its own split count, at most what a given `partial` holds) unless
     VKFLASH_ATTN_DECODE=0 or a flash `kind` is asked for; else flash_attention()."""
     from vkflash.gpu.ops import attn_decode as dec
 
     if row_lists:
-        dec.attn_decode(g, params, param_off, q, k, v, out, gate=gate, cells=cells, partial=partial, n_split=n_split,
-                        scale=scale, row_lists=True, name=name)
+        shape = list_tiles(g.gpu.caps, q.dim, q.n_heads // k.n_heads)
+        if shape is not None and flash_kind(g, q.n_tokens, q.dim, k.type, gathered=True) is Flash.COOPMAT:
+            if cells is None or mask is not None:
+                raise ValueError(f"{name}: row lists need a cell list per token and no mask")
+            flash_attention(g, params, param_off, q, k, v, out, gate=gate, cells=cells, tile=1, n_split=n_split or 1,
+                            partial=partial, scale=scale, kind=Flash.COOPMAT, shape=shape, name=name)
+        else:
+            dec.attn_decode(g, params, param_off, q, k, v, out, gate=gate, cells=cells, partial=partial,
+                            n_split=n_split, scale=scale, row_lists=True, name=name)
         return
     if tile and -(-q.n_tokens // tile) == 1:
         tile = 0  # one tile: an ordinary call with its params and list
@@ -623,7 +643,7 @@ def flash_attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cac
     g.dispatch(kname, bufs, [n_tiles * -(-TQ * G // br), H_kv, n_split], push=push, spec=spec,
                writes=[8 if split else 7], name=name,
                desc=f"T={T} H={H}/{H_kv} Dh={Dh} {k.type.value} split={n_split} {kind.value}"
-               + (f" tiles={n_tiles}x{TQ}" * bool(tile)) + (" gated" * (gate is not None))
+               + (f" tiles={n_tiles}x{TQ}" * (tile > 1)) + (" row lists" * (tile == 1)) + (" gated" * (gate is not None))
                + (" masked" * (mask is not None)) + (" gather" * (cells is not None)),
                nbytes=kv_bytes, flops=4 * T * H * Dh * n_keys)
     if split:
