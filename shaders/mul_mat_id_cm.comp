@@ -8,7 +8,7 @@
 // outputs; a warp tile holds both accumulators and stores silu(gate)·up (cm_combine, per element).
 // MODE 3 (down): the routing weight w[t, j] multiplies each output in the store.
 // FAST (spec constant 11): weight groups decoded from wide loads (common/quant_group.glsl's
-// cm_group, the same values as dequant_group; VKFLASH_MMID_FAST_FETCH).
+// cm_group_load / cm_group_decode, the same values as dequant_group; VKFLASH_MMID_FAST_FETCH).
 // Every store is rounded step by step (`precise`) exactly as mul_mat_id.comp rounds it.
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"

@@ -7,10 +7,11 @@
 //
 // Tile: a workgroup owns BM output rows × BN tokens (NB·BM weight rows). It is cut into warp tiles
 // of WM × WN, each a grid of CM × CN coopmat tiles of TM × TN (the device's f16×f16→f32 shape;
-// TK its depth). Warp tile t is row block t % (BM/WM), column block t / (BM/WM); subgroup s owns
-// tiles s, s + gl_NumSubgroups, … so any subgroup size works (PER_SG, the accumulator count per
-// subgroup, is sized for the fewest subgroups, WG / SG_MAX). With NB = 2 a warp tile holds the gate
-// and the up accumulators of the same (row, token) elements, combined component-wise at the end.
+// TK its depth). Warp tile t is row block t % (BM/WM), column block t / (BM/WM); subgroup s of n
+// owns tiles n-1-s, 2n-1-s, … (cm_tile_of) so any subgroup size works (PER_SG, the accumulator
+// count per subgroup, is sized for the fewest subgroups, WG / SG_MAX). With NB = 2 a warp tile
+// holds the gate and the up accumulators of the same (row, token) elements, combined
+// component-wise at the end.
 //
 // K loop: 32-wide steps (one quant group per weight row; every K is a multiple of 32, so no tail),
 // two shared-memory stages. Step u's tiles sit in stage u & 1 as f16, rows of 32 + 8 pad halves
@@ -22,11 +23,12 @@
 //   2. every subgroup runs its MMAs on stage u & 1;
 //   3. the registers are converted and stored into stage (u+1) & 1.
 // So one barrier per step, and the activation (and f16 weight) loads are in flight during the MMAs.
-// FAST (spec constant 11 where the includer defines CM_FAST_SPEC and has cm_group, the expert GEMM):
-// groups are decoded by common/quant_group.glsl's cm_group (the same values from wide loads) instead
-// of dequant_group. A fetch lane decodes a group of its own weight row (rows 1–2 KB apart), so each
-// narrow load of a warp touches as many cache lines as it has lanes: with few tokens per tile (little
-// MMA work per step) those load instructions, not DRAM, set the pace.
+// FAST (spec constant 11 where the includer defines CM_FAST_SPEC and has cm_group_load, the expert
+// GEMM): groups come from common/quant_group.glsl's wide loads (the same values as dequant_group);
+// step 1 only loads their raw words, step 3 decodes them, so the loads are in flight during the
+// MMAs. A fetch lane decodes a group of its own weight row (rows 1–2 KB apart), so each narrow
+// load of a warp touches as many cache lines as it has lanes: with few tokens per tile (little MMA
+// work per step) those load instructions, not DRAM, set the pace.
 // Epilogue: KHR leaves the accumulator's element layout opaque and y's stride and offset need not
 // meet coopMatStore's 16-B alignment, so each subgroup stages its warp tile through shared memory,
 // WM × TN f32 at a time (its own region of the now idle pipeline memory), and its lanes call
@@ -86,6 +88,9 @@ float cm_combine(float g, float u);  // NB = 2: the value stored for gate g and 
 #endif
 
 uvec4 cm_ra[A_PER * A_U4];  // fetched weights: 8 halves per uvec4 (F16/BF16: the raw words)
+#ifdef CM_GROUP_FAST
+CmRaw cm_rw[A_PER];         // FAST: fetched raw groups, decoded when stored
+#endif
 vec4 cm_rx[B_PER * 2u];     // fetched activations: 8 f32 per item
 uint cm_wb[A_PER];          // weight group index of k-group 0 per item
 uint cm_xb[B_PER];        // activation vec4 index per item (at k = 0)
@@ -105,13 +110,14 @@ void cm_fetch(uint u) {
 #ifdef CM_RAW
                 cm_ra[j] = qw[4u * G + i % 4u];
 #else
-                vec4 w[8];
 #ifdef CM_GROUP_FAST
-                if (FAST) cm_group(G, w);
-                else dequant_group(G, w);
-#else
-                dequant_group(G, w);
+                if (FAST) {
+                    cm_rw[j] = cm_group_load(G);  // decoded by cm_put, after this step's products
+                    continue;
+                }
 #endif
+                vec4 w[8];
+                dequant_group(G, w);
                 CM_UNROLL for (uint c = 0u; c < 4u; ++c) cm_ra[4u * j + c] = cm_h8(w[2u * c], w[2u * c + 1u]);
 #endif
             }
@@ -144,6 +150,15 @@ void cm_put(uint s) {
 #endif
                 cm_sh[s * ST_SZ + (i / 4u) * SA4 + i % 4u] = h;
 #else
+#ifdef CM_GROUP_FAST
+                if (FAST) {
+                    vec4 w[8];
+                    cm_group_decode(cm_rw[j], w);
+                    CM_UNROLL for (uint c = 0u; c < 4u; ++c)
+                        cm_sh[s * ST_SZ + i * SA4 + c] = cm_h8(w[2u * c], w[2u * c + 1u]);
+                    continue;
+                }
+#endif
                 CM_UNROLL for (uint c = 0u; c < 4u; ++c) cm_sh[s * ST_SZ + i * SA4 + c] = cm_ra[4u * j + c];
 #endif
             }
@@ -208,6 +223,11 @@ void cm_store_acc(uint c, uint off, uint stride) {  // column major: (r, n) at f
 #define CM_STORE(i, off, stride) cm_store_acc(i, off, stride)
 #endif
 
+// Warp tile q of subgroup sg (of nsg), counted from the last subgroup: where a tile has fewer warp
+// tiles than subgroups, the products run on the subgroups of the activation fetchers (the second half
+// of the workgroup, idle but for BN·4 items) while the first half waits on its weight loads.
+uint cm_tile_of(uint sg, uint nsg, uint q) { return nsg - 1u - sg + q * nsg; }
+
 void cm_gemm(uint gpr, uint u0, uint steps) {
     const uint tid = gl_LocalInvocationID.x, sg = gl_SubgroupID, nsg = gl_NumSubgroups;
     if (tid < WG_A) {
@@ -230,7 +250,7 @@ void cm_gemm(uint gpr, uint u0, uint steps) {
         barrier();  // stage s is complete; every subgroup is done reading stage s ^ 1
         if (u + 1u < steps) cm_fetch(u + 1u);
         CM_UNROLL for (uint q = 0u; q < PER_SG; ++q) {
-            const uint t = sg + q * nsg;
+            const uint t = cm_tile_of(sg, nsg, q);
             if (t < NWT) {
                 const uint wm = t % WARPS_M, wn = t / WARPS_M;
                 CM_UNROLL for (uint kk = 0u; kk < BK / TK; ++kk) {
@@ -259,7 +279,7 @@ void cm_gemm(uint gpr, uint u0, uint steps) {
     // stops meeting them once some subgroups have skipped one.
     const uint lane = gl_SubgroupInvocationID, lanes = gl_SubgroupSize;
     CM_UNROLL for (uint q = 0u; q < PER_SG; ++q) {
-        const uint t = sg + q * nsg;
+        const uint t = cm_tile_of(sg, nsg, q);
         const bool own = t < NWT;  // uniform in the subgroup
         const uint wm = t % WARPS_M, wn = t / WARPS_M, reg = t * (WM * TN / 4u);
 #ifdef CM_COMBINE

@@ -1,29 +1,46 @@
 // Group decoders on wide loads for the coopmat expert GEMM's weight fetch (common/mm_cm.glsl FAST):
-// cm_group(G, v) gives exactly common/quant.glsl's dequant_group(G, v) — the same expressions on the
-// same raw values — but reads the group's bytes with 16-byte loads (Q4_K, Q5_K: 4-byte aligned
-// blocks) or whole 32-bit words realigned in registers (Q4_0, Q5_0, Q8_0: 2-byte aligned blocks),
-// instead of one 16- or 32-bit load per 2–4 bytes. A fetch lane decodes one group of a weight row;
-// with rows 1–2 KB apart every narrow load of a warp touches as many cache lines as it has lanes,
-// so the number of load instructions, not DRAM, sets the GEMM's pace when its tile has few tokens.
-// Include after common/quant.glsl with QUANT_FAST_CVT defined (its qwu word view); defines
-// CM_GROUP_FAST where QTYPE has one (the other types keep dequant_group).
+// cm_group_decode(cm_group_load(G), v) gives exactly common/quant.glsl's dequant_group(G, v) — the
+// same expressions on the same raw values — in two parts, so that the loads of a K step can be in
+// flight while the previous step's products run and be decoded after them. It reads the group's
+// bytes with 16-byte loads (Q4_K, Q5_K: 4-byte aligned blocks) or whole 32-bit words realigned in
+// registers (Q4_0, Q5_0, Q8_0: 2-byte aligned blocks), instead of one 16- or 32-bit load per 2–4
+// bytes. A fetch lane decodes one group of a weight row; with rows 1–2 KB apart every narrow load
+// of a warp touches as many cache lines as it has lanes, so the number of load instructions, not
+// DRAM, sets the GEMM's pace when its tile has few tokens. Include after common/quant.glsl with
+// QUANT_FAST_CVT defined (its qwu word view); defines CM_GROUP_FAST where QTYPE has one (the other
+// types keep dequant_group).
 
 #if QTYPE == GGML_TYPE_Q4_K || QTYPE == GGML_TYPE_Q5_K
 #define CM_GROUP_FAST
-void cm_group(uint G, out vec4 v[8]) {
-    const uint ib = G >> 3, g = G & 7u, b = ib * KQ_VEC4;
-    const uvec4 hdr = qw4[b];  // dm, scales
-    const uvec4 q0 = qw4[b + KQ_QS + 2u * (g >> 1)], q1 = qw4[b + KQ_QS + 2u * (g >> 1) + 1u];
+struct CmRaw {  // a group's raw words: header (dm, scales), its two 16-byte code runs (and high bits)
+    uvec4 hdr, q0, q1;
 #if QTYPE == GGML_TYPE_Q5_K
-    const uvec4 h0 = qw4[b + 1u], h1 = qw4[b + 2u];
+    uvec4 h0, h1;
 #endif
-    const vec2 dm = unpackHalf2x16(hdr.x), sm = k_scale_min(hdr.yzw, g);
+    uint g;
+};
+CmRaw cm_group_load(uint G) {
+    const uint ib = G >> 3, g = G & 7u, b = ib * KQ_VEC4;
+    CmRaw r;
+    r.hdr = qw4[b];
+    r.q0 = qw4[b + KQ_QS + 2u * (g >> 1)];
+    r.q1 = qw4[b + KQ_QS + 2u * (g >> 1) + 1u];
+#if QTYPE == GGML_TYPE_Q5_K
+    r.h0 = qw4[b + 1u];
+    r.h1 = qw4[b + 2u];
+#endif
+    r.g = g;
+    return r;
+}
+void cm_group_decode(CmRaw r, out vec4 v[8]) {
+    const uint g = r.g;
+    const vec2 dm = unpackHalf2x16(r.hdr.x), sm = k_scale_min(r.hdr.yzw, g);
     const float d = dm.x * sm.x, mn = dm.y * sm.y;
     const uint s = 4u * (g & 1u);
     for (uint i = 0u; i < 4u; ++i) {
-        vec4 a = nib4(q0[i], s), c = nib4(q1[i], s);
+        vec4 a = nib4(r.q0[i], s), c = nib4(r.q1[i], s);
 #if QTYPE == GGML_TYPE_Q5_K
-        const uint ha = h0[i] >> g, hc = h1[i] >> g;
+        const uint ha = r.h0[i] >> g, hc = r.h1[i] >> g;
         a += 16.0 * vec4(ha & 1u, (ha >> 8) & 1u, (ha >> 16) & 1u, (ha >> 24) & 1u);
         c += 16.0 * vec4(hc & 1u, (hc >> 8) & 1u, (hc >> 16) & 1u, (hc >> 24) & 1u);
 #endif
@@ -41,21 +58,28 @@ const uint CG_BYTES = 22u, CG_WORDS = 6u;
 #else
 const uint CG_BYTES = 34u, CG_WORDS = 9u;
 #endif
-// The block's bytes from its (even) start B as words b[0..] (byte B + j is byte j % 4 of b[j / 4]):
-// the CG_WORDS aligned words that hold them, shifted down by 2 bytes where B is 2 mod 4.
-void cm_block_words(uint B, out uint b[CG_WORDS]) {
-    const uint w = B >> 2;
+struct CmRaw {  // the CG_WORDS aligned words holding a block, and whether it starts 2 bytes into the first
     uint a[CG_WORDS];
-    for (uint i = 0u; i < CG_WORDS; ++i) a[i] = qwu[w + i];
-    const bool odd = (B & 2u) != 0u;
-    for (uint i = 0u; i + 1u < CG_WORDS; ++i) b[i] = odd ? (a[i] >> 16) | (a[i + 1u] << 16) : a[i];
-    b[CG_WORDS - 1u] = odd ? a[CG_WORDS - 1u] >> 16 : a[CG_WORDS - 1u];
+    bool odd;
+};
+CmRaw cm_group_load(uint G) {
+    const uint B = G * CG_BYTES, w = B >> 2;
+    CmRaw r;
+    for (uint i = 0u; i < CG_WORDS; ++i) r.a[i] = qwu[w + i];
+    r.odd = (B & 2u) != 0u;
+    return r;
+}
+// The block's bytes as words b[0..] (byte j is byte j % 4 of b[j / 4]): the loaded words, shifted
+// down by 2 bytes where the block starts 2 mod 4.
+void cm_block_words(CmRaw r, out uint b[CG_WORDS]) {
+    for (uint i = 0u; i + 1u < CG_WORDS; ++i) b[i] = r.odd ? (r.a[i] >> 16) | (r.a[i + 1u] << 16) : r.a[i];
+    b[CG_WORDS - 1u] = r.odd ? r.a[CG_WORDS - 1u] >> 16 : r.a[CG_WORDS - 1u];
 }
 uint cm_u32_at2(uint b[CG_WORDS], uint i) { return (b[i] >> 16) | (b[i + 1u] << 16); }  // bytes 4i+2 .. 4i+5
 
-void cm_group(uint G, out vec4 v[8]) {
+void cm_group_decode(CmRaw r, out vec4 v[8]) {
     uint b[CG_WORDS];
-    cm_block_words(G * CG_BYTES, b);
+    cm_block_words(r, b);
     const float d = unpackHalf2x16(b[0]).x;
 #if QTYPE == GGML_TYPE_Q8_0
     for (uint i = 0u; i < 8u; ++i) {
