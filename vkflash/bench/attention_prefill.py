@@ -21,9 +21,9 @@ import numpy as np
 from vkflash.bench.kernels import gpu_seconds
 from vkflash.gpu.context import Gpu
 from vkflash.gpu.graph import Graph
-from vkflash.gpu.ops.attention import (CM_SHAPES, LIST_SHAPES, SG_SHAPES, Cache, CacheType, CellList, CellMask, CmTiles, Flash,
-                                       Heads, SgTiles, cm_fits, cm_tiles, coopmat_flash_possible, flash_attention,
-                                       partial_bytes, rows_flash_possible, sg_fits, sg_tiles)
+from vkflash.gpu.ops.attention import (CM_SHAPES, LIST_SHAPES, SG_SHAPES, Cache, CacheType, CellList, CellMask,
+                                       CmTiles, Flash, Heads, SgTiles, cm_fits, cm_tiles, coopmat_flash_possible,
+                                       flash_attention, partial_bytes, rows_flash_possible, sg_fits, sg_tiles)
 from vkflash.gpu.ops.attn_decode import attn_decode
 from vkflash.gpu.ops.qsa import qsa_union
 from vkflash.gpu.ops.views import Rows

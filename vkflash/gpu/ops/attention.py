@@ -557,9 +557,10 @@ def attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v:
     in one dispatch (S2–S3 over qsa_union's tiles). `row_lists` (with `cells`): every query its own
     list (at cells.off + t·capacity) and params (its position, count at param_off + 2t): a prefill's
     per-query QSA selections, as query tiles of one token on the coopmat kernel (list_tiles) where the
-    flash prefill would take matrices (VKFLASH_FA_COOPMAT), else on the decode kernel. Steps of ≤ 8 queries in one tile run on the decode
-    kernel (ops/attn_decode.py, its own split count, at most what a given `partial` holds) unless
-    VKFLASH_ATTN_DECODE=0 or a flash `kind` is asked for; else flash_attention()."""
+    flash prefill would take matrices (VKFLASH_FA_COOPMAT), else on the decode kernel. Steps of ≤ 8
+    queries in one tile run on the decode kernel (ops/attn_decode.py, its own split count, at most what
+    a given `partial` holds) unless VKFLASH_ATTN_DECODE=0 or a flash `kind` is asked for; else
+    flash_attention()."""
     from vkflash.gpu.ops import attn_decode as dec
 
     if row_lists:
@@ -643,7 +644,8 @@ def flash_attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cac
     g.dispatch(kname, bufs, [n_tiles * -(-TQ * G // br), H_kv, n_split], push=push, spec=spec,
                writes=[8 if split else 7], name=name,
                desc=f"T={T} H={H}/{H_kv} Dh={Dh} {k.type.value} split={n_split} {kind.value}"
-               + (f" tiles={n_tiles}x{TQ}" * (tile > 1)) + (" row lists" * (tile == 1)) + (" gated" * (gate is not None))
+               + (f" tiles={n_tiles}x{TQ}" * (tile > 1)) + (" row lists" * (tile == 1))
+               + (" gated" * (gate is not None))
                + (" masked" * (mask is not None)) + (" gather" * (cells is not None)),
                nbytes=kv_bytes, flops=4 * T * H * Dh * n_keys)
     if split:
