@@ -411,7 +411,8 @@ def bench_model(
     kv: Optional[str] = typer.Option(None, "--kv", help="KV cache type (knob KV)"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
     quick: bool = typer.Option(False, "--quick", help="small sizes, every row (CI, lavapipe)"),
-    profile: bool = typer.Option(False, "--profile", help="also the decode step's GPU time per op"),
+    profile: bool = typer.Option(False, "--profile", help="also the GPU time per op of the decode step and of "
+                                 "one prefill step (the first pp row, and the window at the deepest depth)"),
     reps: Optional[int] = typer.Option(None, "--reps", min=1, help="timings of each depth-0 row (default 3)"),
     mtp: bool = typer.Option(False, "--mtp", help="greedy MTP speculation vs plain decode (default depths 0,32768)"),
     draft: Optional[str] = typer.Option(None, "--draft", help="--mtp: MTP-only GGUF (knob MODEL_DRAFT)"),

@@ -98,13 +98,19 @@ def test_host_tables_are_not_uploaded_nor_counted(gpu, tmp_path, rng):
 
 
 def test_profile_groups_the_decode_step(gpu, tmp_path, rng):
-    """--profile: every decode dispatch counted once per token under its name without `blk.N.`."""
+    """--profile: every decode dispatch counted once per token under its name without `blk.N.`; the
+    same for one prefill step of the first pp row at depth 0 and of the window at the deepest depth
+    (one step each: --ub 16, pp16, window 16), whose attention sees the keys it must."""
     path = _model(tmp_path, rng)
-    res = _bench(path, "--profile", "--depth", "0")
+    res = _bench(path, "--profile", "--depth", "0,32")
     prof = res["profile"]
     assert sum(calls for calls, _ in prof.values()) == res["decode"]["dispatches"]
-    assert all(not name.startswith("blk.") and us >= 0 for name, (_, us) in prof.items())
-    assert prof["attn_norm [norm]"][0] == GEO.L
+    assert set(res["prefill_profiles"]) == {"pp16", "pp16 @ d32"}, list(res["prefill_profiles"])
+    for p in [prof, *res["prefill_profiles"].values()]:
+        assert all(not name.startswith("blk.") and us >= 0 for name, (_, us) in p.items())
+        assert p["attn_norm [norm]"][0] == GEO.L
+        assert sum(us for _, us in p.values()) > 0
+    assert {r["name"] for r in res["rows"]} >= {"pp16 @ d32", "tg8 @ d48"}
 
 
 def test_depths_past_the_context_are_skipped(gpu, tmp_path, rng):

@@ -11,7 +11,8 @@ of the step; bytes touched. Each decode row carries its roofline fraction: bytes
 (weights read — k of E experts, one row of an embedding table, nothing of host tables — + K/V read
 + recurrent state read and written) × tok/s ÷ the copy bandwidth measured in the same run. The
 longest prefill submission's GPU time is printed beside the submission budget. `--profile` adds
-the decode step's per-op GPU time, grouped over layers. The forward reserves every step graph first
+the per-op GPU time, grouped over layers, of the decode step and of one prefill step: the first pp
+row's at depth 0 and the window's at the deepest depth. The forward reserves every step graph first
 (its arena is what the memory plan counts), and the deep-context guard's steps taken during the
 depth sweep are listed with the rows.
 """
@@ -121,6 +122,7 @@ class Result:
     longest_submission_ms: float = 0.0  # GPU time of the longest prefill submission seen
     budget_ms: float = 0.0
     profile: dict[str, tuple[int, float]] = field(default_factory=dict)  # op → (calls, µs) per token
+    prefill_profiles: dict[str, dict[str, tuple[int, float]]] = field(default_factory=dict)  # row → op → per step
     guard: list[str] = field(default_factory=list)  # the deep-context guard's steps in the depth sweep
 
     def to_json(self) -> dict:
@@ -225,17 +227,15 @@ def longest_submission_ms(g: Graph, run: Callable[[], object]) -> float:
     return stamped(g, measure)
 
 
-def profile(fwd: GpuForward, token: int, n: int) -> dict[str, tuple[int, float]]:
-    """Per-op GPU µs per decode token over n steps, ops of every layer summed under their name
+def per_op(g: Graph, run: Callable[[], object], n: int) -> dict[str, tuple[int, float]]:
+    """Per-op GPU µs per run of g over n calls of run(), ops of every layer summed under their name
     without the `blk.N.` prefix (timestamps after every op: the parts add up to more than a step)."""
-    g = fwd.graph(1, Head.LAST)
     out: dict[str, list[float]] = {}
 
-    def steps() -> None:
-        nonlocal token
+    def runs() -> None:
         period = g.gpu.caps.timestamp_period_ns
         for _ in range(n):
-            token = fwd.decode_argmax(token)
+            run()
             for sub in g.submissions:
                 ts = sub.seq.get_timestamps()
                 for op, slot in zip(sub.ops, sub.op_slots):
@@ -243,8 +243,28 @@ def profile(fwd: GpuForward, token: int, n: int) -> dict[str, tuple[int, float]]
                     calls_us = out.setdefault(name, [0, 0.0])
                     calls_us[0] += 1
                     calls_us[1] += (ts[slot + 1] - ts[slot]) * period / 1e3
-    stamped(g, steps)
+    stamped(g, runs)
     return {k: (int(c) // n, us / n) for k, (c, us) in out.items()}
+
+
+def profile(fwd: GpuForward, token: int, n: int) -> dict[str, tuple[int, float]]:
+    """Per-op GPU µs per decode token over n steps (per_op)."""
+    def step() -> None:
+        nonlocal token
+        token = fwd.decode_argmax(token)
+    return per_op(fwd.graph(1, Head.LAST), step, n)
+
+
+def profile_prefill(fwd: GpuForward, depth: int, prompt: Callable[[], np.ndarray], n: int) -> dict[str, tuple[int, float]]:
+    """Per-op GPU µs of one prefill step of the prompt's tokens at `depth` (each of n runs from a fresh
+    context, or truncated back to the checkpoint at depth; per_op)."""
+    first = prompt()
+    g = fwd.graph(len(first), Head.LAST)
+
+    def step() -> None:
+        fwd.truncate(depth) if depth else fwd.reset()
+        fwd.prefill_argmax(prompt())
+    return per_op(g, step, n)
 
 
 def decode_cost(fwd: GpuForward, token: int, n: int) -> tuple[DecodeCost, int]:
@@ -312,6 +332,9 @@ def bench(path: Path, plan: Plan, ub: int | None = None, kv: str | None = None, 
     res.decode, tok = decode_cost(fwd, tok, plan.host_steps)
     if with_profile:
         res.profile = profile(fwd, tok, plan.host_steps)
+        one_step = [n for n in plan.pp if n <= fwd.ub]
+        if one_step:
+            res.prefill_profiles[f"pp{one_step[0]}"] = profile_prefill(fwd, 0, lambda: ids(one_step[0]), plan.reps)
     fwd.reset()
     pos = 0
     for d in depths:
@@ -326,6 +349,11 @@ def bench(path: Path, plan: Plan, ub: int | None = None, kv: str | None = None, 
             s, tok = timed_prefill(fwd, ids(plan.window))
             times += [s] if i else []
         res.rows.append(Row.repeated(f"pp{plan.window} @ d{d}", d, plan.window, times))
+        if with_profile and d == depths[-1] and d > 0 and plan.window <= fwd.ub:
+            res.prefill_profiles[f"pp{plan.window} @ d{d}"] = profile_prefill(fwd, d, lambda: ids(plan.window),
+                                                                             plan.reps)
+            fwd.truncate(d)
+            _, tok = timed_prefill(fwd, ids(plan.window))
         s, _ = timed_decode(fwd, tok, plan.tg)
         res.rows.append(roofline(Row(f"tg{plan.tg} @ d{d + plan.window}", d + plan.window, plan.tg, s)))
         pos = d + plan.window + plan.tg
@@ -365,12 +393,15 @@ def show(res: Result, console: Console) -> None:
     ):
         k.add_row(name, value)
     console.print(k)
-    if res.profile:
-        p = Table(title="decode step per op (GPU µs per token, layers summed)")
+    tables = [("decode step per op (GPU µs per token, layers summed)", res.profile)] if res.profile else []
+    tables += [(f"{row} prefill step per op (GPU µs per step, layers summed)", prof)
+               for row, prof in res.prefill_profiles.items()]
+    for title, prof in tables:
+        p = Table(title=title)
         for c in ("op [kernel]", "calls", "µs", "share"):
             p.add_column(c)
-        total = sum(us for _, us in res.profile.values())
-        for name, (calls, us) in sorted(res.profile.items(), key=lambda kv: -kv[1][1]):
+        total = sum(us for _, us in prof.values())
+        for name, (calls, us) in sorted(prof.items(), key=lambda kv: -kv[1][1]):
             p.add_row(name, str(calls), f"{us:.1f}", f"{us / total:.1%}")
         console.print(p)
 

@@ -1,5 +1,5 @@
 """Sublayers shared by the qwen3next and qwen4exp step graphs: GDN (MODEL.md §5.4 G1–G10), gated
-attention with RoPE (§5.5 A1–A8, with QSA §5.6: masked or per-tile gathered prefill, gathered
+attention with RoPE (§5.5 A1–A8, with QSA §5.6: masked, per-query or per-tile gathered prefill, gathered
 decode, `block` or `cell` selection, lazy or re-pooled summary rows), and MoE with the σ-gated
 shared expert (§5.7 M1–M4); plus the upload-time re-layouts their weights need.
 
