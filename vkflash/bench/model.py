@@ -255,7 +255,8 @@ def profile(fwd: GpuForward, token: int, n: int) -> dict[str, tuple[int, float]]
     return per_op(fwd.graph(1, Head.LAST), step, n)
 
 
-def profile_prefill(fwd: GpuForward, depth: int, prompt: Callable[[], np.ndarray], n: int) -> dict[str, tuple[int, float]]:
+def profile_prefill(fwd: GpuForward, depth: int, prompt: Callable[[], np.ndarray],
+                    n: int) -> dict[str, tuple[int, float]]:
     """Per-op GPU µs of one prefill step of the prompt's tokens at `depth` (each of n runs from a fresh
     context, or truncated back to the checkpoint at depth; per_op)."""
     first = prompt()
