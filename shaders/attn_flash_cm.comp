@@ -23,7 +23,7 @@
 // Shared memory: sKV BC*KS f16 (the K or V tile; Q rows while loading Q), sS PARTS*BR*SS f32, sP
 // BR*PS f16, sJ, sA, sL, sM, sWin.
 // Spec: 0 WG, 1 DH (multiple of 16; of 32 for q8_0), 2 BR (16*RB), 3 BC (16 or 32), 4 FLAGS (1 GATED,
-// 2 MASKED, 4 GATHER, 8 SPLIT), 5 NW (RB or 2*RB, at most the number of subgroups; PARTS must
+// 2 MASKED, 4 GATHER, 8 SPLIT), 5 NW (RB times PARTS, at most the number of subgroups; PARTS must
 // divide DH/16). Defines: KV_F32 | KV_F16 | KV_Q8_0 (common/attn_kv.glsl); CM_EMULATE for the software
 // matrices.
 #extension GL_GOOGLE_include_directive : require

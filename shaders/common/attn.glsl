@@ -4,12 +4,12 @@
 // The including kernel defines WG, BR, BC (a divisor of 32, key tiles of BC slots), GATHER, MASKED.
 //
 // Query tiles: queries come in tiles of TQ (one tile of all T for plain attention; qsa_union's tiles
-// for gathered prefill). Tile k holds queries [k*TQ, min(T, k*TQ + TQ)); its params are
-// p0 = params[param_off + k*p_stride] (position of its first query) and n_kv = params[... + 1], and its
-// cell list starts at cells[cell_off + k*c_stride]. Within a tile, rows are (query, q head of kv
-// head g) pairs R = t*G + (h - g*G), G = H/H_kv (GQA: q head h reads kv head floor(h/G)), so every
-// key tile serves the whole group. Workgroup (x, y, z) = (k*RBK + row block of BR rows, g, split),
-// RBK = ceil(TQ*G/BR).
+// for gathered prefill through unions; tiles of one query for per-query cell lists). Tile k holds
+// queries [k*TQ, min(T, k*TQ + TQ)); its params are p0 = params[param_off + k*p_stride] (position of
+// its first query) and n_kv = params[... + 1], and its cell list starts at cells[cell_off +
+// k*c_stride]. Within a tile, rows are (query, q head of kv head g) pairs R = t*G + (h - g*G),
+// G = H/H_kv (GQA: q head h reads kv head floor(h/G)), so every key tile serves the whole group.
+// Workgroup (x, y, z) = (k*RBK + row block of BR rows, g, split), RBK = ceil(TQ*G/BR).
 // Key slots: i in [0, n_iter) is the cache position (dense: n_iter = min(n_kv, p0 + t_last + 1,
 // kv_rows), t_last the workgroup's last query) or a slot of the cell list (GATHER: key j =
 // cells[...+i], n_iter = n_kv). Split z covers [z*chunk, min(n_iter, (z+1)*chunk)) with chunk =

@@ -53,7 +53,7 @@ layout(constant_id = 8) const uint WM = 64;      // warp tile rows
 layout(constant_id = 9) const uint WN = 32;      // warp tile tokens
 
 #ifdef CM_FAST_SPEC
-layout(constant_id = 11) const bool FAST = false;  // groups decoded by cm_group (wide loads)
+layout(constant_id = 11) const bool FAST = false;  // groups by cm_group_load / _decode (wide loads)
 #else
 const bool FAST = false;
 #endif

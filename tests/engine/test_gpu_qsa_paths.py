@@ -1,8 +1,9 @@
 """The QSA revert paths of the qwen4exp GPU forward on `make-model` tiny files (MODEL.md §5.6):
 BLKTOPK=0 (`cell` selection, index ties) vs the reference in cell/index mode, GP=1 gathered sparse
-prefill (every query tile through its union in one flash dispatch, or with VKFLASH_QSA_ROWS=1 each
-query through its own cell list on the decode kernel) vs GP=0 masked dense prefill on the scalar and the
-cooperative-matrix flash kernel, and POOLED=0 re-pooling vs the lazy summary cache."""
+prefill (each query through its own cell list: the default, VKFLASH_QSA_ROWS=1, on the decode kernel or
+as one-token query tiles of the coopmat flash kernel; or every query tile through its union in one
+flash dispatch) vs GP=0 masked dense prefill on the scalar and the cooperative-matrix flash kernel, and
+POOLED=0 re-pooling vs the lazy summary cache."""
 
 from __future__ import annotations
 
@@ -70,8 +71,8 @@ PATHS = {"rows": {"GP": "1", "VKFLASH_QSA_ROWS": "1"}, "union": {"GP": "1", "VKF
 
 @pytest.mark.parametrize("kernel", ["scalar", "coopmat"])
 def test_gathered_prefill_equals_masked(gpu, rng, tmp_path: Path, monkeypatch, kernel):
-    """GP=1 through per-tile unions + slot masks (the default, all tiles in one dispatch), GP=1 through
-    per-query lists (VKFLASH_QSA_ROWS=1) and GP=0 (masked dense) each give the reference's
+    """GP=1 through per-query lists (the default, VKFLASH_QSA_ROWS=1), GP=1 through per-tile unions +
+    slot masks (all tiles in one dispatch) and GP=0 (masked dense) each give the reference's
     logits; union tiles of 3 queries so the tiny model's tiles really gather (a 64-query tile's union
     covers most of a short cache and falls back to dense). Scalar kernel: the union and masked paths
     also select the same cells. Coopmat kernel (the device's, else emulated: tests/flash_cm.py) for every flash prefill
@@ -93,7 +94,8 @@ def test_gathered_prefill_equals_masked(gpu, rng, tmp_path: Path, monkeypatch, k
         b = f"blk.{_last_qsa(fwd)}."
         lists = [op.desc for op in fwd.graph(58, Head.LAST).ops if op.name == b + "attn_gated"]
         assert (name == "rows") == any("row lists" in d for d in lists), lists
-        if name == "rows":
+        if name == "rows":  # the coopmat run's lists take one-token tiles of the coopmat kernel
+            assert all(("coopmat" in d) == (kernel == "coopmat") for d in lists), lists
             continue
         # one more 10-token step (positions 236..245; steps of ≤ 8 attend row by row instead) to
         # compare the last QSA layer's bit rows

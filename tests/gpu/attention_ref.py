@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as Q
 from kv_q8 import kv_q8_0
 from vkflash.formats.quants import dequantize
 from vkflash.gpu.context import Gpu
-from vkflash.gpu.ops.attention import Cache, CacheType, Heads, q_and_gate
+from vkflash.gpu.ops.attention import Cache, CacheType, CellList, Heads, q_and_gate
 from vkflash.gpu.ops.views import Rows
 
 TOL = 2e-5  # scalar kernel vs attend, in units of max|v|
@@ -135,3 +135,25 @@ def queries(gpu, rng, T: int, H: int, Dh: int, gated: bool):
     off = int(rng.integers(1, 7))
     buf = gpu.upload(np.concatenate([np.zeros(off, np.float32), q.reshape(-1)]), "q")
     return q, None, Heads(Rows(buf, T, H * Dh, off), H, Dh), None
+
+
+def row_lists(gpu: Gpu, rng: np.random.Generator, T: int, n: int):
+    """Per-query cell lists of T queries at positions n-T.. (a prefill's QSA selections): sorted
+    random cells of [0, n) in rows a random stride apart after a poisoned offset, ragged counts (one
+    empty), cells past the query's own among them; params (position, count) per query at word 2 of
+    a poisoned buffer. Returns (CellList, params buffer, visible (T, n): each list ∩ causal)."""
+    stride = int(rng.integers(40, 90))
+    lists = np.full((T, stride), 7, np.uint32)
+    counts = rng.integers(0, stride + 1, T)
+    counts[int(rng.integers(T))] = 0
+    vis = np.zeros((T, n), bool)
+    for t in range(T):
+        U = np.sort(rng.choice(n, size=int(counts[t]), replace=False)).astype(np.uint32)
+        lists[t, :len(U)] = U
+        vis[t, U] = True
+    off = int(rng.integers(1, 5))
+    cells = CellList(gpu.upload(np.concatenate([np.full(off, 12345, np.uint32), lists.reshape(-1)]), "lists"),
+                     stride, off)
+    pos = n - T + np.arange(T)
+    params = gpu.upload(np.concatenate([[9, 9], np.stack([pos, counts], 1).reshape(-1)]).astype(np.int32), "params")
+    return cells, params, vis & causal(n - T, T, n)

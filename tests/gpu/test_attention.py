@@ -27,11 +27,11 @@ import pytest
 
 import flash_cm
 from attention_ref import TOL, TOL_CM, attend, causal, check_out, check_q8, encode, make_cache, pack_bits, queries, \
-    rounded
+    rounded, row_lists
 from fusion_util import graph
 from vkflash.gpu.ops.attention import CM_SHAPES, SG_SHAPES, Cache, CellMask, CacheType, CellList, CmTiles, Flash, \
-    Heads, attention, cm_fits, cm_tiles, flash_attention, flash_kind, kv_append, list_tiles, partial_bytes, sg_fits, \
-    sg_tiles
+    Heads, attention, cm_fits, cm_tiles, coopmat_flash_possible, flash_attention, flash_kind, kv_append, list_tiles, \
+    partial_bytes, sg_fits, sg_tiles
 from vkflash.gpu.ops.attn_decode import attn_decode, supported
 from vkflash.gpu.ops.views import Rows
 from test_matmul_compile import PROFILES
@@ -353,40 +353,28 @@ def test_cm_shapes(gpu, rng, monkeypatch, path, shape):
 
 @pytest.mark.parametrize("path", flash_cm.PATHS)
 @pytest.mark.parametrize("H,H_kv,Dh,ctype", [(24, 2, 64, CacheType.Q8_0), (6, 2, 128, CacheType.F16),
-                                            (20, 1, 64, CacheType.F16)])
+                                            (20, 1, 64, CacheType.F16), (40, 1, 64, CacheType.Q8_0)])
 def test_cm_row_lists(gpu, rng, monkeypatch, path, H, H_kv, Dh, ctype):
     """Row lists (a prefill's per-query QSA selections) on the coopmat kernel, one token's GQA group
-    per query tile (list_tiles: 16 rows for G 12 and 3, 32 for G 20): ragged sorted lists, some empty,
-    positions past the query's own among them, whole or in 3 splits; within the module's coopmat bounds
-    of attend_f16 and of the decode kernel's f32 result on the same lists (where it serves G)."""
+    per query tile (list_tiles: 16 rows for G 12 and 3 where a softmax row's 16 invocations fit a
+    subgroup, as on the H200, else 32; 32 for G 20; a 64-row CM_SHAPES entry for G 40): ragged sorted
+    lists, some empty, positions past the query's own among them, whole, in 3 splits or in list_splits'
+    count; within the module's coopmat bounds of attend_f16 and of the decode kernel's f32 result on
+    the same lists (where it serves G)."""
     label = flash_cm.select(path, gpu, monkeypatch, Dh)
     gpu = gpu.with_options(replace(gpu.options, fa_coopmat=True))  # the engine's default
     shape = list_tiles(gpu.caps, Dh, H // H_kv)
     if shape is None:
         pytest.skip(f"no row-list shape fits {gpu.caps.name} at G={H // H_kv}")
-    T, n_split = int(rng.integers(9, 40)), int(rng.choice([1, 3]))
+    T, n_split = int(rng.integers(9, 40)), [1, 3, None][int(rng.integers(3))]
     n = int(rng.integers(T + 60, 400))
     K, Kf = make_cache(gpu, rng, n + 5, H_kv, Dh, ctype, "K")
     V, Vf = make_cache(gpu, rng, n + 5, H_kv, Dh, ctype, "V")
-    stride = int(rng.integers(40, 90))
-    lists = np.full((T, stride), 7, np.uint32)
-    counts = rng.integers(0, stride + 1, T)
-    counts[int(rng.integers(T))] = 0
-    vis = np.zeros((T, n), bool)
-    for t in range(T):
-        U = np.sort(rng.choice(n, size=int(counts[t]), replace=False)).astype(np.uint32)
-        lists[t, :len(U)] = U
-        vis[t, U] = True
-    vis &= causal(n - T, T, n)
-    off = int(rng.integers(1, 5))
-    cells = CellList(gpu.upload(np.concatenate([np.full(off, 12345, np.uint32), lists.reshape(-1)]), "lists"),
-                     stride, off)
-    pos = n - T + np.arange(T)
-    params = _params(gpu, np.concatenate([[9, 9], np.stack([pos, counts], 1).reshape(-1)]))
+    cells, params, vis = row_lists(gpu, rng, T, n)
     q, gate, qh, gh = queries(gpu, rng, T, H, Dh, True)
     out, obuf = _out(gpu, T, H, Dh)
     ref, rbuf = _out(gpu, T, H, Dh)
-    part = gpu.buffer(partial_bytes(T, H, Dh, n_split), "partial")
+    part = gpu.buffer(partial_bytes(T, H, Dh, n_split or 3), "partial")
     g = gpu.graph("rows")
     attention(g, params, 2, qh, K, V, out, gate=gh, cells=cells, n_split=n_split, partial=part, row_lists=True)
     descs = [op.desc for op in g.ops]
@@ -398,6 +386,31 @@ def test_cm_row_lists(gpu, rng, monkeypatch, path, H, H_kv, Dh, ctype):
     check_out(obuf.read(np.float32).reshape(T, H, Dh), q, Kf[:n], Vf[:n], vis, 1 / np.sqrt(Dh), gate, True,
               f"{label} rows {shape}: H={H}/{H_kv} Dh={Dh} {ctype.value} T={T} split={n_split}",
               rbuf.read(np.float32).reshape(T, H, Dh) if decoded else None)
+
+
+def test_row_lists_kernel_choice(gpu, rng, monkeypatch):
+    """attention(row_lists=True) takes the decode kernel where prefill attention takes no matrices
+    (VKFLASH_FA_COOPMAT=0, an f32 cache), the coopmat kernel where it does (emulated here if need be),
+    and rejects a flash kind that has no row-list kernel."""
+    T, n, H, H_kv, Dh = 12, 200, 6, 2, 64
+    cells, params, _ = row_lists(gpu, rng, T, n)
+    q, _, qh, _ = queries(gpu, rng, T, H, Dh, False)
+    out, _ = _out(gpu, T, H, Dh)
+
+    def desc(g_opts, ctype: CacheType, kind: Flash | None = None) -> str:
+        K, _ = make_cache(gpu, rng, n, H_kv, Dh, ctype, "K")
+        g = gpu.with_options(g_opts).graph("choice")
+        attention(g, params, 2, qh, K, K, out, cells=cells, row_lists=True, kind=kind)
+        return g.ops[0].desc
+
+    on = replace(gpu.options, fa_coopmat=True)
+    assert "coopmat" not in desc(replace(gpu.options, fa_coopmat=False), CacheType.F16)
+    assert "coopmat" not in desc(on, CacheType.F32)
+    for kind in (Flash.SCALAR, Flash.ROWS):
+        with pytest.raises(ValueError, match="row lists run on"):
+            desc(on, CacheType.F16, kind)
+    flash_cm.select("device" if coopmat_flash_possible(gpu.caps, Dh) else "emulated", gpu, monkeypatch, Dh)
+    assert "coopmat" in desc(on, CacheType.F16) and "row lists" in desc(on, CacheType.Q8_0)
 
 
 @pytest.mark.parametrize("path,kind", flash_cm.RUNS, ids=flash_cm.RUN_IDS)

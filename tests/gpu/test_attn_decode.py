@@ -22,7 +22,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from attention_ref import attend, causal, make_cache, pack_bits, queries
+from attention_ref import attend, causal, make_cache, pack_bits, queries, row_lists
 from vkflash.gpu.ops import attn_decode as dec
 from vkflash.gpu.ops.attention import Cache, CacheType, CellList, CellMask, Heads, attention, partial_bytes
 from vkflash.gpu.ops.views import Rows
@@ -191,26 +191,12 @@ def test_row_lists(gpu, rng, H, H_kv, Dh, ctype, n_split):
     n = int(rng.integers(T + 60, 700))
     K, Kf = make_cache(gpu, rng, n + 5, H_kv, Dh, ctype, "K")
     V, Vf = make_cache(gpu, rng, n + 5, H_kv, Dh, ctype, "V")
-    pos = n - T + np.arange(T)
-    stride = int(rng.integers(40, 90))
-    lists = np.full((T, stride), 7, np.uint32)
-    counts = rng.integers(0, stride + 1, T)
-    counts[int(rng.integers(T))] = 0
-    vis = np.zeros((T, n), bool)
-    for t in range(T):
-        U = np.sort(rng.choice(n, size=int(counts[t]), replace=False)).astype(np.uint32)
-        lists[t, :len(U)] = U
-        vis[t, U] = True
-    vis &= causal(n - T, T, n)
-    off = int(rng.integers(1, 5))
-    cbuf = gpu.upload(np.concatenate([np.full(off, 12345, np.uint32), lists.reshape(-1)]), "lists")
-    params = gpu.upload(np.concatenate([[9, 9], np.stack([pos, counts], 1).reshape(-1)]).astype(np.int32), "params")
+    cells, params, vis = row_lists(gpu, rng, T, n)
     q, gate, qh, gh = queries(gpu, rng, T, H, Dh, True)
     out, obuf = _out(gpu, T, H, Dh)
 
     g = gpu.graph("rows")
-    dec.attn_decode(g, params, 2, qh, K, V, out, gate=gh, cells=CellList(cbuf, stride, off), n_split=n_split,
-                    row_lists=True)
+    dec.attn_decode(g, params, 2, qh, K, V, out, gate=gh, cells=cells, n_split=n_split, row_lists=True)
     assert len(g.ops) == (1 if n_split == 1 else 2) and "row lists" in g.ops[0].desc, [op.desc for op in g.ops]
     g.run()
 

@@ -15,6 +15,7 @@ def test_bench_rows(gpu):
     names = [r["name"] for r in rows]
     assert names[0] == "flash prefill f16 scalar" and "qsa prefill old: per tile, scalar" in names
     assert "qsa prefill one dispatch, scalar" in names and "qsa prefill masked dense (GP=0), scalar" in names
+    assert "qsa prefill per-query lists, decode kernel" in names
     for r in rows:
         assert r["seconds"] > 0 and r["TFLOP/s"] > 0, r
     union = next(r for r in rows if r["name"] == "qsa_union tile=64")["shape"]

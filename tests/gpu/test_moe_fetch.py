@@ -1,8 +1,8 @@
 """The coopmat expert GEMM's wide-load weight fetch (VKFLASH_MMID_FAST_FETCH: common/quant_group.glsl's
-cm_group instead of dequant_group) vs float64 NumPy and vs the old fetch.
+cm_group_load + cm_group_decode instead of dequant_group) vs float64 NumPy and vs the old fetch.
 
 Paths as in test_moe_cm.py (cm_util: "device" skips without coopmat, "emulated" runs the CM_EMULATE
-build anywhere). cm_group computes dequant_group's values by the same expressions, so both fetches
+build anywhere). cm_group_decode computes dequant_group's values by the same expressions, so both fetches
 give the same bits; the NumPy bound is test_moe_cm.py's (f32 bound plus the f16 inputs' 2·u16).
 """
 

@@ -1,6 +1,8 @@
 """Prefill attention benchmarks for `vkflash bench kernels`: flash-attention prefill TFLOP/s, scalar
-vs cooperative matrix, and the QSA prefill attention of one ubatch at depth, old (one dispatch per
-query tile) vs new (every tile in one dispatch) vs masked dense (GP=0).
+vs cooperative matrix, and the QSA prefill attention of one ubatch at depth: each query through its own
+cell list (the default: the decode kernel, and the coopmat kernel in every LIST_SHAPES shape that fits),
+per-tile unions (old: one dispatch per query tile; new: every tile in one dispatch) and masked dense
+(GP=0).
 
 Dense rows: T queries at the end of an n-key f16 / q8_0 cache (Flash-Next 24/2 and Qwen3-Next 16/2
 heads of 256), FLOP/s counted over the keys each query sees (4·H·Dh per query-key pair). QSA rows:
@@ -23,7 +25,8 @@ from vkflash.gpu.context import Gpu
 from vkflash.gpu.graph import Graph
 from vkflash.gpu.ops.attention import (CM_SHAPES, LIST_SHAPES, SG_SHAPES, Cache, CacheType, CellList, CellMask,
                                        CmTiles, Flash, Heads, SgTiles, cm_fits, cm_tiles, coopmat_flash_possible,
-                                       flash_attention, partial_bytes, rows_flash_possible, sg_fits, sg_tiles)
+                                       flash_attention, list_fits, partial_bytes, rows_flash_possible, sg_fits,
+                                       sg_tiles)
 from vkflash.gpu.ops.attn_decode import attn_decode
 from vkflash.gpu.ops.qsa import qsa_union
 from vkflash.gpu.ops.views import Rows
@@ -178,7 +181,8 @@ def _union(gpu: Gpu, s: Shape, params, sel_rows: Rows, tile: int, quick: bool) -
 
 def qsa_prefill(gpu: Gpu, quick: bool = False) -> list[dict]:
     """Seconds (and useful TFLOP/s) of one ubatch's QSA prefill attention at depth over an f16 cache:
-    old = one dispatch per query tile of GATHER_TILE (the scalar kernel), new = all tiles in one
+    per-query lists on the decode kernel and on the coopmat kernel (each LIST_SHAPES shape that fits);
+    unions: old = one dispatch per query tile of GATHER_TILE (the scalar kernel), new = all tiles in one
     dispatch on the scalar and the default kernel (the default also at tiles of GATHER_TILE/2 and
     2·GATHER_TILE, to choose hybrid.GATHER_TILE from; the other coopmat kernel at GATHER_TILE), and
     GP=0's masked dense attention; qsa_union's own time on rows of its own."""
@@ -228,7 +232,7 @@ def qsa_prefill(gpu: Gpu, quick: bool = False) -> list[dict]:
     row("qsa prefill per-query lists, decode kernel", None, lambda g: attn_decode(
         g, lp, 0, q, K, V, out, cells=lists, row_lists=True))
     for t in LIST_SHAPES if _coopmat(gpu, s.Dh) else ():
-        if t.br >= s.H // s.H_kv and cm_fits(gpu.caps, s.Dh, t):
+        if list_fits(gpu.caps, s.Dh, s.H // s.H_kv, t):
             row(f"qsa prefill per-query lists, coopmat {t.br}x{t.bc}/{t.parts}", None, lambda g, t=t: flash_attention(
                 g, lp, 0, q, K, V, out, cells=lists, tile=1, n_split=1, kind=Flash.COOPMAT, shape=t))
     if default is not Flash.SCALAR:

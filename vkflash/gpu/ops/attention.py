@@ -10,10 +10,10 @@ attn_flash_cm.comp, in which two subgroups split a row block's head dim and add 
 memory (VKFLASH_FA_ROWS=0). Rows are the (token, q head) pairs of one kv head, so K/V tiles are
 shared by the whole GQA group; key tiles that a mask hides from every row of a workgroup are
 skipped. Queries may come in tiles with their own params and cell lists (gathered QSA prefill: every
-tile of the ubatch in one dispatch). With n_split > 1 the KV range is cut into n_split chunks whose
-partial (o, m, l) are merged by shaders/attn_combine.comp (flash-decode). Positions and lengths come
-from a step-params buffer, so one recorded graph replays at any context length. Caches are
-[n_ctx, heads, Dh] in f32, f16 or q8_0.
+tile of the ubatch in one dispatch; a tile of one token for each query's own list, `row_lists`).
+With n_split > 1 the KV range is cut into n_split chunks whose partial (o, m, l) are merged by
+shaders/attn_combine.comp (flash-decode). Positions and lengths come from a step-params buffer, so
+one recorded graph replays at any context length. Caches are [n_ctx, heads, Dh] in f32, f16 or q8_0.
 """
 
 from __future__ import annotations
@@ -464,13 +464,31 @@ def rows_flash_possible(caps: "Capabilities", dim: int) -> bool:
 LIST_SHAPES = (CmTiles(16, 32, 8), CmTiles(16, 32, 4), CmTiles(32, 32, 4), CmTiles(16, 16, 8), CmTiles(16, 16, 4),
                CmTiles(32, 16, 4))
 """Shapes of the coopmat kernel for row lists (a query tile of one token: its G q heads padded to BR
-rows), in order of preference: the fewest rows that hold G, the head dim split over 8 workers
-(subgroups of 32) or 4 (subgroups of 64)."""
+rows), in order of preference: 16 rows (G ≤ 16) with the head dim split over 8 workers (subgroups of
+32) or 4 (subgroups of 64), 32 rows where a softmax row's 16 invocations would not fit a subgroup
+(or G > 16), then 16-key tiles where shared memory is short. On the H200, 512 queries of GQA 12 at
+depth 32768 (W = 2051, Dh 256, f16): 16x32/8 1.68 ms, 16x32/4 1.54, 16x16/8 1.53, 16x16/4 1.51,
+32x32/4 2.20 (one run each; `vkflash bench kernels --only attn_prefill`)."""
+
+
+def list_fits(caps: "Capabilities", dim: int, G: int, t: CmTiles) -> bool:
+    """Whether shape t holds a token's G q heads and the device runs it at head dim `dim` (cm_fits)."""
+    return t.br >= G and cm_fits(caps, dim, t)
 
 
 def list_tiles(caps: "Capabilities", dim: int, G: int) -> CmTiles | None:
-    """The first LIST_SHAPES entry with at least G rows that the device runs at head dim `dim`."""
-    return next((t for t in LIST_SHAPES if t.br >= G and cm_fits(caps, dim, t)), None)
+    """The first LIST_SHAPES (then CM_SHAPES: up to 64 rows) entry that list_fits, if any."""
+    return next((t for t in LIST_SHAPES + CM_SHAPES if list_fits(caps, dim, G, t)), None)
+
+
+def list_splits(caps: "Capabilities", T: int, H_kv: int, n_keys: int, bc: int, room: int | None) -> int:
+    """KV splits of T one-token row-list tiles over lists of at most n_keys: enough workgroups to keep
+    the device busy (attn_decode.target_workgroups; a prefill of 512 tokens needs none), at most one
+    per key tile, at most what a given partial buffer holds (room splits)."""
+    from vkflash.gpu.ops.attn_decode import target_workgroups
+
+    want = -(-target_workgroups(caps) // (T * H_kv))
+    return max(1, min(want, -(-n_keys // bc), room or want, caps.max_workgroup_count[2]))
 
 
 def has_coopmat_16(caps: "Capabilities") -> bool:
@@ -556,20 +574,31 @@ def attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v:
     its own (first position, count) at params[param_off + 2k …] and list at cells.off + k·capacity, all
     in one dispatch (S2–S3 over qsa_union's tiles). `row_lists` (with `cells`): every query its own
     list (at cells.off + t·capacity) and params (its position, count at param_off + 2t): a prefill's
-    per-query QSA selections, as query tiles of one token on the coopmat kernel (list_tiles) where the
-    flash prefill would take matrices (VKFLASH_FA_COOPMAT), else on the decode kernel. Steps of ≤ 8
+    per-query QSA selections, as query tiles of one token on the coopmat kernel (list_tiles, splits by
+    list_splits unless given) where the flash prefill would take matrices (VKFLASH_FA_COOPMAT) or `kind`
+    asks for it, else on the decode kernel. Steps of ≤ 8
     queries in one tile run on the decode kernel (ops/attn_decode.py, its own split count, at most what
     a given `partial` holds) unless VKFLASH_ATTN_DECODE=0 or a flash `kind` is asked for; else
     flash_attention()."""
     from vkflash.gpu.ops import attn_decode as dec
 
     if row_lists:
-        shape = list_tiles(g.gpu.caps, q.dim, q.n_heads // k.n_heads)
-        if shape is not None and flash_kind(g, q.n_tokens, q.dim, k.type, gathered=True) is Flash.COOPMAT:
-            if cells is None or mask is not None:
-                raise ValueError(f"{name}: row lists need a cell list per token and no mask")
-            flash_attention(g, params, param_off, q, k, v, out, gate=gate, cells=cells, tile=1, n_split=n_split or 1,
+        if kind not in (None, Flash.COOPMAT):
+            raise ValueError(f"{name}: row lists run on the coopmat flash kernel or the decode kernel, "
+                             f"not {kind.value}")
+        if cells is None or mask is not None:
+            raise ValueError(f"{name}: row lists need a cell list per token and no mask")
+        T, H, Dh = q.n_tokens, q.n_heads, q.dim
+        shape = list_tiles(g.gpu.caps, Dh, H // k.n_heads)
+        if (kind or flash_kind(g, T, Dh, k.type, gathered=True)) is Flash.COOPMAT and shape is not None:
+            if n_split is None:
+                room = partial.nbytes // partial_bytes(T, H, Dh, 1) if partial is not None else None
+                n_split = list_splits(g.gpu.caps, T, k.n_heads, cells.capacity, shape.bc, room)
+            flash_attention(g, params, param_off, q, k, v, out, gate=gate, cells=cells, tile=1, n_split=n_split,
                             partial=partial, scale=scale, kind=Flash.COOPMAT, shape=shape, name=name)
+        elif kind is Flash.COOPMAT:
+            raise ValueError(f"{name}: {g.gpu.caps.name} has no coopmat shape for row lists of {H // k.n_heads} "
+                             f"q heads per kv head at head dim {Dh}")
         else:
             dec.attn_decode(g, params, param_off, q, k, v, out, gate=gate, cells=cells, partial=partial,
                             n_split=n_split, scale=scale, row_lists=True, name=name)
