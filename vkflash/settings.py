@@ -177,6 +177,10 @@ KNOBS: tuple[Knob, ...] = (
        "group per query tile on cooperative matrices where prefill attention takes them, else the decode "
        "attention kernel). H200, qwen4exp 8 layers, attention of a step: pp512 at depth 32768 13.3 → 3.5 ms, "
        "pp2048 at depth 0 3.1 → 7.3 ms", "revert"),
+    _k("VKFLASH_QSA_DENSE_HEAD", _bool, True,
+       "0: a prefill's queries before position W, whose QSA selection is every earlier cell (MODEL.md Q6), "
+       "attend through their own cell lists too, instead of the dense causal flash kernel (where the lists "
+       "take cooperative matrices)", "revert"),
     _k("VKFLASH_FA_COOPMAT", _bool, True,
        "0: scalar f32 flash-attention prefill instead of cooperative-matrix Q·Kᵀ and P·V (f16 inputs, f32 "
        "softmax and sums; f16 / q8_0 KV caches, devices with 16×16×16 f16 matrices)", "revert"),

@@ -10,6 +10,8 @@
 // k*c_stride]. Within a tile, rows are (query, q head of kv head g) pairs R = t*G + (h - g*G),
 // G = H/H_kv (GQA: q head h reads kv head floor(h/G)), so every key tile serves the whole group.
 // Workgroup (x, y, z) = (k*RBK + row block of BR rows, g, split), RBK = ceil(TQ*G/BR).
+// Served positions: a dispatch computes (and writes) only the queries at positions in [pos_lo,
+// pos_hi); another dispatch serves the rest (QSA prefill: the dense head before W, the lists after).
 // Key slots: i in [0, n_iter) is the cache position (dense: n_iter = min(n_kv, p0 + t_last + 1,
 // kv_rows), t_last the workgroup's last query) or a slot of the cell list (GATHER: key j =
 // cells[...+i], n_iter = n_kv). Split z covers [z*chunk, min(n_iter, (z+1)*chunk)) with chunk =
@@ -39,6 +41,7 @@ layout(push_constant) uniform P {
     uint param_off; uint mask_off; uint mask_stride; uint cell_off;
     uint n_split; float scale;
     uint TQ; uint p_stride; uint c_stride;
+    uint pos_lo; uint pos_hi;
 } p;
 
 const float NEG = -1.0e30;  // score of a masked key (finite: no reliance on inf arithmetic)
@@ -53,7 +56,7 @@ struct AttnWork {
 };
 AttnWork aw;
 
-// Fills aw for this workgroup; false when its row block lies past the tile's last row.
+// Fills aw for this workgroup; false when its row block lies past the tile's last row served.
 bool attn_setup() {
     const uint rbk = (p.TQ * p.G + BR - 1u) / BR;
     aw.k = gl_WorkGroupID.x / rbk;
@@ -61,10 +64,13 @@ bool attn_setup() {
     aw.g = gl_WorkGroupID.y;
     aw.split = gl_WorkGroupID.z;
     aw.t0 = aw.k * p.TQ;
-    aw.rows = min(p.TQ, p.T - aw.t0) * p.G;
-    if (aw.r0 >= aw.rows) return false;
     const uint po = p.param_off + aw.k * p.p_stride;
     aw.p0 = uint(params[po]);
+    // only queries at positions in [pos_lo, pos_hi): a tile from before pos_lo is skipped whole (a
+    // caller with pos_lo > 0 has tiles of one query), rows from pos_hi on are cut
+    if (aw.p0 < p.pos_lo || aw.p0 >= p.pos_hi) return false;
+    aw.rows = min(min(p.TQ, p.T - aw.t0), p.pos_hi - aw.p0) * p.G;
+    if (aw.r0 >= aw.rows) return false;
     const uint n_kv = uint(params[po + 1u]);
     aw.cell_off = p.cell_off + aw.k * p.c_stride;
     aw.tl0 = aw.r0 / p.G;

@@ -7,6 +7,7 @@ POOLED=0 re-pooling vs the lazy summary cache."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -65,14 +66,17 @@ model's two QSA attention layers that stayed at 0.4–1.1e-3·std in every draw 
 (emulated matrices), while a lost slot mask or a wrong tile list is off by ≫ 1e-2."""
 
 
-PATHS = {"rows": {"GP": "1", "VKFLASH_QSA_ROWS": "1"}, "union": {"GP": "1", "VKFLASH_QSA_ROWS": "0"},
-         "masked": {"GP": "0"}}
+PATHS = {"rows": {"GP": "1", "VKFLASH_QSA_ROWS": "1"}, "rows, no dense head": {"GP": "1", "VKFLASH_QSA_ROWS": "1"},
+         "union": {"GP": "1", "VKFLASH_QSA_ROWS": "0"}, "masked": {"GP": "0"}}
+"""Knobs of each path; "rows, no dense head" also runs with VKFLASH_QSA_DENSE_HEAD=0 (a GpuOptions field)."""
 
 
 @pytest.mark.parametrize("kernel", ["scalar", "coopmat"])
 def test_gathered_prefill_equals_masked(gpu, rng, tmp_path: Path, monkeypatch, kernel):
-    """GP=1 through per-query lists (the default, VKFLASH_QSA_ROWS=1), GP=1 through per-tile unions +
-    slot masks (all tiles in one dispatch) and GP=0 (masked dense) each give the reference's
+    """GP=1 through per-query lists (the default, VKFLASH_QSA_ROWS=1; on the coopmat kernel with the
+    queries before W on the dense causal kernel, and without that, VKFLASH_QSA_DENSE_HEAD=0), GP=1
+    through per-tile unions + slot masks (all tiles in one dispatch) and GP=0 (masked dense) each give
+    the reference's
     logits; union tiles of 3 queries so the tiny model's tiles really gather (a 64-query tile's union
     covers most of a short cache and falls back to dense). Scalar kernel: the union and masked paths
     also select the same cells. Coopmat kernel (the device's, else emulated: tests/flash_cm.py) for every flash prefill
@@ -87,15 +91,18 @@ def test_gathered_prefill_equals_masked(gpu, rng, tmp_path: Path, monkeypatch, k
     toks = _prompt(rng, 236)
     out, sel, seen = {}, {}, {}
     for name, env in PATHS.items():
+        dev = gpu.with_options(replace(gpu.options, qsa_dense_head=name != "rows, no dense head"))
         with knobs(**env):
-            fwd = GpuForward(path, ctx=256, ub=58, kv="f32", gpu=gpu, logits_rows=58)
+            fwd = GpuForward(path, ctx=256, ub=58, kv="f32", gpu=dev, logits_rows=58)
         seen[name] = Seen()
         out[name] = _run(fwd, toks, 232, seen[name])
         b = f"blk.{_last_qsa(fwd)}."
         lists = [op.desc for op in fwd.graph(58, Head.LAST).ops if op.name == b + "attn_gated"]
-        assert (name == "rows") == any("row lists" in d for d in lists), lists
-        if name == "rows":  # the coopmat run's lists take one-token tiles of the coopmat kernel
+        assert name.startswith("rows") == any("row lists" in d for d in lists), lists
+        if name.startswith("rows"):  # the coopmat run's lists take one-token tiles of the coopmat kernel,
             assert all(("coopmat" in d) == (kernel == "coopmat") for d in lists), lists
+            heads = [op.desc for op in fwd.graph(58, Head.LAST).ops if op.name == b + "attn_gated.dense"]
+            assert len(heads) == (kernel == "coopmat" and name == "rows"), heads  # and its queries before W
             continue
         # one more 10-token step (positions 236..245; steps of ≤ 8 attend row by row instead) to
         # compare the last QSA layer's bit rows

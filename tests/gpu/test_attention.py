@@ -29,9 +29,9 @@ import flash_cm
 from attention_ref import TOL, TOL_CM, attend, causal, check_out, check_q8, encode, make_cache, pack_bits, queries, \
     rounded, row_lists
 from fusion_util import graph
-from vkflash.gpu.ops.attention import CM_SHAPES, SG_SHAPES, Cache, CellMask, CacheType, CellList, CmTiles, Flash, \
-    Heads, attention, cm_fits, cm_tiles, coopmat_flash_possible, flash_attention, flash_kind, kv_append, list_tiles, \
-    partial_bytes, sg_fits, sg_tiles
+from vkflash.gpu.ops.attention import CM_SHAPES, SG_SHAPES, Cache, CellMask, CacheType, CellList, CmTiles, DenseHead, \
+    Flash, Heads, attention, cm_fits, cm_tiles, coopmat_flash_possible, flash_attention, flash_kind, kv_append, \
+    list_tiles, partial_bytes, sg_fits, sg_tiles
 from vkflash.gpu.ops.attn_decode import attn_decode, supported
 from vkflash.gpu.ops.views import Rows
 from test_matmul_compile import PROFILES
@@ -386,6 +386,56 @@ def test_cm_row_lists(gpu, rng, monkeypatch, path, H, H_kv, Dh, ctype):
     check_out(obuf.read(np.float32).reshape(T, H, Dh), q, Kf[:n], Vf[:n], vis, 1 / np.sqrt(Dh), gate, True,
               f"{label} rows {shape}: H={H}/{H_kv} Dh={Dh} {ctype.value} T={T} split={n_split}",
               rbuf.read(np.float32).reshape(T, H, Dh) if decoded else None)
+
+
+@pytest.mark.parametrize("path", flash_cm.PATHS)
+def test_cm_row_lists_dense_head(gpu, rng, monkeypatch, path):
+    """Row lists whose queries before `end` hold every earlier cell (QSA Q6): with a DenseHead those
+    queries run on the dense causal kernel (one dispatch serving positions < end, the lists one the
+    rest), within the coopmat bound of attend_f16 and of the lists alone (VKFLASH_QSA_DENSE_HEAD=0);
+    the dense dispatch alone writes only its rows (the others keep their poison)."""
+    H, H_kv, Dh = 24, 2, 64
+    label = flash_cm.select(path, gpu, monkeypatch, Dh)
+    gpu = gpu.with_options(replace(gpu.options, fa_coopmat=True))
+    T = int(rng.integers(12, 40))
+    n = int(rng.integers(T + 20, 160))
+    p0, end = n - T, n - T + int(rng.integers(1, T))
+    ctype = CacheType.F16 if rng.integers(2) else CacheType.Q8_0
+    K, Kf = make_cache(gpu, rng, n + 3, H_kv, Dh, ctype, "K")
+    V, Vf = make_cache(gpu, rng, n + 3, H_kv, Dh, ctype, "V")
+    lists = np.zeros((T, n), np.uint32)
+    counts = np.zeros(T, np.int64)
+    vis = causal(p0, T, n)
+    for t in range(T):
+        p = p0 + t
+        U = np.arange(p + 1) if p < end else np.sort(rng.choice(p + 1, size=int(rng.integers(0, p)), replace=False))
+        lists[t, :len(U)], counts[t] = U, len(U)
+        vis[t] = np.isin(np.arange(n), U)
+    cells = CellList(gpu.upload(lists, "lists"), n)
+    params = _params(gpu, np.stack([p0 + np.arange(T), counts], 1).reshape(-1))
+    head = DenseHead(_params(gpu, [7, 7, p0, n]), 2, end)
+    q, gate, qh, gh = queries(gpu, rng, T, H, Dh, True)
+    outs = {}
+    for on in (True, False):
+        out, outs[on] = _out(gpu, T, H, Dh)
+        g = gpu.with_options(replace(gpu.options, qsa_dense_head=on)).graph("head")
+        attention(g, params, 0, qh, K, V, out, gate=gh, cells=cells, row_lists=True, dense_head=head, n_split=1)
+        descs = [op.desc for op in g.ops]
+        assert len(descs) == (2 if on else 1) and "row lists" in descs[-1], descs
+        assert not on or f"positions 0..{end}" in descs[0] and f"row lists gated gather positions {end}.." in descs[1]
+        g.run()
+    got = {on: b.read(np.float32).reshape(T, H, Dh) for on, b in outs.items()}
+    what = f"{label}: T={T} n={n} dense before {end} {ctype.value}"
+    check_out(got[True], q, Kf[:n], Vf[:n], vis, 1 / np.sqrt(Dh), gate, True, what)
+    check_out(got[False], q, Kf[:n], Vf[:n], vis, 1 / np.sqrt(Dh), gate, True, f"{what} (lists only)")
+    d = np.abs(got[True] - got[False]).max() / np.abs(Vf[:n]).max()
+    assert d <= 2 * TOL_CM, f"{what}: dense head vs lists only {d:.3g}·max|v|"
+    out, buf = _out(gpu, T, H, Dh)
+    g = gpu.graph("dense part")
+    flash_attention(g, head.params, head.off, qh, K, V, out, gate=gh, n_split=1, positions=(0, end))
+    g.run()
+    part = buf.read(np.float32).reshape(T, H, Dh)
+    assert np.isnan(part[end - p0:]).all() and not np.isnan(part[:end - p0]).any(), f"{what}: rows past {end} written"
 
 
 def test_row_lists_kernel_choice(gpu, rng, monkeypatch):

@@ -58,6 +58,7 @@ class GpuOptions:
     gemv_deq: bool = True  # decode GEMVs turn codes into weights once for all columns (else scale per column)
     topk_wide: bool = True  # QSA selection in few wide passes (else the previous kernel)
     qsa_score_tile: bool = True  # prefill QSA block scores in tiles of queries × blocks
+    qsa_dense_head: bool = True  # per-query QSA lists: queries before W on the dense causal kernel
     router_rank: bool = False  # MoE router by rank counting in one pass (else k argmax rounds)
     stack_weights: bool = True  # same-type projections of one input uploaded as one buffer
     dep_barriers: bool = True  # barriers only on real dependencies (else before every dispatch)
@@ -93,7 +94,7 @@ class GpuOptions:
                    gemv_teams=bool(s["VKFLASH_GEMV_TEAMS"]), gemv_q8=bool(s["VKFLASH_GEMV_Q8"]),
                    gemv_cols=bool(s["VKFLASH_GEMV_COLS"]), gemv_deq=bool(s["VKFLASH_GEMV_DEQ"]),
                    topk_wide=bool(s["VKFLASH_TOPK_WIDE"]), router_rank=bool(s["VKFLASH_ROUTER_RANK"]),
-                   qsa_score_tile=bool(s["VKFLASH_QSA_SCORE_TILE"]),
+                   qsa_score_tile=bool(s["VKFLASH_QSA_SCORE_TILE"]), qsa_dense_head=bool(s["VKFLASH_QSA_DENSE_HEAD"]),
                    stack_weights=bool(s["VKFLASH_STACK_WEIGHTS"]), dep_barriers=bool(s["VKFLASH_DEP_BARRIERS"]),
                    submit_budget_ms=float(s["VKFLASH_SUBMIT_BUDGET_MS"]), max_inflight=int(s["VKFLASH_MAX_INFLIGHT"]),
                    serialize=bool(s["VKFLASH_SERIALIZE_SUBMISSIONS"]), spin_wait=str(s["VKFLASH_SPIN_WAIT"]),

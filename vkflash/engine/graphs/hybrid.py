@@ -24,7 +24,7 @@ from vkflash.formats.gguf_file import GGUFFile
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops import eltwise as E
 from vkflash.gpu.ops import gdn
-from vkflash.gpu.ops.attention import CellList, CellMask, Heads, attention, kv_append, q_and_gate
+from vkflash.gpu.ops.attention import CellList, CellMask, DenseHead, Heads, attention, kv_append, q_and_gate
 from vkflash.gpu.ops.matmul import QWeight, matmul
 from vkflash.gpu.ops.moe import ExpertStack, RoutedExperts, moe_combine, moe_routed, moe_router, split_gate_up
 from vkflash.gpu.ops.norm import rms_norm
@@ -245,7 +245,8 @@ def attention_sublayer(g: "Graph", m: StepModel, i: int, u: Rows, qsa: tuple[Ind
     elif isinstance(sel, GatheredCells) and n > p.row_steps:  # (S3) per query: its own list, one dispatch
         q, gate = q_and_gate(qg, H, Dh)
         attention(g, sel.params, 0, q, cache.k, cache.v, Heads(o, H, Dh), gate=gate, cells=sel.rows(),
-                  row_lists=True, name=b + "attn_gated")
+                  row_lists=True, dense_head=DenseHead(p.buf, 0, sel.capacity),  # (Q6): before W, every cell
+                  name=b + "attn_gated")
     elif n == 1 or n > p.row_steps:
         q, gate = q_and_gate(qg, H, Dh)
         listed = isinstance(sel, GatheredCells)

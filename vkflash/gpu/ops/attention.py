@@ -111,11 +111,13 @@ class AttnPush(PushConstants):
 @dataclass(frozen=True)
 class FlashPush(AttnPush):
     """The flash kernels' push constants: AttnPush, then the query tiles (TQ queries each, params and
-    cell lists p_stride and c_stride apart)."""
+    cell lists p_stride and c_stride apart), then the positions [pos_lo, pos_hi) of the queries served."""
 
     TQ: u32
     p_stride: u32
     c_stride: u32
+    pos_lo: u32
+    pos_hi: u32
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,7 @@ COOPMAT_MIN_TOKENS = 9  # fewer query tokens (decode, MTP verify) never take the
 CM_KERNEL = "attn_flash_cm"  # kernel family of the coopmat flash kernel (tests swap in an emulated build)
 SG_KERNEL = "attn_flash_sg"  # kernel family of the subgroup-rows coopmat kernel (likewise)
 SKIP_WINDOW = 32 * 4  # bytes of the tile-skip bitset in both flash kernels' shared memory (common/attn.glsl)
+ALL_POSITIONS = 0xFFFFFFFF  # flash_attention's `positions` bound that serves every query
 
 
 @dataclass(frozen=True)
@@ -341,6 +344,16 @@ class CellList:
     buf: Buffer
     capacity: int
     off: int = 0
+
+
+@dataclass(frozen=True)
+class DenseHead:
+    """Row lists whose queries before position `end` hold every earlier cell (QSA, MODEL.md Q6): those
+    queries may attend as plain causal attention with the step's (p0, n_kv) at params[off]."""
+
+    params: Buffer
+    off: int
+    end: int
 
 
 class Flash(str, Enum):
@@ -566,7 +579,8 @@ def check_attention(name: str, params: Buffer, param_off: int, q: Heads, k: Cach
 def attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v: Cache, out: Heads, *,
               gate: Heads | None = None, mask: CellMask | None = None, cells: CellList | None = None,
               tile: int = 0, n_split: int | None = None, partial: Buffer | None = None, scale: float | None = None,
-              kind: Flash | None = None, row_lists: bool = False, name: str = "attn") -> None:
+              kind: Flash | None = None, row_lists: bool = False, dense_head: DenseHead | None = None,
+              name: str = "attn") -> None:
     """(A5)–(A7) out[t, h] = softmax_j((q_{t,h}·k_{j,g})·scale + M_t[j]) · v_{j,g} (⊙ σ(gate_{t,h}) if
     gate), g = ⌊h/(H/H_kv)⌋, for queries at positions p0 + t with p0 = params[param_off] and
     n_kv = params[param_off + 1] keys (or list slots). M is causal, ∩ `mask` when given; `cells`
@@ -576,7 +590,8 @@ def attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v:
     list (at cells.off + t·capacity) and params (its position, count at param_off + 2t): a prefill's
     per-query QSA selections, as query tiles of one token on the coopmat kernel (list_tiles, splits by
     list_splits unless given) where the flash prefill would take matrices (VKFLASH_FA_COOPMAT) or `kind`
-    asks for it, else on the decode kernel. Steps of ≤ 8
+    asks for it, else on the decode kernel; on the coopmat kernel in one split, the queries before
+    `dense_head`.end take the dense causal kernel instead (VKFLASH_QSA_DENSE_HEAD). Steps of ≤ 8
     queries in one tile run on the decode kernel (ops/attn_decode.py, its own split count, at most what
     a given `partial` holds) unless VKFLASH_ATTN_DECODE=0 or a flash `kind` is asked for; else
     flash_attention()."""
@@ -594,8 +609,14 @@ def attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v:
             if n_split is None:
                 room = partial.nbytes // partial_bytes(T, H, Dh, 1) if partial is not None else None
                 n_split = list_splits(g.gpu.caps, T, k.n_heads, cells.capacity, shape.bc, room)
+            lo = 0
+            if dense_head is not None and n_split == 1 and g.options.qsa_dense_head:
+                flash_attention(g, dense_head.params, dense_head.off, q, k, v, out, gate=gate, n_split=1, scale=scale,
+                                positions=(0, dense_head.end), name=f"{name}.dense")
+                lo = dense_head.end
             flash_attention(g, params, param_off, q, k, v, out, gate=gate, cells=cells, tile=1, n_split=n_split,
-                            partial=partial, scale=scale, kind=Flash.COOPMAT, shape=shape, name=name)
+                            partial=partial, scale=scale, kind=Flash.COOPMAT, shape=shape,
+                            positions=(lo, ALL_POSITIONS), name=name)
         elif kind is Flash.COOPMAT:
             raise ValueError(f"{name}: {g.gpu.caps.name} has no coopmat shape for row lists of {H // k.n_heads} "
                              f"q heads per kv head at head dim {Dh}")
@@ -618,12 +639,14 @@ def flash_attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cac
                     gate: Heads | None = None, mask: CellMask | None = None, cells: CellList | None = None,
                     tile: int = 0, n_split: int | None = None, partial: Buffer | None = None,
                     scale: float | None = None, kind: Flash | None = None, shape: CmTiles | SgTiles | None = None,
-                    name: str = "attn") -> None:
+                    positions: tuple[int, int] = (0, ALL_POSITIONS), name: str = "attn") -> None:
     """attention() on a flash kernel whatever the number of queries (the plain decode path): `kind`
     (default flash_kind(...)), in `shape` (coopmat: a CmTiles, default cm_tiles(...); rows: an SgTiles,
-    default sg_tiles(...); benches and tests override them). n_split (default: flash-decode splits for steps of at most SPLIT_MAX_TOKENS tokens,
-    else 1) > 1 adds a combine dispatch; its partials go to `partial` (default: an intermediate of the
-    graph; the subgroup-rows kernel's prefill default is ROWS_SPLITS)."""
+    default sg_tiles(...); benches and tests override them). n_split (default: flash-decode splits for
+    steps of at most SPLIT_MAX_TOKENS tokens, else 1) > 1 adds a combine dispatch; its partials go to
+    `partial` (default: an intermediate of the graph; the subgroup-rows kernel's prefill default is
+    ROWS_SPLITS). Only queries at positions in [lo, hi) = `positions` are computed and written (the
+    rest of `out` is left as it is): lo > 0 needs tiles of one query, and either bound one split."""
     T, H, Dh, H_kv = q.n_tokens, q.n_heads, q.dim, k.n_heads
     kind = flash_kind(g, T, Dh, k.type, cells is not None) if kind is None else kind
     if n_split is None:
@@ -639,6 +662,10 @@ def flash_attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cac
     split = n_split > 1
     if split and (partial is None or partial.nbytes < partial_bytes(T, H, Dh, n_split)):
         raise ValueError(f"{name}: n_split={n_split} needs a partial buffer of {partial_bytes(T, H, Dh, n_split)} B")
+    lo, hi = positions
+    if not 0 <= lo <= hi <= ALL_POSITIONS or (lo > 0 and tile != 1) or ((lo, hi) != (0, ALL_POSITIONS) and split):
+        raise ValueError(f"{name}: positions [{lo}, {hi}) need 0 ≤ lo ≤ hi, tiles of one query when lo > 0, "
+                         "and one split (the combine writes every row)")
 
     caps = g.gpu.caps
     G, TQ = H // H_kv, tile or T
@@ -666,7 +693,7 @@ def flash_attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cac
                      gv.head_stride, out.off, out.rows.stride, out.head_stride, param_off, mask.off if mask else 0,
                      mask.stride if mask else 0, cells.off if cells else 0, n_split,
                      1.0 / np.sqrt(Dh) if scale is None else scale, TQ, 2 if tile else 0,
-                     cells.capacity if tile and cells else 0)
+                     cells.capacity if tile and cells else 0, lo, hi)
     # a graph is recorded once for every position, so its cost is sized for the most keys it may see
     n_keys = cells.capacity if cells is not None else k.n_ctx
     kv_bytes = 2 * n_tiles * n_keys * H_kv * k.type.row_bytes(Dh)
@@ -675,7 +702,8 @@ def flash_attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cac
                desc=f"T={T} H={H}/{H_kv} Dh={Dh} {k.type.value} split={n_split} {kind.value}"
                + (f" tiles={n_tiles}x{TQ}" * (tile > 1)) + (" row lists" * (tile == 1))
                + (" gated" * (gate is not None))
-               + (" masked" * (mask is not None)) + (" gather" * (cells is not None)),
+               + (" masked" * (mask is not None)) + (" gather" * (cells is not None))
+               + (f" positions {lo}..{hi}" if hi < ALL_POSITIONS else f" positions {lo}.." if lo else ""),
                nbytes=kv_bytes, flops=4 * T * H * Dh * n_keys)
     if split:
         g.dispatch("attn_combine", [partial, gv.rows.buf, out.rows.buf], [H, T],
