@@ -474,14 +474,13 @@ def rows_flash_possible(caps: "Capabilities", dim: int) -> bool:
             and kernel(f"{SG_KERNEL}_f16").workgroup(caps) == SG_WG)
 
 
-LIST_SHAPES = (CmTiles(16, 32, 8), CmTiles(16, 32, 4), CmTiles(32, 32, 4), CmTiles(16, 16, 8), CmTiles(16, 16, 4),
-               CmTiles(32, 16, 4))
+LIST_SHAPES = (CmTiles(16, 16, 4), CmTiles(16, 16, 8), CmTiles(16, 32, 4), CmTiles(16, 32, 8), CmTiles(32, 16, 4),
+               CmTiles(32, 32, 4))
 """Shapes of the coopmat kernel for row lists (a query tile of one token: its G q heads padded to BR
-rows), in order of preference: 16 rows (G ≤ 16) with the head dim split over 8 workers (subgroups of
-32) or 4 (subgroups of 64), 32 rows where a softmax row's 16 invocations would not fit a subgroup
-(or G > 16), then 16-key tiles where shared memory is short. On the H200, 512 queries of GQA 12 at
-depth 32768 (W = 2051, Dh 256, f16): 16x32/8 1.68 ms, 16x32/4 1.54, 16x16/8 1.53, 16x16/4 1.51,
-32x32/4 2.20 (one run each; `vkflash bench kernels --only attn_prefill`)."""
+rows), in order of preference: 16 rows (G ≤ 16), then 32 where a softmax row's 16 invocations would
+not fit a subgroup (or G > 16); in each, as the H200 ranked them for 512 queries of GQA 12 at depth
+32768 (W = 2051, Dh 256, f16; one run each, `vkflash bench kernels --only attn_prefill`): 16x16/4
+1.51 ms, 16x16/8 1.53, 16x32/4 1.54, 16x32/8 1.68, 32x16/4 2.15, 32x32/4 2.20."""
 
 
 def list_fits(caps: "Capabilities", dim: int, G: int, t: CmTiles) -> bool:
