@@ -393,7 +393,8 @@ def test_cm_row_lists_dense_head(gpu, rng, monkeypatch, path):
     """Row lists whose queries before `end` hold every earlier cell (QSA Q6): with a DenseHead those
     queries run on the dense causal kernel (one dispatch serving positions < end, the lists one the
     rest), within the coopmat bound of attend_f16 and of the lists alone (VKFLASH_QSA_DENSE_HEAD=0);
-    the dense dispatch alone writes only its rows (the others keep their poison)."""
+    the dense dispatch alone, on each flash kernel (scalar, coopmat, subgroup rows), gives its rows
+    within that kernel's bound and writes no other (they keep their poison)."""
     H, H_kv, Dh = 24, 2, 64
     label = flash_cm.select(path, gpu, monkeypatch, Dh)
     gpu = gpu.with_options(replace(gpu.options, fa_coopmat=True))
@@ -430,12 +431,16 @@ def test_cm_row_lists_dense_head(gpu, rng, monkeypatch, path):
     check_out(got[False], q, Kf[:n], Vf[:n], vis, 1 / np.sqrt(Dh), gate, True, f"{what} (lists only)")
     d = np.abs(got[True] - got[False]).max() / np.abs(Vf[:n]).max()
     assert d <= 2 * TOL_CM, f"{what}: dense head vs lists only {d:.3g}·max|v|"
-    out, buf = _out(gpu, T, H, Dh)
-    g = gpu.graph("dense part")
-    flash_attention(g, head.params, head.off, qh, K, V, out, gate=gh, n_split=1, positions=(0, end))
-    g.run()
-    part = buf.read(np.float32).reshape(T, H, Dh)
-    assert np.isnan(part[end - p0:]).all() and not np.isnan(part[:end - p0]).any(), f"{what}: rows past {end} written"
+    m = end - p0  # the dense rows
+    for kind in Flash:
+        out, buf = _out(gpu, T, H, Dh)
+        g = gpu.graph("dense part")
+        flash_attention(g, head.params, head.off, qh, K, V, out, gate=gh, n_split=1, kind=kind, positions=(0, end))
+        g.run()
+        part = buf.read(np.float32).reshape(T, H, Dh)
+        assert np.isnan(part[m:]).all(), f"{what} {kind.value}: rows from position {end} on were written"
+        check_out(part[:m], q[:m], Kf[:n], Vf[:n], vis[:m], 1 / np.sqrt(Dh), gate[:m], kind is not Flash.SCALAR,
+                  f"{what}: the dense part alone on {kind.value}")
 
 
 def test_row_lists_kernel_choice(gpu, rng, monkeypatch):

@@ -138,7 +138,8 @@ GATHER_TILE = 64  # queries per gathered-prefill tile (S1): one union list each,
 @dataclass(frozen=True)
 class GatheredCells:
     """Gathered attention (Q8): row t's sorted selected cells and its gather params (position, count)
-    at params[2t]; decode and verify attend row by row, a prefill step all rows in one dispatch."""
+    at params[2t]; decode and verify attend row by row, a prefill step all rows at once (the rows
+    before W, whose lists hold every earlier cell, may attend densely: attention's dense_head)."""
 
     cells: Rows
     params: Buffer
@@ -242,7 +243,7 @@ def attention_sublayer(g: "Graph", m: StepModel, i: int, u: Rows, qsa: tuple[Ind
         attention(g, sel.gp, 0, q, cache.k, cache.v, Heads(o, H, Dh), gate=gate,
                   mask=CellMask(sel.slots.buf, sel.slots.stride, sel.slots.off),
                   cells=CellList(sel.cells, sel.cap), tile=sel.tile, name=b + "attn_gated")
-    elif isinstance(sel, GatheredCells) and n > p.row_steps:  # (S3) per query: its own list, one dispatch
+    elif isinstance(sel, GatheredCells) and n > p.row_steps:  # (S3) per query: its own list, all at once
         q, gate = q_and_gate(qg, H, Dh)
         attention(g, sel.params, 0, q, cache.k, cache.v, Heads(o, H, Dh), gate=gate, cells=sel.rows(),
                   row_lists=True, dense_head=DenseHead(p.buf, 0, sel.capacity),  # (Q6): before W, every cell

@@ -10,7 +10,8 @@ attn_flash_cm.comp, in which two subgroups split a row block's head dim and add 
 memory (VKFLASH_FA_ROWS=0). Rows are the (token, q head) pairs of one kv head, so K/V tiles are
 shared by the whole GQA group; key tiles that a mask hides from every row of a workgroup are
 skipped. Queries may come in tiles with their own params and cell lists (gathered QSA prefill: every
-tile of the ubatch in one dispatch; a tile of one token for each query's own list, `row_lists`).
+tile of the ubatch in one dispatch; a tile of one token for each query's own list, `row_lists`), and a
+dispatch may serve only the queries in a range of positions (the rest of its output is another's).
 With n_split > 1 the KV range is cut into n_split chunks whose partial (o, m, l) are merged by
 shaders/attn_combine.comp (flash-decode). Positions and lengths come from a step-params buffer, so
 one recorded graph replays at any context length. Caches are [n_ctx, heads, Dh] in f32, f16 or q8_0.
@@ -694,7 +695,7 @@ def flash_attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cac
                      1.0 / np.sqrt(Dh) if scale is None else scale, TQ, 2 if tile else 0,
                      cells.capacity if tile and cells else 0, lo, hi)
     # a graph is recorded once for every position, so its cost is sized for the most keys it may see
-    n_keys = cells.capacity if cells is not None else k.n_ctx
+    n_keys = cells.capacity if cells is not None else min(k.n_ctx, hi)  # positions < hi see keys < hi
     kv_bytes = 2 * n_tiles * n_keys * H_kv * k.type.row_bytes(Dh)
     g.dispatch(kname, bufs, [n_tiles * -(-TQ * G // br), H_kv, n_split], push=push, spec=spec,
                writes=[8 if split else 7], name=name,
