@@ -13,6 +13,20 @@ def _mesa_too_old(driver_info: str) -> bool:
     return bool(m) and int(m.group(1)) < 24
 
 
+_SESSION_GPUS: list = []  # the session's Gpu once made, for _arena_per_module
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _arena_per_module():
+    """After each test module, free the session Gpu's arena: its slots only grow (each to the largest
+    intermediate any graph placed there), so over the one-process suite the slot-wise maxima of
+    unrelated modules' graphs added up to lavapipe allocations that segfaulted in kp near the end.
+    Graphs still alive re-place themselves (the arena's epoch) if a later test runs them."""
+    yield
+    for g in _SESSION_GPUS:
+        g.arena.clear()
+
+
 @pytest.fixture(scope="session")
 def gpu():
     """The device, with scalar f32 GEMMs, f32-activation GEMVs and the scalar flash kernel: the reference
@@ -28,6 +42,7 @@ def gpu():
     if g.caps.driver == "llvmpipe" and _mesa_too_old(g.caps.driver_info):
         pytest.exit(f"lavapipe from {g.caps.driver_info} truncates shader loops at 65535 iterations and would "
                     "give wrong results; install Mesa from bookworm-backports (launcher/setup does)", returncode=2)
+    _SESSION_GPUS.append(g)
     return g
 
 
