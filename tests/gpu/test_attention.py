@@ -358,7 +358,7 @@ def test_cm_row_lists(gpu, rng, monkeypatch, path, H, H_kv, Dh, ctype):
     """Row lists (a prefill's per-query QSA selections) on the coopmat kernel, one token's GQA group
     per query tile (list_tiles: 16 rows for G 12 and 3 where a softmax row's 16 invocations fit a
     subgroup, as on the H200, else 32; 32 for G 20; a 64-row CM_SHAPES entry for G 40): ragged sorted
-    lists, some empty, positions past the query's own among them, whole, in 3 splits or in list_splits'
+    lists, some empty, positions past the query's own among them, whole, in 3 splits or in key_splits'
     count; within the module's coopmat bounds of attend_f16 and of the decode kernel's f32 result on
     the same lists (where it serves G)."""
     label = flash_cm.select(path, gpu, monkeypatch, Dh)

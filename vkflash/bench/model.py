@@ -255,17 +255,14 @@ def profile(fwd: GpuForward, token: int, n: int) -> dict[str, tuple[int, float]]
     return per_op(fwd.graph(1, Head.LAST), step, n)
 
 
-def profile_prefill(fwd: GpuForward, depth: int, prompt: Callable[[], np.ndarray],
+def profile_prefill(fwd: GpuForward, depth: int, tokens: int, ids: Callable[[int], np.ndarray],
                     n: int) -> dict[str, tuple[int, float]]:
-    """Per-op GPU µs of one prefill step of the prompt's tokens at `depth` (each of n runs from a fresh
+    """Per-op GPU µs of one prefill step of `tokens` ids(tokens) at `depth` (each of n runs from a fresh
     context, or truncated back to the checkpoint at depth; per_op)."""
-    first = prompt()
-    g = fwd.graph(len(first), Head.LAST)
-
     def step() -> None:
         fwd.truncate(depth) if depth else fwd.reset()
-        fwd.prefill_argmax(prompt())
-    return per_op(g, step, n)
+        fwd.prefill_argmax(ids(tokens))
+    return per_op(fwd.graph(tokens, Head.LAST), step, n)
 
 
 def decode_cost(fwd: GpuForward, token: int, n: int) -> tuple[DecodeCost, int]:
@@ -335,7 +332,7 @@ def bench(path: Path, plan: Plan, ub: int | None = None, kv: str | None = None, 
         res.profile = profile(fwd, tok, plan.host_steps)
         one_step = [n for n in plan.pp if n <= fwd.ub]
         if one_step:
-            res.prefill_profiles[f"pp{one_step[0]}"] = profile_prefill(fwd, 0, lambda: ids(one_step[0]), plan.reps)
+            res.prefill_profiles[f"pp{one_step[0]}"] = profile_prefill(fwd, 0, one_step[0], ids, plan.reps)
     fwd.reset()
     pos = 0
     for d in depths:
@@ -351,8 +348,7 @@ def bench(path: Path, plan: Plan, ub: int | None = None, kv: str | None = None, 
             times += [s] if i else []
         res.rows.append(Row.repeated(f"pp{plan.window} @ d{d}", d, plan.window, times))
         if with_profile and d == depths[-1] and d > 0 and plan.window <= fwd.ub:
-            res.prefill_profiles[f"pp{plan.window} @ d{d}"] = profile_prefill(fwd, d, lambda: ids(plan.window),
-                                                                             plan.reps)
+            res.prefill_profiles[f"pp{plan.window} @ d{d}"] = profile_prefill(fwd, d, plan.window, ids, plan.reps)
             fwd.truncate(d)
             _, tok = timed_prefill(fwd, ids(plan.window))
         s, _ = timed_decode(fwd, tok, plan.tg)

@@ -494,16 +494,6 @@ def list_tiles(caps: "Capabilities", dim: int, G: int) -> CmTiles | None:
     return next((t for t in LIST_SHAPES + CM_SHAPES if list_fits(caps, dim, G, t)), None)
 
 
-def list_splits(caps: "Capabilities", T: int, H_kv: int, n_keys: int, bc: int, room: int | None) -> int:
-    """KV splits of T one-token row-list tiles over lists of at most n_keys: enough workgroups to keep
-    the device busy (attn_decode.target_workgroups; a prefill of 512 tokens needs none), at most one
-    per key tile, at most what a given partial buffer holds (room splits)."""
-    from vkflash.gpu.ops.attn_decode import target_workgroups
-
-    want = -(-target_workgroups(caps) // (T * H_kv))
-    return max(1, min(want, -(-n_keys // bc), room or want, caps.max_workgroup_count[2]))
-
-
 def has_coopmat_16(caps: "Capabilities") -> bool:
     """Whether the device offers 16×16×16 f16·f16 + f32 cooperative matrices (the coopmat kernel's)."""
     return any((s.m, s.n, s.k, s.a, s.b, s.c, s.result) == (16, 16, 16, "f16", "f16", "f32", "f32")
@@ -588,8 +578,8 @@ def attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v:
     its own (first position, count) at params[param_off + 2k …] and list at cells.off + k·capacity, all
     in one dispatch (S2–S3 over qsa_union's tiles). `row_lists` (with `cells`): every query its own
     list (at cells.off + t·capacity) and params (its position, count at param_off + 2t): a prefill's
-    per-query QSA selections, as query tiles of one token on the coopmat kernel (list_tiles, splits by
-    list_splits unless given) where the flash prefill would take matrices (VKFLASH_FA_COOPMAT) or `kind`
+    per-query QSA selections, as query tiles of one token on the coopmat kernel (list_tiles, KV splits by
+    attn_decode.key_splits unless given) where the flash prefill would take matrices (VKFLASH_FA_COOPMAT) or `kind`
     asks for it, else on the decode kernel; on the coopmat kernel in one split, the queries before
     `dense_head`.end take the dense causal kernel instead (VKFLASH_QSA_DENSE_HEAD). Steps of ≤ 8
     queries in one tile run on the decode kernel (ops/attn_decode.py, its own split count, at most what
@@ -608,7 +598,7 @@ def attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v:
         if (kind or flash_kind(g, T, Dh, k.type, gathered=True)) is Flash.COOPMAT and shape is not None:
             if n_split is None:
                 room = partial.nbytes // partial_bytes(T, H, Dh, 1) if partial is not None else None
-                n_split = list_splits(g.gpu.caps, T, k.n_heads, cells.capacity, shape.bc, room)
+                n_split = dec.key_splits(g.gpu.caps, T * k.n_heads, cells.capacity, shape.bc, room)
             lo = 0
             if dense_head is not None and n_split == 1 and g.options.qsa_dense_head:
                 flash_attention(g, dense_head.params, dense_head.off, q, k, v, out, gate=gate, n_split=1, scale=scale,

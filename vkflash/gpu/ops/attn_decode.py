@@ -154,10 +154,14 @@ def plan(caps: Capabilities, T: int, H: int, H_kv: int, dim: int, ctype: CacheTy
     rc, n_chunks, bc, d = shape
     if row_lists:
         n_chunks = T
-    tiles = max(1, -(-n_keys // bc))
-    want = -(-target_workgroups(caps) // (H_kv * n_chunks))
-    n_split = max(1, min(want, tiles, max_split or want, caps.max_workgroup_count[2]))
-    return DecodePlan(rc, n_chunks, bc, d, n_split)
+    return DecodePlan(rc, n_chunks, bc, d, key_splits(caps, H_kv * n_chunks, n_keys, bc, max_split))
+
+
+def key_splits(caps: Capabilities, groups: int, n_keys: int, bc: int, max_split: int | None = None) -> int:
+    """KV splits for `groups` workgroups of queries over at most n_keys keys in tiles of bc: enough
+    to reach target_workgroups, at most one per key tile, at most max_split and the grid's z limit."""
+    want = -(-target_workgroups(caps) // groups)
+    return max(1, min(want, max(1, -(-n_keys // bc)), max_split or want, caps.max_workgroup_count[2]))
 
 
 def decode_partial_bytes(caps: Capabilities, max_tokens: int, H: int, H_kv: int, dim: int, ctype: CacheType,
