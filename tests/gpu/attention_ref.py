@@ -144,7 +144,7 @@ def row_lists(gpu: Gpu, rng: np.random.Generator, T: int, n: int):
     a poisoned buffer. Returns (CellList, params buffer, visible (T, n): each list ∩ causal)."""
     stride = int(rng.integers(40, 90))
     lists = np.full((T, stride), 7, np.uint32)
-    counts = rng.integers(0, stride + 1, T)
+    counts = rng.integers(0, min(stride, n) + 1, T)
     counts[int(rng.integers(T))] = 0
     vis = np.zeros((T, n), bool)
     for t in range(T):
