@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from hybrid_ref import rel
+from hybrid_ref import assert_greedy, rel
 from qwen2_tiny import Geometry, write_qwen2
 from vkflash.engine.api import ArgmaxForward, Forward, InvalidRequest
 from vkflash.engine.gpu_forward import GpuForward, pieces
@@ -158,8 +158,10 @@ def test_q8_0_cache_close_to_f32(gpu, rng, tmp_path):
 
 
 def test_greedy_matches_reference(gpu, rng, tmp_path):
-    """16 greedy tokens from the device argmax equal the reference's greedy continuation, and the
-    argmax fast path agrees with the argmax of the logits it computed."""
+    """16 greedy tokens from the device argmax are the reference's greedy picks, teacher-forced on
+    them (f16 caches on both sides), except where the reference's top two logits lie within
+    2·EXACT·std (one f16 cache value rounded the other way moves logits ~1e-4·std); the argmax fast
+    path agrees with the argmax of the logits it computed."""
     path = _model(tmp_path, rng, Q.Q8_0)
     prompt = rng.integers(0, GEO.V, 23)
     fwd = GpuForward(path, ctx=128, ub=16, kv="f16", gpu=gpu)
@@ -168,10 +170,8 @@ def test_greedy_matches_reference(gpu, rng, tmp_path):
     for _ in range(15):
         got.append(fwd.decode_argmax(got[-1]))
     st = reference.new_state(load_model(path, np.float64), cache_dtype=np.float16)
-    want = [int(np.argmax(reference.prefill(prompt, st)[-1]))]
-    for _ in range(15):
-        want.append(int(np.argmax(reference.prefill([want[-1]], st)[-1])))
-    assert got == want
+    ref = reference.prefill(np.concatenate([prompt, got[:-1]]), st)[len(prompt) - 1:]
+    assert_greedy(got, ref, EXACT)
     logits = fwd.decode(got[-1])
     assert int(fwd.model.head.ids.read(np.uint32, 1)[0]) == int(np.argmax(logits))
 
@@ -271,7 +271,7 @@ def test_real_qwen2_teacher_forced(gpu, rng):
     # float64 weights like every other oracle here: an f32 reference adds its own rounding
     ref = reference.prefill(toks, reference.new_state(load_model(path, np.float64)))
     assert rel(got, ref) <= REAL, f"max|Δ| = {rel(got, ref):.2e}·std"
-    assert (got.argmax(1) == ref.argmax(1)).all()
+    assert_greedy(got.argmax(1), ref, REAL)
 
 
 def test_gemv_q8_greedy(gpu, rng, tmp_path):

@@ -28,7 +28,7 @@ from vkflash.model.weights import load_model
 pytestmark = pytest.mark.gpu
 V = 512
 EXACT = 1e-3  # MODEL.md §7.10: max|Δ| ≤ 1e-3·std(logits)
-ALPHA = 1e-3  # false-alarm rate of the statistical test
+ALPHA = 1e-5  # false-alarm rate of the statistical test
 
 
 def _models(tmp_path: Path, rng: np.random.Generator, layout: str) -> tuple[Path, Path | None]:
@@ -79,19 +79,22 @@ def test_draft_head_matches_reference(gpu, rng, tmp_path, layout):
     """After a 29-token prompt (ubatches 8+8+8+4+1: the catch-up of every prompt position), the
     draft row and 4 chained rows: logits within MODEL.md's 1e-3·std of the float64 reference (or
     4× the float32 reference's own error), the same drafted tokens. A row whose MTP router has a
-    near-tie (report, do not fail: §7.10) is left out."""
+    near-tie (report, do not fail: §7.10) is left out; a prompt whose draft row has one is drawn again."""
     path, draft = _models(tmp_path, rng, layout)
-    toks = [int(t) for t in rng.integers(0, V, 29)]
     sp = _open(gpu, path, draft, kv="f32")
-    sp.reset()
-    seen = Seen()
-    x = int(np.argmax(device_logits(sp.fwd, np.asarray(toks), seen)[-1]))
-    dr = sp.drafter.draft(x, 5, logits=True)
-    assert dr.logits is not None
-    ref64, gaps = _reference_rows(path, draft, toks, x, dr.ids, seen, np.float64)
+    for _ in range(5):  # a near-tie in the draft row's router: ~1e-3 of prompts
+        toks = [int(t) for t in rng.integers(0, V, 29)]
+        sp.reset()
+        seen = Seen()
+        x = int(np.argmax(device_logits(sp.fwd, np.asarray(toks), seen)[-1]))
+        dr = sp.drafter.draft(x, 5, logits=True)
+        assert dr.logits is not None
+        ref64, gaps = _reference_rows(path, draft, toks, x, dr.ids, seen, np.float64)
+        ok = gaps > ROUTE_TIE
+        if ok[0]:
+            break
+    assert ok[0], "the draft row's MTP router has a near-tie in five prompts; nothing to compare"
     ref32, _ = _reference_rows(path, draft, toks, x, dr.ids, seen, np.float32)
-    ok = gaps > ROUTE_TIE
-    assert ok[0], "the draft row's MTP router has a near-tie; nothing to compare"
     for i in np.flatnonzero(ok):
         err = np.abs(dr.logits[i] - ref64[i]).max() / ref64[i].std()
         tol = max(EXACT, 4 * np.abs(ref32[i] - ref64[i]).max() / ref64[i].std())
@@ -211,7 +214,7 @@ def test_sampled_speculation_has_the_target_distribution(gpu, rng, tmp_path):
     """Rejection-sampled speculation at temperature 0.7 over 160 tokens: each generated token t_i,
     under the target's distribution p_i after the tokens before it (a plain forward teacher-forced
     on the output), has a uniform randomized PIT value: the p_i-mass of the tokens more likely than
-    t_i plus U·p_i(t_i). Binned in 8, chi-square p-value > 1e-3 (tokens drawn from the draft's
+    t_i plus U·p_i(t_i). Binned in 8, chi-square p-value > ALPHA (tokens drawn from the draft's
     distribution instead land on less likely tokens: PIT values near 1)."""
     path, draft = _models(tmp_path, rng, "separate")
     prompt = [int(t) for t in rng.integers(0, V, 10)]

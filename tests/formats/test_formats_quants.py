@@ -127,7 +127,8 @@ def test_own_quantizers_are_exactly_those_gguf_lacks() -> None:
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_quantize_roundtrip(qtype: Q, rng: np.random.Generator) -> None:
     """gguf decodes what quantize writes to within the type's resolution, value by value."""
-    rows, ne0 = int(rng.integers(3, 17)), 256 * int(rng.integers(1, 4))
+    k = int(rng.integers(1, 4))  # rows of 256·k values, ~9–13k values in all: fewer make the RMS error heavy-tailed
+    rows, ne0 = int(rng.integers(36, 52)) // k, 256 * k
     x = varied_rows(rng, rows, ne0)
     raw = quantize(x, qtype)
     assert raw.dtype == np.uint8 and raw.size == rows * row_bytes(qtype, ne0)

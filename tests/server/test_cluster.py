@@ -175,7 +175,8 @@ def test_affinity_failover_and_rejoin(cluster: Cluster, replicas: list[Server], 
     client = openai.OpenAI(base_url=cluster.base + "/v1", api_key="x", max_retries=0, timeout=60)
     system = say(6)
     turns = STEADY_TURNS + FAILOVER_TURNS
-    a, b = (Agent(client, tiny_model.stem, system, say(), [say() for _ in range(turns)]) for _ in range(2))
+    # each agent's first message names it: HAProxy's affinity key hashes the system prompt and that message
+    a, b = (Agent(client, tiny_model.stem, system, f"{say()} {i}", [say() for _ in range(turns)]) for i in range(2))
 
     # steady: the two first requests arrive together, so leastconn gives each agent its own replica;
     # each conversation then stays there, and every repeat reuses its prefix
@@ -214,7 +215,8 @@ def test_affinity_failover_and_rejoin(cluster: Cluster, replicas: list[Server], 
 
     # the restarted replica takes new conversations again (two arriving together: one each) and
     # reuses their prefixes
-    c, d = (Agent(client, tiny_model.stem, system, say(), [say() for _ in range(3 + REJOIN_TURNS)]) for _ in range(2))
+    c, d = (Agent(client, tiny_model.stem, system, f"{say()} {i}", [say() for _ in range(3 + REJOIN_TURNS)])
+            for i in (2, 3))
     together([lambda ag=ag: [ag.turn() for _ in range(1 + REJOIN_TURNS)] for ag in (c, d)])
     assert {ag.served[0][0] for ag in (c, d)} == {name_of(victim), name_of(survivor)}, (c.served, d.served)
     for ag in (c, d):

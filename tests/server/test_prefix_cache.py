@@ -83,9 +83,13 @@ def test_cached_tokens_over_a_conversation(in_process, gpu, tiny_model, tokenize
         messages += [{"role": "assistant", "content": text}, {"role": "user", "content": say()}]
 
     # /v1/completions, token ids: the second prompt extends the first and restarts from its end
-    x = [int(t) for t in rng.integers(0, tokenizer.vocab_size, int(rng.integers(10, 30)))]
-    y = [int(t) for t in rng.integers(0, tokenizer.vocab_size, int(rng.integers(2, 10)))]
-    for prompt, want in ((x, _expected(fwd, ends, x)), (x + y, len(x))):
+    V = tokenizer.vocab_size
+    x = [int(t) for t in rng.integers(0, V, int(rng.integers(10, 30)))]
+    for second in (False, True):
+        if second:  # y's first token is not the one the reply to x began with: reuse keeps x, no more
+            y = [int(t) for t in rng.integers(0, V, int(rng.integers(2, 10)))]
+            y[0] = (fwd._seq[len(x)] + 1 + y[0] % (V - 1)) % V
+        prompt, want = (x + y, len(x)) if second else (x, _expected(fwd, ends, x))
         r = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0,
                                       extra_body={"ignore_eos": True})
         assert r.usage.prompt_tokens_details.cached_tokens == r.model_extra["timings"]["cache_n"] == want

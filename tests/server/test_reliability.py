@@ -379,7 +379,7 @@ def test_logit_bias_bans(in_process, tiny_model, tokenizer, rng, ban):
     best = int(rng.integers(0, tokenizer.vocab_size))
     fwd = ScriptedForward([best] * 4, tokenizer.eos_id, tokenizer.vocab_size, 256, rng=rng)
     base = serve_scripted(in_process, tiny_model, tokenizer, fwd)
-    other = int(rng.integers(0, tokenizer.vocab_size))
+    other = (best + 1 + int(rng.integers(0, tokenizer.vocab_size - 1))) % tokenizer.vocab_size  # not best
     r = call(base, "POST", "/v1/chat/completions", _chat(temperature=0, logprobs=True, ignore_eos=True,
                                                          logit_bias={str(best): ban, str(other): 0.5}))
     z = fwd.given[0].copy()
