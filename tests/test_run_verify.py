@@ -272,9 +272,9 @@ def test_verify_needs_two_tokens(gpu, f32_model):
 
 @pytest.mark.slow
 def test_verify_real_default_model(gpu):
-    """The default Qwen2.5-Coder-0.5B (quantized weights, float32 reference, so bounds × 8 and the
-    residual stream's 1e-2: the reference carries f32 error of its own) passes verify on a text prompt and on random tokens.
-    ~2 min on lavapipe (2 cores)."""
+    """The default Qwen2.5-Coder-0.5B (quantized weights, a float32 reference, so bounds × 8, the
+    residual stream's at least 1e-2, and at least 8× the f32 runs' spread: the reference carries f32
+    error of its own) passes verify on a text prompt and on random tokens. ~2 min on lavapipe (2 cores)."""
     from vkflash.model.default_model import FILE_NAME, cache_dir
 
     path = cache_dir() / FILE_NAME
