@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from vkflash.errors import DeviceError
 from vkflash.gpu import registry
-from vkflash.gpu.compile_shaders import cache_dir, have_compiler, variant_key
+from vkflash.gpu.compile_shaders import _tool, cache_dir, variant_key
 from vkflash.gpu.device import CoopmatShape
 from vkflash.gpu.ops import attention as A
 from vkflash.gpu.registry import Kernel
@@ -31,6 +32,17 @@ RUNS = [("scalar", A.Flash.SCALAR)] + [(p, k) for p in PATHS for k in KINDS]
 """(path, kernel) pairs of the tests that run every flash kernel: the scalar one, and each matrix kernel
 on the device and emulated."""
 RUN_IDS = [f"{p}-{k.value}" if p != "scalar" else p for p, k in RUNS]
+
+
+def have_compiler() -> bool:
+    """Whether compile_shaders finds glslangValidator and spirv-val (not on machines fed precompiled
+    SPIR-V); the compile tests and the emulated kernels' skips ask."""
+    try:
+        for tool in ("glslangValidator", "spirv-val"):
+            _tool(tool)
+    except DeviceError:
+        return False
+    return True
 
 
 def emulated_kernels() -> list[Kernel]:

@@ -224,14 +224,14 @@ def hear_ctrl_c() -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
-def read_stdin(prompt: str = "> ") -> Callable[[], str | None]:
-    """A line reader for chat: input() with a prompt, None at end of input (Ctrl-D) or on Ctrl-C
+def read_stdin() -> Callable[[], str | None]:
+    """A line reader for chat: input() with a "> " prompt, None at end of input (Ctrl-D) or on Ctrl-C
     (hear_ctrl_c: whatever SIGINT disposition the process started with)."""
     hear_ctrl_c()
 
     def read() -> str | None:
         try:
-            return input(prompt)
+            return input("> ")
         except (EOFError, KeyboardInterrupt):
             print()
             return None

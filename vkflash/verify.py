@@ -32,7 +32,7 @@ GPU 4.4e-3–5.8e-3, and the f32 runs 2.7e-3–5.2e-3 apart. A wrong kernel is o
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -217,13 +217,12 @@ def f32_draws(weights: Any, steps: Sequence[np.ndarray], seen: Seen | None = Non
     return runs
 
 
-def open_forward(path: Path, n_tokens: int, ctx: int,
-                 progress: Callable[[int, int], None] | None = None) -> "GpuForward":
+def open_forward(path: Path, n_tokens: int, ctx: int) -> "GpuForward":
     """A GPU forward sized for verify: f32 caches, one prefill step of n_tokens − 1 with all logits."""
     from vkflash.engine.gpu_forward import GpuForward
 
     n = max(1, n_tokens - 1)
-    return GpuForward(path, ctx=max(ctx, n_tokens), ub=n, kv="f32", logits_rows=n, progress=progress)
+    return GpuForward(path, ctx=max(ctx, n_tokens), ub=n, kv="f32", logits_rows=n)
 
 
 def reference_dtype(path: Path) -> type:

@@ -28,7 +28,7 @@ class ByteCodec:
 
     eog: int
 
-    def streamer(self, special: bool = False) -> ByteStreamer:
+    def streamer(self) -> ByteStreamer:
         return ByteStreamer()
 
     def is_eog(self, token_id: int) -> bool:

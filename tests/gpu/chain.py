@@ -9,14 +9,17 @@ from vkflash.gpu.ops.views import Rows
 
 
 def chain(g, p: Rows, q: Rows, alphas: np.ndarray) -> None:
-    """Step k: P ← Q + α_k·P (k even) or Q ← P + α_k·Q (k odd), each in place on its output.
+    """Step k: P ← Q + P (k even) or Q ← α_k·Q (k odd), each one dispatch in place on its output.
 
-    Every step reads the previous step's output, so each needs a barrier; α_k are powers of two,
-    so α·x is exact and each step is one rounding whether fused or not: NumPy in f32 is exact.
+    Every step depends on the previous one (an even step reads the Q it wrote, an odd step
+    overwrites the Q it read), so each needs a barrier; α_k are powers of two, so α·x is exact and
+    each add is one rounding: NumPy in f32 is exact.
     """
     for k, a in enumerate(alphas):
-        src, dst = (q, p) if k % 2 == 0 else (p, q)
-        E.add_scaled(g, src, dst, float(a), dst, name=f"chain.{k}")
+        if k % 2 == 0:
+            E.add(g, q, p, p, name=f"chain.{k}")
+        else:
+            E.scale(g, q, float(a), q, name=f"chain.{k}")
 
 
 def chain_ref(p: np.ndarray, q: np.ndarray, alphas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -24,7 +27,7 @@ def chain_ref(p: np.ndarray, q: np.ndarray, alphas: np.ndarray) -> tuple[np.ndar
     p, q = p.copy(), q.copy()
     for k, a in enumerate(alphas):
         if k % 2 == 0:
-            p = q + a * p
+            p = q + p
         else:
-            q = p + a * q
+            q = a * q
     return p, q

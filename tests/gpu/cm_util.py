@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from flash_cm import have_compiler
 import vkflash.gpu.ops.matmul as mm
 import vkflash.gpu.ops.moe as moe
 from vkflash.gpu import registry
-from vkflash.gpu.compile_shaders import cache_dir, have_compiler, variant_key
+from vkflash.gpu.compile_shaders import cache_dir, variant_key
 from vkflash.gpu.device import CoopmatShape
 from vkflash.gpu.registry import Kernel, kernel
 

@@ -53,7 +53,7 @@ def make_problem(gpu, q: Q, n_out: int, k: int, n_tok: int, rng: np.random.Gener
     y is a strided, offset view of a NaN-poisoned buffer."""
     raw = random_weight(q, (expert + 1) * n_out, k, rng)
     wd = dequant_rows(raw, q, (expert + 1) * n_out, k)[expert * n_out:]
-    w = QWeight(gpu.upload(raw, "w"), int(q), k, n_out).expert(expert, n_out)
+    w = QWeight(gpu.upload(raw, "w"), int(q), k, n_out, row0=expert * n_out)
     x = rng.standard_normal((n_tok, k), dtype=np.float32)
     x_off, x_stride = 4 * int(rng.integers(0, 3)), k + 4 * int(rng.integers(0, 3))
     xb = np.zeros(x_off + n_tok * x_stride, np.float32)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from flash_cm import emulated_kernels
+from flash_cm import emulated_kernels, have_compiler
 from test_matmul_compile import PROFILES, _specialize
-from vkflash.gpu.compile_shaders import compile_variant, have_compiler
+from vkflash.gpu.compile_shaders import compile_variant
 from vkflash.gpu.ops.attention import CM_SHAPES, CM_WG, KERNELS, SG_SHAPES, SG_WG, CmTiles, SgTiles, cm_fits, \
     cm_tiles, sg_fits, sg_tiles
 

@@ -81,9 +81,9 @@ def _glu_ops(g: Graph, w: QWeight, x: Rows, y: Rows) -> None:
     """The plain ops: gate = W_gate x; silu(gate); up = W_up x; y = gate ⊙ up (W = [gate; up])."""
     F = y.n_cols
     gate, up = g.tensor(x.n_rows, F, "gate"), g.tensor(x.n_rows, F, "up")
-    matmul(g, w.expert(0, F), x, gate, name="gate")
+    matmul(g, QWeight(w.buf, w.qtype, w.k, F, w.row0), x, gate, name="gate")
     E.silu(g, gate, gate, name="silu")
-    matmul(g, w.expert(1, F), x, up, name="up")
+    matmul(g, QWeight(w.buf, w.qtype, w.k, F, w.row0 + F), x, up, name="up")
     E.mul(g, gate, up, y, name="glu")
 
 
@@ -166,7 +166,7 @@ def test_hc_mix_gemv(gpu, rng, q, hc):
     e = int(rng.integers(0, 2))
     raw = random_weight(q, (e + 1) * hc * d, lr, rng)
     W = dequant_rows(raw, q, (e + 1) * hc * d, lr)[e * hc * d:]
-    w = QWeight(gpu.upload(raw, "w_up"), int(q), lr, hc * d).expert(e, hc * d)
+    w = QWeight(gpu.upload(raw, "w_up"), int(q), lr, hc * d, row0=e * hc * d)
     ell_pre = (rng.standard_normal((T, lr)) * 6).astype(np.float32)
     X = (rng.standard_normal((T, hc * d)) * 2).astype(np.float32)
     ev, xv = _place(gpu, rng, ell_pre, "ell_pre", align=4), _place(gpu, rng, X, "X")

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from vkflash.gpu.compile_shaders import compile_variant, have_compiler
+from flash_cm import have_compiler
+from vkflash.gpu.compile_shaders import compile_variant
 from vkflash.gpu.interface import InterfaceError, PushConstants, SpecConstants, boolean, f32, i32, pack, u32
 from vkflash.gpu.registry import table
 from vkflash.gpu.spirv import Binding, Member, SpecConstant, SpirvError, reflect

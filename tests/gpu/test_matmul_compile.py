@@ -17,7 +17,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from cm_util import emulated_kernels
-from vkflash.gpu.compile_shaders import _tool, compile_variant, have_compiler
+from flash_cm import have_compiler
+from vkflash.gpu.compile_shaders import _tool, compile_variant
 from vkflash.gpu.device import Capabilities, CoopmatShape
 from vkflash.gpu.ops import moe
 from vkflash.gpu.ops.matmul import CM_WG, COOPMAT_TYPES, EP_BIAS, EP_MUL, EP_RES, EP_SCALE, EP_SILU, KERNELS

@@ -315,7 +315,7 @@ def test_gathered_prefill_attention(gpu, rng, monkeypatch, path, kind):
     got = {name: b.read(np.float32).reshape(T, H, Dh) for name, b in outs.items()}
     assert np.array_equal(got["one"], got["tiles"]), \
         f"{label}: one dispatch differs from the per-tile dispatches by {np.nanmax(np.abs(got['one'] - got['tiles'])):.3g}"
-    cm = kind.matrices
+    cm = path != "scalar"  # the matrix kernels round their inputs to f16 (the coopmat bounds)
     check_out(got["one"], q, Kf[:n], Vf[:n], sel, 1 / np.sqrt(Dh), gate, cm, f"{label} gathered")
     check_out(got["dense"], q, Kf[:n], Vf[:n], sel, 1 / np.sqrt(Dh), gate, cm, f"{label} masked dense")
 

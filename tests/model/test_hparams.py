@@ -164,10 +164,10 @@ def test_mtp_split_file_and_tied_output(rng):
     trunk = {n: a for n, a in full.items() if not n.startswith("blk.8.")}
     del trunk["output.weight"]
     w = load_weights(hp, ArraySource(trunk))
-    assert w.mtp is None and w.output is w.token_embd and not w.layout.mtp_only
+    assert w.mtp is None and w.output is w.token_embd and len(w.blocks) == hp.L
     mtp_only = {n: a for n, a in full.items() if n.startswith("blk.8.")}
     w = load_weights(hp, ArraySource(mtp_only))
-    assert w.layout.mtp_only and w.mtp is not None and w.mtp.embed is None and w.blocks == []
+    assert w.mtp is not None and w.mtp.embed is None and w.blocks == []
     partial = dict(mtp_only)
     del partial["blk.8.nextn.eh_proj.weight"]
     with pytest.raises(ModelError, match="missing tensor blk.8.nextn.eh_proj.weight"):

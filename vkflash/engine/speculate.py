@@ -144,9 +144,9 @@ class Speculator:
     `speculate`, one round. Since the last reset: `drafted` / `accepted` draft tokens, `rounds`,
     `plain` rounds among them (no draft)."""
 
-    def __init__(self, fwd: GpuForward, drafter: MtpDrafter, cfg: SpecConfig, propose: Propose | None = None) -> None:
-        """`propose` (bench only) replaces each round's drafted tokens before the verify."""
-        self.fwd, self.drafter, self.cfg, self.propose = fwd, drafter, cfg, propose
+    def __init__(self, fwd: GpuForward, drafter: MtpDrafter, cfg: SpecConfig) -> None:
+        self.fwd, self.drafter, self.cfg = fwd, drafter, cfg
+        self.propose: Propose | None = None  # set by benches and tests: replaces each round's drafts before the verify
         self.n_ctx, self.n_vocab = fwd.n_ctx, fwd.n_vocab
         self.policy = DraftPolicy(cfg.adapt)
         self.drafted = self.accepted = self.rounds = self.plain = 0

@@ -32,11 +32,6 @@ def _prefix() -> Path:
     return Path(sysconfig.get_paths()["purelib"]) / "cmeel.prefix"
 
 
-def have_compiler() -> bool:
-    """Whether glslangValidator and spirv-val are installed (not on machines fed precompiled SPIR-V)."""
-    return all((_prefix() / "bin" / t).exists() for t in ("glslangValidator", "spirv-val"))
-
-
 def _tool(name: str) -> tuple[Path, dict[str, str]]:
     """Path of a cmeel-packaged tool and the environment that finds its shared libraries."""
     prefix = _prefix()

@@ -35,8 +35,8 @@ class Gpu:
 
     planning = False  # a PlanningGpu runs nothing
 
-    def __init__(self, index: int | None = None, options: GpuOptions | None = None) -> None:
-        self.index = settings.current()["VKFLASH_DEVICE"] if index is None else index
+    def __init__(self, options: GpuOptions | None = None) -> None:
+        self.index = settings.current()["VKFLASH_DEVICE"]
         self.options = options or GpuOptions.from_settings()
         self.caps: Capabilities = probe(self.index)
         try:

@@ -33,7 +33,7 @@ from vkflash.gpu.ops.moe import MoeCombine, MoeOutGemv
 from vkflash.gpu.ops.norm import MAX_HC, Mode, Norm, Rope
 from vkflash.gpu.ops.rope import RopeNeox
 from vkflash.gpu.ops.views import Rows
-from vkflash.gpu.options import Fusion, GpuOptions
+from vkflash.gpu.options import Fusion
 
 if TYPE_CHECKING:
     from vkflash.gpu.graph import Graph
@@ -410,12 +410,11 @@ RULES: tuple[tuple[Fusion, Callable[[list[Item], "Graph"], None]], ...] = (
 )
 
 
-def fuse(g: "Graph", options: GpuOptions | None = None) -> list[Item]:
-    """g's ops with every allowed rule applied (g itself is not changed; views of fused values
-    are exposed on g)."""
-    opts = options or g.options
+def fuse(g: "Graph") -> list[Item]:
+    """g's ops with every rule its options allow applied (g itself is not changed; views of fused
+    values are exposed on g)."""
     nodes = list(g.nodes)
     for fusion, rule in RULES:
-        if opts.fuses(fusion):
+        if g.options.fuses(fusion):
             rule(nodes, g)
     return nodes

@@ -18,7 +18,7 @@ from gguf import GGUFValueType
 from vkflash.errors import FormatError, ModelError, VkflashError, one_line
 from vkflash.formats.gguf_file import GGUFFile
 from vkflash.model.hparams import HParams, hparams_from_gguf
-from vkflash.model.tensors import TensorLayout, validate_tensors
+from vkflash.model.tensors import validate_tensors
 from vkflash.model.tokenizer import Tokenizer, read_tokenizer_meta
 
 TEMPLATE_KEY = "tokenizer.chat_template"
@@ -30,7 +30,6 @@ class ModelFile:
 
     file: GGUFFile
     hp: HParams
-    layout: TensorLayout
     tokenizer: Tokenizer | None
     """None only when the file has no tokenizer.ggml.* key at all (weights-only test files)."""
     chat_template: str | None
@@ -57,12 +56,12 @@ def open_model(path: str | os.PathLike[str]) -> ModelFile:
         raise type(e)(one_line(str(e))) from None
     try:
         hp = hparams_from_gguf(gf)
-        layout = validate_tensors(hp, {n: t.ne for n, t in gf.tensors.items()})
+        validate_tensors(hp, {n: t.ne for n, t in gf.tensors.items()})
         tok = _tokenizer(gf, hp)
         template = _chat_template(gf)
     except VkflashError as e:
         raise type(e)(one_line(f"{gf.path}: {e}")) from None
-    return ModelFile(gf, hp, layout, tok, template)
+    return ModelFile(gf, hp, tok, template)
 
 
 def _tokenizer(gf: GGUFFile, hp: HParams) -> Tokenizer | None:

@@ -102,9 +102,9 @@ def confidence(logits: np.ndarray, token: int, top_k: int) -> float:
     return float(np.exp(logits[token] - top[-1]) / np.exp(top - top[-1]).sum())
 
 
-def draft(target: qwen4exp.State, ms: MTPState, x_n: int, n_max: int = 3, p_min: float = 0.0,
-          top_k: int = 10) -> list[int]:
-    """(D1) catch-up rows, the draft row and chained rows; (D4) then drops rows at positions > n."""
+def draft(target: qwen4exp.State, ms: MTPState, x_n: int, n_max: int = 3) -> list[int]:
+    """(D1) catch-up rows, the draft row and chained rows: n_max greedy drafts, never cut by confidence
+    (p_min 0; engine/speculate.py applies DRAFT_PMIN); (D4) then drops rows at positions > n."""
     if target.hidden is None:
         raise ModelError("MTP drafting needs the target state's hidden rows (new_state(..., keep_hidden=True))")
     n = target.n
@@ -118,8 +118,6 @@ def draft(target: qwen4exp.State, ms: MTPState, x_n: int, n_max: int = 3, p_min:
     row, H = logits[-1], R[-1:]
     while len(drafts) < n_max:
         d_tok = int(np.argmax(row))
-        if confidence(row, d_tok, top_k) < p_min:
-            break
         drafts.append(d_tok)
         if len(drafts) == n_max:
             break

@@ -103,14 +103,14 @@ def head_offsets(sizes: list[int]) -> list[int]:
 
 
 def make_params(vocab_size: int, ngram_size: int, heads_per_ngram: int, eos: int,
-                vocab_base: int, ple_layer_index: int = 0, seed: int = DEFAULT_SEED) -> PleHashParams:
-    """All PLE hash constants from the HF derivation (used by the test-model generator)."""
+                vocab_base: int) -> PleHashParams:
+    """All PLE hash constants from the HF derivation, PLE layer 0 and the default seed (used by the
+    test-model generator)."""
     n_p = (ngram_size - 1) * heads_per_ngram
-    sizes = head_vocab_sizes(vocab_base, n_p, ple_layer_index)
+    sizes = head_vocab_sizes(vocab_base, n_p)
     return PleHashParams(
         ngram_size=ngram_size, heads_per_ngram=heads_per_ngram, eos=eos,
-        multipliers=np.array(build_layer_multipliers(vocab_size, ngram_size, ple_layer_index, seed),
-                             dtype=np.uint64),
+        multipliers=np.array(build_layer_multipliers(vocab_size, ngram_size), dtype=np.uint64),
         head_offsets=np.array(head_offsets(sizes), dtype=np.uint64),
         head_vocab_sizes=np.array(sizes, dtype=np.uint64))
 

@@ -27,9 +27,8 @@ class Spec:
 
 @dataclass(frozen=True)
 class TensorLayout:
-    """The validated tensor set and the alternatives it uses."""
+    """The alternatives a validated tensor set uses."""
 
-    names: frozenset[str]
     has_mtp: bool  # blk.L.* (qwen4exp MTP block) present
     mtp_only: bool  # an MTP-only file: no trunk block i < L
 
@@ -268,4 +267,4 @@ def validate_tensors(hp: HParams, found: Mapping[str, Ne]) -> TensorLayout:
     if problems:
         more = f" (and {len(problems) - 1} more tensor problems)" if len(problems) > 1 else ""
         raise ModelError(problems[0] + more)
-    return TensorLayout(names=names, has_mtp=has_mtp, mtp_only=mtp_only)
+    return TensorLayout(has_mtp=has_mtp, mtp_only=mtp_only)

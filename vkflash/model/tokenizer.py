@@ -59,7 +59,6 @@ class IncrementalDetokenizer:
     """Streams text from token ids; holds back bytes of a UTF-8 character split across tokens."""
 
     tok: "Tokenizer"
-    special: bool = False
     _dec: codecs.IncrementalDecoder = field(init=False)
 
     def __post_init__(self) -> None:
@@ -67,7 +66,7 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         """Text completed by this token (possibly empty)."""
-        return self._dec.decode(self.tok.token_bytes(token_id, self.special))
+        return self._dec.decode(self.tok.token_bytes(token_id))
 
     def flush(self) -> str:
         """Whatever is still pending, with U+FFFD for an unfinished character."""
@@ -204,9 +203,9 @@ class Tokenizer:
         return {f"{k}_token": self.decode([t], special=True) if t is not None else ""
                 for k, t in (("bos", self.bos_id), ("eos", self.eos_id))}
 
-    def streamer(self, special: bool = False) -> IncrementalDetokenizer:
+    def streamer(self) -> IncrementalDetokenizer:
         """A fresh incremental detokenizer for streaming output."""
-        return IncrementalDetokenizer(self, special)
+        return IncrementalDetokenizer(self)
 
     def is_eog(self, token_id: int) -> bool:
         """True for end-of-generation tokens (eos, eot, <|im_end|>, <|endoftext|>, …)."""

@@ -17,7 +17,7 @@ from vkflash.errors import ModelError
 from vkflash.formats.gguf_file import GGUFFile
 from vkflash.formats.quants import dequantize
 from vkflash.model.hparams import HParams, Metadata, hparams_from_metadata
-from vkflash.model.tensors import Ne, TensorLayout, validate_tensors
+from vkflash.model.tensors import Ne, validate_tensors
 
 RowTable = Callable[[np.ndarray], np.ndarray]  # rows (n,) int → (n, D) float
 
@@ -225,7 +225,6 @@ class Weights:
     """All weights of one file, in one compute dtype. Missing trunk parts are None (MTP-only file)."""
 
     hp: HParams
-    layout: TensorLayout
     token_embd: np.ndarray | None
     output: np.ndarray | None  # tied → token_embd
     blocks: list[BlockW]
@@ -380,7 +379,7 @@ def load_weights(hp: HParams, src: TensorSource, dtype: Any = np.float32) -> Wei
     ld = _Loader(src, dtype)
     token_embd = ld.opt("token_embd.weight")
     output = ld.opt("output.weight")
-    w = Weights(hp=hp, layout=layout, token_embd=token_embd, output=output if output is not None else token_embd,
+    w = Weights(hp=hp, token_embd=token_embd, output=output if output is not None else token_embd,
                 blocks=[] if layout.mtp_only else [_block(ld, hp, i) for i in range(hp.L)])
     if hp.arch in ("qwen3next", "qwen2"):
         w.output_norm = ld.get("output_norm.weight")

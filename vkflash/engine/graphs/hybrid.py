@@ -164,7 +164,6 @@ class GatheredTiles:
     slots: Rows
     tile: int
     cap: int
-    n_tiles: int
 
 
 def qsa_select_cells(g: "Graph", m: StepModel, i: int, u: Rows, idx: IndexerCache,
@@ -203,7 +202,7 @@ def qsa_select_cells(g: "Graph", m: StepModel, i: int, u: Rows, idx: IndexerCach
         return CellMask(sel.buf, sel.stride)
     n_tiles = -(-n // GATHER_TILE)
     t = GatheredTiles(g.temp(4 * n_tiles * n_ctx, b + "qsa_union"), g.temp(8 * n_tiles, b + "qsa_union.gp"),
-                      g.tensor(n, words, b + "qsa_union.slots"), GATHER_TILE, n_ctx, n_tiles)
+                      g.tensor(n, words, b + "qsa_union.slots"), GATHER_TILE, n_ctx)
     qsa_union(g, p.buf, 0, sel, t.gp, t.cells, n_ctx, t.slots, tile=t.tile, name=b + "qsa_union")  # (S1)–(S2)
     g.expose(b + "qsa_union.gp", t.gp, 0, 1, 2 * n_tiles, 2 * n_tiles, after=b + "qsa_union")
     return t

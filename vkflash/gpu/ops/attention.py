@@ -365,11 +365,6 @@ class Flash(str, Enum):
     COOPMAT = "coopmat"
     ROWS = "rows"
 
-    @property
-    def matrices(self) -> bool:
-        """Whether this kernel rounds its inputs to f16 for matrix products (the coopmat bounds)."""
-        return self is not Flash.SCALAR
-
 
 def flash_tiles(dim: int, rows: int, shared_bytes: int) -> tuple[int, int]:
     """(BR, BC) of the scalar kernel: rows per workgroup (≤ 4096/Dh, no more than needed) and the
@@ -568,10 +563,10 @@ def check_attention(name: str, params: Buffer, param_off: int, q: Heads, k: Cach
 
 def attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v: Cache, out: Heads, *,
               gate: Heads | None = None, mask: CellMask | None = None, cells: CellList | None = None,
-              tile: int = 0, n_split: int | None = None, partial: Buffer | None = None, scale: float | None = None,
+              tile: int = 0, n_split: int | None = None, partial: Buffer | None = None,
               kind: Flash | None = None, row_lists: bool = False, dense_head: DenseHead | None = None,
               name: str = "attn") -> None:
-    """(A5)–(A7) out[t, h] = softmax_j((q_{t,h}·k_{j,g})·scale + M_t[j]) · v_{j,g} (⊙ σ(gate_{t,h}) if
+    """(A5)–(A7) out[t, h] = softmax_j((q_{t,h}·k_{j,g})/√Dh + M_t[j]) · v_{j,g} (⊙ σ(gate_{t,h}) if
     gate), g = ⌊h/(H/H_kv)⌋, for queries at positions p0 + t with p0 = params[param_off] and
     n_kv = params[param_off + 1] keys (or list slots). M is causal, ∩ `mask` when given; `cells`
     gathers keys by position list. `tile` > 0 (with `cells`): queries in tiles of `tile`, tile k with
@@ -601,34 +596,34 @@ def attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v:
                 n_split = dec.key_splits(g.gpu.caps, T * k.n_heads, cells.capacity, shape.bc, room)
             lo = 0
             if dense_head is not None and n_split == 1 and g.options.qsa_dense_head:
-                flash_attention(g, dense_head.params, dense_head.off, q, k, v, out, gate=gate, n_split=1, scale=scale,
+                flash_attention(g, dense_head.params, dense_head.off, q, k, v, out, gate=gate, n_split=1,
                                 positions=(0, dense_head.end), name=f"{name}.dense")
                 lo = dense_head.end
             flash_attention(g, params, param_off, q, k, v, out, gate=gate, cells=cells, tile=1, n_split=n_split,
-                            partial=partial, scale=scale, kind=Flash.COOPMAT, shape=shape,
+                            partial=partial, kind=Flash.COOPMAT, shape=shape,
                             positions=(lo, ALL_POSITIONS), name=name)
         elif kind is Flash.COOPMAT:
             raise ValueError(f"{name}: {g.gpu.caps.name} has no coopmat shape for row lists of {H // k.n_heads} "
                              f"q heads per kv head at head dim {Dh}")
         else:
             dec.attn_decode(g, params, param_off, q, k, v, out, gate=gate, cells=cells, partial=partial,
-                            n_split=n_split, scale=scale, row_lists=True, name=name)
+                            n_split=n_split, row_lists=True, name=name)
         return
     if tile and -(-q.n_tokens // tile) == 1:
         tile = 0  # one tile: an ordinary call with its params and list
     if (not tile and kind is None and q.n_tokens <= dec.MAX_TOKENS and g.options.attn_decode
             and dec.supported(g.gpu.caps, q.n_tokens, q.n_heads, k.n_heads, q.dim, k.type)):
         dec.attn_decode(g, params, param_off, q, k, v, out, gate=gate, mask=mask, cells=cells, partial=partial,
-                        scale=scale, name=name)
+                        name=name)
     else:
         flash_attention(g, params, param_off, q, k, v, out, gate=gate, mask=mask, cells=cells, tile=tile,
-                        n_split=n_split, partial=partial, scale=scale, kind=kind, name=name)
+                        n_split=n_split, partial=partial, kind=kind, name=name)
 
 
 def flash_attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v: Cache, out: Heads, *,
                     gate: Heads | None = None, mask: CellMask | None = None, cells: CellList | None = None,
                     tile: int = 0, n_split: int | None = None, partial: Buffer | None = None,
-                    scale: float | None = None, kind: Flash | None = None, shape: CmTiles | SgTiles | None = None,
+                    kind: Flash | None = None, shape: CmTiles | SgTiles | None = None,
                     positions: tuple[int, int] = (0, ALL_POSITIONS), name: str = "attn") -> None:
     """attention() on a flash kernel whatever the number of queries (the plain decode path): `kind`
     (default flash_kind(...)), in `shape` (coopmat: a CmTiles, default cm_tiles(...); rows: an SgTiles,
@@ -682,7 +677,7 @@ def flash_attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cac
     push = FlashPush(T, G, H_kv, k.n_ctx, q.off, q.rows.stride, q.head_stride, gv.off, gv.rows.stride,
                      gv.head_stride, out.off, out.rows.stride, out.head_stride, param_off, mask.off if mask else 0,
                      mask.stride if mask else 0, cells.off if cells else 0, n_split,
-                     1.0 / np.sqrt(Dh) if scale is None else scale, TQ, 2 if tile else 0,
+                     1.0 / np.sqrt(Dh), TQ, 2 if tile else 0,
                      cells.capacity if tile and cells else 0, lo, hi)
     # a graph is recorded once for every position, so its cost is sized for the most keys it may see
     n_keys = cells.capacity if cells is not None else min(k.n_ctx, hi)  # positions < hi see keys < hi

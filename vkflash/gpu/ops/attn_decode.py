@@ -186,7 +186,7 @@ def _check_aliases(name: str, params: Buffer, q: Heads, k: Cache, v: Cache, out:
 
 def attn_decode(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v: Cache, out: Heads, *,
                 gate: Heads | None = None, mask: CellMask | None = None, cells: CellList | None = None,
-                partial: Buffer | None = None, n_split: int | None = None, scale: float | None = None,
+                partial: Buffer | None = None, n_split: int | None = None,
                 row_lists: bool = False, name: str = "attn") -> None:
     """attention() (A5)–(A7) for T ≤ 8 queries with the decode kernel: the same operands and params
     words (p0, n_kv at param_off). Splits: n_split, else plan()'s (at most what a given `partial`
@@ -220,7 +220,7 @@ def attn_decode(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, 
     push = DecodePush(T, H // H_kv, H_kv, k.n_ctx, q.off, q.rows.stride, q.head_stride, gv.off, gv.rows.stride,
                       gv.head_stride, out.off, out.rows.stride, out.head_stride, param_off, mask.off if mask else 0,
                       mask.stride if mask else 0, cells.off if cells else 0, pl.n_split,
-                      1.0 / np.sqrt(Dh) if scale is None else scale, flags,
+                      1.0 / np.sqrt(Dh), flags,
                       cells.capacity if row_lists and cells is not None else 0)
     kv_bytes = 2 * n_keys * H_kv * k.type.row_bytes(Dh) * pl.n_chunks
     g.dispatch(f"attn_decode_{k.type.value}", bufs, [pl.n_chunks, H_kv, pl.n_split], push=push,

@@ -1,4 +1,4 @@
-"""Elementwise ops on row views: add, mul, add-scaled, scale, silu, sigmoid, softplus (MODEL.md §2).
+"""Elementwise ops on row views: add, mul, scale, silu, sigmoid, softplus (MODEL.md §2).
 
 One shader (shaders/eltwise.comp), the op chosen by a specialization constant. Binary ops may
 broadcast one row of `b` over all rows (b.n_rows == 1 or stride 0); any output may be the exact
@@ -47,18 +47,17 @@ MAX_GROUPS = 4096  # grid-stride loop covers the rest
 
 
 class Op(IntEnum):
-    """Op codes of eltwise.comp (constant_id 1)."""
+    """Op codes of eltwise.comp (constant_id 1); 2 is unused."""
 
     ADD = 0
     MUL = 1
-    ADD_SCALED = 2
     SCALE = 3
     SILU = 4
     SIGMOID = 5
     SOFTPLUS = 6
 
 
-BINARY = frozenset({Op.ADD, Op.MUL, Op.ADD_SCALED})
+BINARY = frozenset({Op.ADD, Op.MUL})
 
 
 def _broadcast(op: str, a: Rows, b: Rows) -> Rows:
@@ -102,7 +101,7 @@ class Eltwise(Node):
 
 
 def eltwise(g: "Graph", op: Op, a: Rows, b: Rows | None, y: Rows, alpha: float = 1.0, name: str = "") -> None:
-    """y = op(a, b) elementwise (b only for binary ops; alpha for ADD_SCALED and SCALE)."""
+    """y = op(a, b) elementwise (b only for binary ops; alpha for SCALE)."""
     label = name or op.name.lower()
     if (op in BINARY) != (b is not None):
         raise ValueError(f"{label}: {op.name} takes {'two inputs' if op in BINARY else 'one input'}")
@@ -120,11 +119,6 @@ def add(g: "Graph", a: Rows, b: Rows, y: Rows, name: str = "add") -> None:
 def mul(g: "Graph", a: Rows, b: Rows, y: Rows, name: str = "mul") -> None:
     """y = a ⊙ b (b may be one row broadcast over a's rows, e.g. a gain w[i])."""
     eltwise(g, Op.MUL, a, b, y, name=name)
-
-
-def add_scaled(g: "Graph", a: Rows, b: Rows, alpha: float, y: Rows, name: str = "add_scaled") -> None:
-    """y = a + alpha·b."""
-    eltwise(g, Op.ADD_SCALED, a, b, y, alpha, name=name)
 
 
 def scale(g: "Graph", a: Rows, alpha: float, y: Rows, name: str = "scale") -> None:

@@ -276,10 +276,6 @@ class QWeight:
     def nbytes(self) -> int:
         return self.n_out * row_bytes(Q(self.qtype), self.k)
 
-    def expert(self, e: int, n_out: int) -> "QWeight":
-        """Expert e of a stack {k, n_out, E} held in this weight's buffer."""
-        return replace(self, row0=self.row0 + e * n_out, n_out=n_out)
-
 
 @dataclass(frozen=True)
 class Epilogue:
@@ -521,18 +517,15 @@ def use_teams(g: "Graph", qtype: int, k: int) -> bool:
 
 
 def gemv_plan(g: "Graph", qtype: int, k: int, rows: int, n_stack: int = 1, tpr: int | None = None,
-              m: int | None = None, q8: bool | None = None, n_tok: int = 1) -> GemvPlan:
+              m: int | None = None, n_tok: int = 1) -> GemvPlan:
     """The row-group GEMV plan for weight rows of k elements. `rows` is the row count of the plain
     GEMV(s) a fused mode replaces (GLU: F, HC: hc·d, MoE: d), so fused and plain pick the same team
     width and sum in the same order; n_stack weight blocks per output row (1 plain; on a GPU a plain
     GEMV of n_tok > 1 columns gives its teams TEAM_ROWS_WIDE rows where enough teams remain, with
-    VKFLASH_GEMV_COLS). q8 defaults to
-    the options (VKFLASH_GEMV_Q8) where q8_possible; tpr and m override the choice (benches, tests)."""
+    VKFLASH_GEMV_COLS). 8-bit activations where the options (VKFLASH_GEMV_Q8) ask for them and
+    q8_possible; tpr and m override the choice (benches, tests)."""
     caps = g.gpu.caps
-    if q8 is None:
-        q8 = g.options.gemv_q8 and q8_possible(caps, qtype, k)
-    elif q8 and not q8_possible(caps, qtype, k):
-        raise ValueError(f"matmul: no integer-dot GEMV for {Q(qtype).name} rows of {k} on {caps.name}")
+    q8 = g.options.gemv_q8 and q8_possible(caps, qtype, k)
     w, nr = team_width(caps, k // slice_elems(qtype, q8), rows)
     if n_stack > 1:
         nr = max(1, TEAM_STACK_ROWS // n_stack)

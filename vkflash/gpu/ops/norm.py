@@ -189,10 +189,10 @@ def rms_norm(g: "Graph", x: Rows, y: Rows, eps: float, gamma: Buffer | None = No
 
 
 def grouped_rms_norm(g: "Graph", x: Rows, y: Rows, n_groups: int, eps: float, gamma: Buffer | None = None,
-                     gamma_off: int = 0, name: str = "grouped_rms_norm") -> None:
+                     name: str = "grouped_rms_norm") -> None:
     """Each row of hc·d values is hc = n_groups streams of d, each RMS-normalised; then ⊙ γ ∈ R^{hc·d}
     (HC H1, PLE P6/P9)."""
-    g.add(Norm(Mode.RMS, x, y, eps, n_groups, gamma, gamma_off, 1.0, name))
+    g.add(Norm(Mode.RMS, x, y, eps, n_groups, gamma, 0, 1.0, name))
 
 
 def l2_norm(g: "Graph", x: Rows, y: Rows, eps: float, scale: float = 1.0, name: str = "l2_norm") -> None:
