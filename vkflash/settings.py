@@ -131,8 +131,8 @@ KNOBS: tuple[Knob, ...] = (
     _k("DRAFT", _int_range(0, 7), 0, "most tokens drafted per round (0: 6 at temperature 0, else 4; at most 7: "
        "a verify step of 8 is the most the step kernels keep state planes for)", "launcher"),
     _k("DRAFT_PMIN", _float_range(0.0, 1.0), 0.0,
-       "cut a draft at its first token whose confidence (softmax over the draft's top 10 logits) is below this "
-       "(0: off)", "launcher"),
+       "cut a draft at its first row whose top token's confidence (softmax over the draft's top 10 logits) is "
+       "below this (0: off)", "launcher"),
     _k("TEMP", _float_range(0.0, 5.0), 0.8, "default sampling temperature", "launcher"),
     _k("REASONING", _choice("", "none", "low", "medium", "high", "xhigh"), "",
        "reasoning effort (empty: the template's default)", "launcher"),
@@ -165,7 +165,8 @@ KNOBS: tuple[Knob, ...] = (
     _k("SPEC_STOCH", _bool, True, "0: exact-match verification instead of rejection sampling when sampling",
        "revert"),
     _k("SPEC_ADAPT", _bool, True, "0: always draft the full DRAFT length instead of the length the measured "
-       "acceptance and round costs favour (0 drafts: a plain step)", "revert"),
+       "acceptance and round costs favour (0 drafts: a plain step; a seeded sampled request always drafts the full "
+       "length, so its seed repeats its tokens)", "revert"),
     _k("RSROLL", _bool, True, "0: roll recurrent states back by copying the kept state plane on the device instead "
        "of moving the live-plane index (no copy)", "revert"),
     _k("BLKTOPK", _bool, True, "0: QSA `cell` selection instead of `block` (every cell scores as its block; "

@@ -1,7 +1,7 @@
 """The speculation loop (engine/speculate.py) over table fakes, without a GPU: greedy rounds give
 plain greedy decoding; sampled rounds, by rejection sampling or exact-match verification, give the
 generated tokens exactly the plain sampler's joint distribution (Pearson chi-square over thousands
-of seeded generations, false-alarm rate 1e-3 per test); the draft-length policy, the livelock guard,
+of seeded generations, false-alarm rate 1e-5 per test); the draft-length policy, the livelock guard,
 and generate() with rounds of several tokens."""
 
 from __future__ import annotations
@@ -71,18 +71,20 @@ def _joint(target: np.ndarray, prompt: list[int], params: SamplingParams, m: int
     return out
 
 
-@pytest.mark.parametrize("stochastic", [True, False], ids=["rejection", "exact-match"])
+@pytest.mark.parametrize("stochastic, p_min", [(True, 0.0), (False, 0.0), (True, 0.4)],
+                         ids=["rejection", "exact-match", "rejection+pmin"])
 @pytest.mark.parametrize("filters", [{}, {"top_k": 3, "repetition_penalty": 1.5, "temperature": 1.3}],
                          ids=["plain", "top_k+penalty"])
-def test_sampled_tokens_have_the_plain_distribution(rng, stochastic, filters):
+def test_sampled_tokens_have_the_plain_distribution(rng, stochastic, p_min, filters):
     """4000 seeded generations of 3 tokens (the last two from speculation rounds of up to 3 drafts
-    whose distribution differs from the target's): the joint distribution of the 3 tokens equals
-    plain sampling's (chi-square p-value > ALPHA, pooled cells expected < 5)."""
+    whose distribution differs from the target's; with DRAFT_PMIN 0.4 some rounds cut short): the
+    joint distribution of the 3 tokens equals plain sampling's (chi-square p-value > ALPHA, pooled
+    cells expected < 5)."""
     V, n = 5, 4000
     target, draft = _tables(rng, V, 1.0)
     prompt = [int(t) for t in rng.integers(0, V, 3)]
     params = dict(temperature=1.0, max_tokens=3, ignore_eos=True) | filters
-    sp = _speculator(target, draft, 16, SpecConfig(3, 0.0, stochastic, False))
+    sp = _speculator(target, draft, 16, SpecConfig(3, p_min, stochastic, False))
     counts: Counter[tuple[int, ...]] = Counter()
     for seed in range(n):
         counts[tuple(_tokens(sp, prompt, SamplingParams(seed=seed, **params)))] += 1  # type: ignore[arg-type]
@@ -149,7 +151,8 @@ def test_policy_lengths():
 
 def test_generate_with_rounds_of_several_tokens(rng):
     """generate() emits a round's tokens one by one and stops inside a round (max_tokens, a stop
-    string); timings carry the draft counts, only when speculating."""
+    string, the end token); timings carry the draft counts, only when speculating, and count as
+    accepted only the drafts that came out."""
     V = 40
     target = np.full((V, V), -5.0, np.float32)
     for t in range(V):
@@ -163,6 +166,12 @@ def test_generate_with_rounds_of_several_tokens(rng):
     assert {"draft_n", "draft_n_accepted"} <= set(fin.timings.to_json())
     evs = list(generate(sp, ByteCodec(eog=-1), [31], SamplingParams(temperature=0.0, stop=("#$",))))
     assert "".join(e.text for e in evs) == ' !"' and evs[-1].reason == "stop"  # type: ignore[union-attr]
+    sp = _speculator(target, target, 64, SpecConfig(6, 0.0, True, False))
+    evs = list(generate(sp, ByteCodec(eog=34), [31], SamplingParams(temperature=0.0)))
+    fin = evs[-1]
+    assert [e.token for e in evs[:-1]] == [32, 33] and isinstance(fin, Finish) and fin.reason == "stop"
+    # the round from 32 drafted 33…38 and kept them all; 33 and the end token 34 came out, 35…38 did not
+    assert (fin.timings.draft_n, fin.timings.draft_n_accepted) == (6, 2)
     plain = list(generate(ArgmaxTableForward(target, 64), ByteCodec(eog=-1), [31], SamplingParams(temperature=0.0,
                                                                                                   max_tokens=3)))
     assert "draft_n" not in plain[-1].timings.to_json()  # type: ignore[union-attr]
@@ -202,3 +211,20 @@ def test_confidence_cut_off(rng):
         assert not unsure[want[i:i + d]].any() and (unsure[want[i + d]] or d == min(4, len(want) - 2 - i)), call
         i += d + 1
     assert i == len(want) - 1 and cut.fwd.calls[1] == "decode"  # type: ignore[attr-defined]
+
+
+def test_seeded_sampling_repeats_whatever_the_policy_learned(rng):
+    """SPEC_ADAPT=1 picks draft lengths from measured costs, and a round's draws depend on its
+    length: a seeded sampled request drafts the fixed length instead, so the same seed gives the same
+    tokens whatever the policy's estimates (one that finds drafting worthless, one that finds it cheap)."""
+    V = 12
+    target, draft = _tables(rng, V, 1.0)
+    sp = _speculator(target, draft, 80, SpecConfig(0, 0.0, True, True))
+    prompt = [int(t) for t in rng.integers(0, V, 4)]
+    params = SamplingParams(seed=int(rng.integers(1 << 31)), temperature=1.0, max_tokens=40, ignore_eos=True)
+    outs = []
+    for alpha, eps in ((0.05, 3.0), (0.95, 0.01)):
+        sp.policy.alpha, sp.policy.eps, sp.policy.t_plain = alpha, eps, 1.0
+        outs.append(_tokens(sp, prompt, params))
+        assert sp.drafted > 0
+    assert outs[0] == outs[1]

@@ -100,7 +100,8 @@ def generate(fwd: Forward, codec: TextCodec, prompt: Sequence[int], params: Samp
         if reason != "stop":
             emitted, _ = stops.push(detok.flush())
             tail += emitted + stops.flush()
-        drafts = (spec.drafted, spec.accepted) if spec is not None else (None, None)
+        # accepted drafts still ahead were never output (the round's last token is the target's own)
+        drafts = (spec.drafted, spec.accepted - max(0, len(ahead) - 1)) if spec is not None else (None, None)
         return Finish(reason, tail, len(prompt), n_out,  # type: ignore[arg-type]
                       Timings(len(prompt) - n_cached, (t_prefill_end - t0) * 1e3, n_out,
                               (t_end - t_prefill_end) * 1e3, *drafts, cache_n=n_cached), error)

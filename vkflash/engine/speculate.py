@@ -3,11 +3,14 @@
 A round, with x the token to feed next and n tokens in the sequence:
   1. length: k drafted tokens (`DraftPolicy`: DRAFT, 0 meaning 6 at temperature 0 and 4 otherwise;
      the context and the tokens still wanted; the livelock guard; with SPEC_ADAPT=1 the k that
-     maximizes expected tokens per unit of measured round cost). k = 0 is a plain decode step;
+     maximizes expected tokens per unit of measured round cost; not for a seeded sampled request,
+     whose draws must not depend on timings: the same seed gives the same tokens). k = 0 is a plain
+     decode step;
   2. draft: the pending catch-up rows, the draft row and k − 1 chained rows (engine/draft.py) —
      one submission, drafted tokens fed on the device, when the drafts are argmax picks; chained
-     on the host's draws for rejection sampling. DRAFT_PMIN cuts the draft at its first token
-     whose confidence (softmax over the top K_d = 10 draft logits, read at the token) is lower;
+     on the host's draws for rejection sampling. DRAFT_PMIN cuts the draft at its first row whose
+     top token's confidence (softmax over the top K_d = 10 draft logits, read at the top one) is
+     lower: decided before the row's draw, so rejection sampling's drafts stay distributed as q;
   3. verify: the target runs [x, d_1..d_k] as one step, with the argmax or logits of every row;
   4. accept: at temperature 0, or sampling with SPEC_STOCH=0, the longest prefix where the
      target's own pick equals the draft, then the target's pick at the first mismatch. With
@@ -89,13 +92,14 @@ class DraftPolicy:
     probe_after: int = PROBE[0]
     probing: bool = False  # the round under way is a probe
 
-    def length(self, cap: int, room: int) -> int:
-        """k for the next round, at most `cap` and `room` (0: a plain step)."""
+    def length(self, cap: int, room: int, adapt: bool = True) -> int:
+        """k for the next round, at most `cap` and `room` (0: a plain step); `adapt` False: the
+        estimates are not used for this round (the livelock guard is)."""
         if self.first_only >= GUARD:  # livelock guard
             self.first_only = 0
             return 0
         cap = min(cap, room)
-        if cap <= 0 or not self.adapt:
+        if cap <= 0 or not (self.adapt and adapt):
             return max(0, cap)
         if self.t_plain is None:  # a plain round first, to time one
             return 0
@@ -232,7 +236,8 @@ class Speculator:
         greedy = sampler.params.greedy
         step = min(self.fwd.ub, self.fwd.model.head.rows)  # the most tokens one verify step holds
         room = min(self.n_ctx - self.fwd.n_past - 1, limit - 1, step - 1)
-        k = self.policy.length(self.cfg.cap(greedy), room)
+        seeded = not greedy and sampler.params.seed is not None  # its draws may not depend on timings
+        k = self.policy.length(self.cfg.cap(greedy), room, adapt=not seeded)
         records, t0 = Graph.records, time.perf_counter()
         r = self._round(x, k, sampler, history) if k else Round(tokens=[self._plain(x, sampler, history)])
         self.policy.observe(r.drafted, r.accepted, time.perf_counter() - t0, r.timed and Graph.records == records)
@@ -291,15 +296,15 @@ class Speculator:
         drafts, qs = [], []
         row = self.drafter.first(x)
         for j in range(k):
+            top = int(np.argmax(row))
+            if p_min > 0 and _confidence(row, top) < p_min:  # before the draw: the cut may not depend on it
+                break
             if rejection:
                 q = sampler.probs(row, [*history, *drafts])
                 d = sampler.draw(q)
                 qs.append(q)
             else:
-                d = int(np.argmax(row))
-            if p_min > 0 and _confidence(row, d) < p_min:
-                qs = qs[:len(drafts)]
-                break
+                d = top
             drafts.append(d)
             if j + 1 < k:
                 row = self.drafter.next(j + 1, d)
@@ -321,9 +326,11 @@ def agreeing(truth: Sequence[int], first: int, p: float, V: int, rng: np.random.
 
 
 def _confidence(row: np.ndarray, token: int) -> float:
-    """D1's confidence of `token`: its softmax weight among the top K_d logits (0 outside them)."""
-    top = np.argpartition(row, -DRAFT_TOP_K)[-DRAFT_TOP_K:]
-    return confidence(row, token, DRAFT_TOP_K) if token in top else 0.0
+    """D1's confidence of `token`: its softmax weight among the top K_d logits (0 outside them;
+    all of them in a vocabulary of fewer than K_d)."""
+    k = min(DRAFT_TOP_K, len(row))
+    top = np.argpartition(row, -k)[-k:]
+    return confidence(row, token, k) if token in top else 0.0
 
 
 def _window(history: Sequence[int], sampler: Sampler) -> list[int]:
@@ -350,5 +357,5 @@ def _rejection_sample(drafts: list[int], qs: list[np.ndarray], rows: np.ndarray,
         if sampler.uniform() < min(1.0, p[d] / q[d]):
             continue
         residual = np.maximum(p - q, 0.0)
-        return i, sampler.draw(residual)
+        return i, sampler.draw(residual if residual.any() else p)  # p ≤ q everywhere: only by rounding
     return len(drafts), sampler.draw(sampler.probs(rows[len(drafts)], [*history, *drafts]))
