@@ -1,7 +1,7 @@
 """llama-server parity over scripted forwards (in this process, real sockets): structured output
 (json_schema / response_format / GBNF / forced tool calls) on random logits, /infill's FIM layout,
-/apply-template, /tokenize's parse_special and pieces, /props, /slots, /v1/health, the llamacpp:*
-metrics and SSE keep-alive comments during a long prefill."""
+/apply-template, /tokenize's parse_special and pieces, /props, /slots, /v1/health, seed and
+repeat_last_n -1, the llamacpp:* metrics and SSE keep-alive comments during a long prefill."""
 
 from __future__ import annotations
 
@@ -252,6 +252,27 @@ def test_slots_show_the_running_job(in_process, tiny_model, tokenizer, rng):
     while call(base, "GET", "/slots").body[0]["is_processing"] and time.monotonic() < end:
         time.sleep(0.02)
     assert call(base, "GET", "/slots").body[0]["is_processing"] is False
+
+
+def test_minus_one_seed_and_repeat_last_n(in_process, tiny_model, tokenizer, rng):
+    """llama-server's -1 values (they were a 400): `seed` -1 is random (no seed), `repeat_last_n` -1
+    penalizes over the whole context; other negative values stay a 400."""
+    n_ctx = 256
+    a, b = (tokenizer.encode(w)[0] for w in rng.choice(["fib", "range", "print", "value"], size=2, replace=False))
+    base = serve_scripted(in_process, tiny_model, tokenizer,
+                          ScriptedForward([a], tokenizer.eos_id, tokenizer.vocab_size, n_ctx))
+    # the scripted token a lies 80 tokens back: out of the default window (64), within the context
+    body = {"prompt": [a] + [b] * 80, "max_tokens": 1, "temperature": 0, "presence_penalty": 2.0}
+    text = {n: call(base, "POST", "/v1/completions", {**body, "repeat_last_n": n}).body["choices"][0]["text"]
+            for n in (64, n_ctx, -1)}
+    assert text[64] == tokenizer.decode([a]) and text[-1] == text[n_ctx] != text[64]
+    r = call(base, "POST", "/infill", {"input_prefix": "def f(", "n_predict": 1, "seed": -1, "repeat_last_n": -1})
+    assert r.status == 200, r.body
+    assert r.body["generation_settings"]["seed"] == 0xFFFFFFFF  # llama-server's "no seed"
+    assert r.body["generation_settings"]["repeat_last_n"] == n_ctx
+    for field in ("seed", "repeat_last_n"):
+        r = call(base, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 1, field: -2})
+        assert r.status == 400 and r.body["error"]["code"] == "invalid_value", r.body
 
 
 def test_llamacpp_metrics(in_process, tiny_model, tokenizer, rng):

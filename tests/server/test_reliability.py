@@ -111,9 +111,10 @@ def test_lone_surrogate_is_a_400(server, path, raw, param):
     assert call(server.base, "GET", "/health").status == 200
 
 
-@pytest.mark.parametrize("key", ["tools", "messages", "tplfix", "source"])
+@pytest.mark.parametrize("key", ["tools", "messages", "add_generation_prompt", "tplfix", "source"])
 def test_template_kwargs_that_collide_are_a_400(server, key, rng):
-    kwargs = {key: [] if key in ("tools", "messages") else bool(rng.integers(0, 2)) if key == "tplfix" else "x"}
+    kwargs = {key: [] if key in ("tools", "messages") else bool(rng.integers(0, 2))
+              if key in ("add_generation_prompt", "tplfix") else "x"}
     r = call(server.base, "POST", "/v1/chat/completions", _chat(chat_template_kwargs=kwargs))
     _assert_error(r, 400, "chat_template_kwargs", "invalid_value")
     assert key in r.body["error"]["message"]

@@ -1,5 +1,6 @@
 """The server as a real process on a tiny generated model: the official openai client, SSE
-flushing on a raw socket, the bounded queue, disconnects, every error case, and the side endpoints."""
+flushing on a raw socket, the bounded queue, disconnects, every error case, null fields, usage once
+per stream, any model name, the paths without /v1, and the side endpoints."""
 
 from __future__ import annotations
 
@@ -231,7 +232,6 @@ def _chat(**kw):
     ("temperature wrong type", {"body": _chat(temperature="hot")}, 400, "temperature"),
     ("max_tokens wrong type", {"body": _chat(max_tokens=2.5)}, 400, "max_tokens"),
     ("bad role", {"body": {"messages": [{"role": "wizard", "content": "x"}]}}, 400, "messages"),
-    ("unknown model", {"body": _chat(model="gpt-17")}, 404, "model"),
     ("empty messages", {"body": {"messages": []}}, 400, "messages"),
     ("temperature out of range", {"body": _chat(temperature=-1)}, 400, "temperature"),
     ("n > 1", {"body": _chat(n=2)}, 400, "n"),
@@ -248,6 +248,71 @@ def test_errors_are_openai_objects_and_the_server_lives_on(server, name, kwargs,
         assert err["code"] == "context_length_exceeded"
     ok = call(server.base, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1})
     assert ok.status == 200 and call(server.base, "GET", "/health").status == 200
+
+
+def _events(body: str) -> list[dict]:
+    """The JSON events of an SSE body ([DONE] left out)."""
+    return [json.loads(line[len("data: "):]) for line in body.splitlines() if line.startswith("data: {")]
+
+
+def test_null_means_the_default(server, rng):
+    """OpenAI clients send null for a field left at its default: it takes that default (it was a
+    400), streamed or not; a required field's null stays a 400."""
+    chat = {"messages": [{"role": "user", "content": _words(rng, 4)}], "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True, "cache_prompt": False}
+    nulls = dict.fromkeys(("model", "n", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "logprobs",
+                           "top_logprobs", "tools", "tool_choice"), None)
+    want = call(server.base, "POST", "/v1/chat/completions", chat).body["choices"][0]
+    r = call(server.base, "POST", "/v1/chat/completions", {**chat, **nulls, "stream": None, "stream_options": None})
+    assert r.status == 200 and r.body["choices"][0] == want, r.body
+    r = call(server.base, "POST", "/v1/chat/completions",
+             {**chat, **nulls, "stream": True, "stream_options": {"include_usage": None}})
+    events = _events(r.body)
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == want["message"]["content"]
+    assert all(e["choices"] for e in events) and "usage" in events[-1]  # include_usage null: false
+    text = {"prompt": _words(rng, 4), "max_tokens": 2, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+    want = call(server.base, "POST", "/v1/completions", text).body["choices"][0]
+    r = call(server.base, "POST", "/v1/completions", {**text, "echo": None, "logprobs": None, "top_k": None})
+    assert r.status == 200 and r.body["choices"][0] == want, r.body
+    for path, body in (("/v1/chat/completions", {"messages": None}), ("/v1/completions", {"prompt": None}),
+                       ("/v1/chat/completions", {"messages": [{"role": None, "content": "hi"}]})):
+        r = call(server.base, "POST", path, body)
+        assert r.status == 400 and r.body["error"]["param"] == next(iter(body)), r.body
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+@pytest.mark.parametrize("path,body", [("/v1/chat/completions", _chat(ignore_eos=True)),
+                                       ("/v1/completions", {"prompt": "hello", "max_tokens": 2, "ignore_eos": True})])
+def test_stream_usage_comes_once(server, path, body, include_usage):
+    """A stream carries usage once (clients that sum every chunk's usage, LangChain's, counted it
+    twice): with include_usage in a last chunk without choices, else on the finish chunk, which
+    always has the timings."""
+    r = call(server.base, "POST", path, {**body, "stream": True, "stream_options": {"include_usage": include_usage}})
+    assert r.status == 200 and r.body.rstrip().endswith("data: [DONE]")
+    events = _events(r.body)
+    finish = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert len(finish) == 1 and "timings" in finish[0]
+    assert [e for e in events if "usage" in e] == [events[-1]] and events[-1]["usage"]["completion_tokens"] == 2
+    assert (events[-1]["choices"] == []) if include_usage else (events[-1] is finish[0])
+
+
+def test_any_model_name_is_the_served_model(client, model_id):
+    """As llama-server, `model` is not checked (clients send placeholders); responses name the served model."""
+    r = client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert r.model == model_id and r.choices[0].finish_reason in ("stop", "length")
+    assert client.completions.create(model="gpt-4o", prompt="hi", max_tokens=2).model == model_id
+
+
+def test_paths_without_v1(server, model_id):
+    """llama-server's aliases: /chat/completions, /completions and /models, for clients whose base URL has no /v1."""
+    import openai
+
+    c = openai.OpenAI(base_url=server.base, api_key="unused", max_retries=0, timeout=60)
+    assert [m.id for m in c.models.list()] == [model_id]
+    r = c.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert r.object == "chat.completion" and r.usage.completion_tokens >= 1
+    r = c.completions.create(model=model_id, prompt="hi", max_tokens=2, extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.usage.completion_tokens == 2
 
 
 def test_max_tokens_beyond_the_context_is_length(server):

@@ -90,6 +90,14 @@ def test_string_arguments_pass_through():
     assert content == "" and calls[0].arguments == '{"a": 1}'
 
 
+def test_lone_surrogate_arguments_encode_as_utf8():
+    """A model-written "\\ud83d" (a lone surrogate once parsed) is spelled as that escape again, in
+    object and string arguments alike, and other non-ASCII text stays readable."""
+    for args in ('{"s": "\\ud83d é"}', '"{\\"s\\": \\"\\ud83d é\\"}"'):
+        _, calls = split_tool_calls(f'{OPEN}{{"name": "f", "arguments": {args}}}{CLOSE}')
+        assert json.loads(calls[0].arguments.encode("utf-8")) == {"s": "\ud83d é"} and "é" in calls[0].arguments
+
+
 MSGS = [{"role": "user", "content": "weather in Paris?"}]
 
 
@@ -128,3 +136,16 @@ def test_server_returns_tool_calls(in_process, tiny_model, tokenizer, rng):
         raw = call(base, "POST", "/v1/chat/completions", body).body["choices"][0]
         assert raw["finish_reason"] == "stop" and OPEN in raw["message"]["content"]
         assert "tool_calls" not in raw["message"]
+
+
+def test_server_answers_a_lone_surrogate_in_arguments(in_process, tiny_model, tokenizer):
+    """A call whose arguments hold a lone surrogate is a 200 and the same JSON value, streamed and not
+    (its reply failed to encode: a 500, and a stream cut before [DONE])."""
+    output = OPEN + '\n{"name":"f","arguments":{"s":"\\ud83d"}}\n' + CLOSE
+    base = _serve_output(in_process, tiny_model, tokenizer, output)
+    c = openai_client(base)
+    r = c.chat.completions.create(model="scripted", messages=MSGS, tools=TOOLS, temperature=0)
+    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"s": "\ud83d"}
+    chunks = list(c.chat.completions.create(model="scripted", messages=MSGS, tools=TOOLS, temperature=0, stream=True))
+    args = "".join(t.function.arguments or "" for ch in chunks for t in ch.choices[0].delta.tool_calls or [])
+    assert json.loads(args) == {"s": "\ud83d"} and chunks[-1].choices[0].finish_reason == "tool_calls"

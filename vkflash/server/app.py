@@ -44,9 +44,9 @@ from vkflash.settings import Settings
 log = logging.getLogger("vkflash.server")
 
 PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/openapi.json", "/docs"})
-KNOWN_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/v1/health", "/metrics",
-                         "/props", "/slots", "/tokenize", "/detokenize", "/apply-template", "/infill", "/openapi.json",
-                         "/docs"})
+KNOWN_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/chat/completions", "/completions",
+                         "/models", "/health", "/v1/health", "/metrics", "/props", "/slots", "/tokenize", "/detokenize",
+                         "/apply-template", "/infill", "/openapi.json", "/docs"})
 
 
 STOP_WAIT_S = 20.0  # how long a stop waits for the engine's thread (systemd's TimeoutStopSec is 30 s)
@@ -212,6 +212,7 @@ def create_app(state: ServerState) -> ASGIApp:
         body = ApiError(503, msg, code=h.status).body()
         return JSONResponse(dict(body, status=h.status), status_code=503)
 
+    @app.get("/models", summary="Alias of /v1/models (llama-server)")
     @app.get("/v1/models", summary="The served model")
     async def models() -> JSONResponse:
         i = state.ready().info

@@ -23,8 +23,8 @@ from vkflash.model.tokenizer import Tokenizer
 from vkflash.server.backend import Loaded
 from vkflash.server.errors import ApiError
 from vkflash.server.metrics import Live
-from vkflash.server.openai_api import JobStream, Prepared, admit, check_model, check_text, chosen_tools, collect, \
-    error_event, raise_for, render, sampling_params_of, sse
+from vkflash.server.openai_api import JobStream, Prepared, admit, check_text, chosen_tools, collect, error_event, \
+    raise_for, render, sampling_params_of, sse
 from vkflash.server.schemas import ChatRequest, InfillRequest, TokenizeRequest
 from vkflash.server.slot import Job, Started
 from vkflash.server.state import ServerState
@@ -228,7 +228,6 @@ def make_router(state: ServerState) -> APIRouter:
     @router.post("/infill", summary="Fill in the middle (llama-server): code between input_prefix and input_suffix")
     async def infill(req: InfillRequest, request: Request) -> Any:
         loaded = state.ready()
-        check_model(req, loaded)
         max_tokens = req.max_tokens if req.n_predict is None else (None if req.n_predict < 0 else req.n_predict)
         check_text(req)
         params = await sampling_params_of(req, state, loaded, max_tokens)

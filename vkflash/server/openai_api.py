@@ -1,5 +1,6 @@
-"""/v1/chat/completions and /v1/completions: request → prompt ids → slot → JSON or SSE, with
-reasoning_content, tool_calls (vkflash.server.tools) and logprobs (vkflash.server.logprobs).
+"""/v1/chat/completions and /v1/completions (also without /v1, as llama-server): request → prompt
+ids → slot → JSON or SSE, with reasoning_content, tool_calls (vkflash.server.tools) and logprobs
+(vkflash.server.logprobs).
 
 Each SSE event is its own chunk written to the socket as it is made (no coalescing: TTFT is the
 first token's time; a hidden 8 KB buffer once held back the first 55 tokens). A client that goes away cancels its generation.
@@ -15,7 +16,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -90,7 +90,7 @@ def sse(obj: dict[str, Any] | str) -> str:
 
 SURROGATE = re.compile("[\ud800-\udfff]")
 # render_chat's own arguments: a chat_template_kwargs key of these names would collide with them
-RESERVED_KWARGS = ("messages", "tools", "tplfix", "source")
+RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "tplfix", "source")
 
 
 def _has_surrogate(v: Any) -> bool:
@@ -114,27 +114,21 @@ def check_text(req: BaseModel) -> None:
                            code="invalid_value")
 
 
-def check_model(req: SamplingFields, loaded: Loaded) -> None:
-    """The request's `model`, if given, must name the served model (id or file name)."""
-    names = {loaded.info.model_id, Path(loaded.info.model_path).name}
-    if req.model is not None and req.model not in names:
-        raise ApiError(404, f"model {req.model!r} is not served here; available: {loaded.info.model_id!r}",
-                       param="model", code="model_not_found")
-
-
-def sampling_params(req: SamplingFields, state: ServerState, max_tokens: int | None,
+def sampling_params(req: SamplingFields, state: ServerState, max_tokens: int | None, n_ctx: int,
                     bias: tuple[tuple[int, float], ...] = ()) -> SamplingParams:
-    """SamplingParams from the request, with the TEMP knob as the default temperature."""
+    """SamplingParams from the request, with the TEMP knob as the default temperature and
+    llama-server's special values: `seed` -1 is random (no seed), `repeat_last_n` -1 the whole context."""
     if req.n != 1:
         raise ApiError(400, "n must be 1 (one generation slot)", param="n")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     temp = req.temperature if req.temperature is not None else float(state.settings["TEMP"])
-    return SamplingParams(temperature=temp, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
-                          max_tokens=max_tokens, stop=stop,
+    return SamplingParams(temperature=temp, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                          seed=None if req.seed == -1 else req.seed, max_tokens=max_tokens, stop=stop,
                           repetition_penalty=req.repeat_penalty if req.repeat_penalty is not None
                           else req.repetition_penalty,
                           presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                          penalty_last_n=req.repeat_last_n, ignore_eos=req.ignore_eos, logit_bias=bias,
+                          penalty_last_n=n_ctx if req.repeat_last_n == -1 else req.repeat_last_n,
+                          ignore_eos=req.ignore_eos, logit_bias=bias,
                           cache_prompt=req.cache_prompt)
 
 
@@ -142,7 +136,7 @@ async def sampling_params_of(req: SamplingFields, state: ServerState, loaded: Lo
                              max_tokens: int | None) -> SamplingParams:
     """sampling_params with the request's logit_bias (text keys are tokenized off the event loop)."""
     bias = await run_in_threadpool(logit_bias, req.logit_bias, loaded)
-    return sampling_params(req, state, max_tokens, bias)
+    return sampling_params(req, state, max_tokens, loaded.info.n_ctx, bias)
 
 
 def _bias_error(msg: str) -> ApiError:
@@ -378,6 +372,14 @@ def usage(fin: Finish) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": fin.timings.cache_n}}
 
 
+def finish_fields(fin: Finish, include_usage: bool) -> dict[str, Any]:
+    """What a stream's finish chunk carries beside its choice: timings, and usage (where older
+    llama-server clients read it) unless include_usage sends it in a last chunk of its own, as a
+    second copy would be counted twice by clients that sum the usage of every chunk."""
+    timings = {"timings": fin.timings.to_json()}
+    return timings if include_usage else {"usage": usage(fin), **timings}
+
+
 def error_event(fin: Finish) -> str:
     """The SSE event of a generation that failed mid-stream."""
     return sse(failure(fin).body())
@@ -387,10 +389,10 @@ def make_router(state: ServerState) -> APIRouter:
     """The OpenAI-compatible completion routes over `state`."""
     router = APIRouter()
 
+    @router.post("/chat/completions", summary="Alias of /v1/chat/completions (llama-server)")
     @router.post("/v1/chat/completions", summary="Chat completion (OpenAI), streamed with stream=true")
     async def chat_completions(req: ChatRequest, request: Request) -> Any:
         loaded = state.ready()
-        check_model(req, loaded)
         if not req.messages:
             raise ApiError(400, "messages must hold at least one message", param="messages")
         check_text(req)
@@ -430,10 +432,10 @@ def make_router(state: ServerState) -> APIRouter:
                                           "logprobs": logprobs}],
                              "usage": usage(fin), "timings": fin.timings.to_json()})
 
+    @router.post("/completions", summary="Alias of /v1/completions (llama-server)")
     @router.post("/v1/completions", summary="Text completion (OpenAI legacy), streamed with stream=true")
     async def completions(req: CompletionRequest, request: Request) -> Any:
         loaded = state.ready()
-        check_model(req, loaded)
         if req.echo:
             raise ApiError(400, "echo is not supported", param="echo")
         check_text(req)
@@ -472,7 +474,8 @@ def make_router(state: ServerState) -> APIRouter:
 async def chat_stream(job: Job, cid: str, created: int, model: str, prep: Prepared, include_usage: bool,
                       piece: Piece) -> AsyncIterator[str]:
     """SSE chunks of a chat completion: role, then content / reasoning_content / tool_calls deltas
-    (each carrying the logprobs of the tokens since the last chunk, if asked), then the finish."""
+    (each carrying the logprobs of the tokens since the last chunk, if asked), then the finish
+    (finish_fields) and, with include_usage, a usage chunk without choices."""
     pending: list[ScoredToken] = []
     reasoning_parser = ReasoningParser(in_think=prep.in_think) if prep.split else None
     tool_parser = ToolCallParser() if prep.tools else None
@@ -525,7 +528,7 @@ async def chat_stream(job: Job, cid: str, created: int, model: str, prep: Prepar
                 d = delta_of(ev.text, final=True)
                 if d or pending:
                     yield chunk(d)
-                yield chunk({}, finish_reason(ev, n_calls), usage=usage(ev), timings=ev.timings.to_json())
+                yield chunk({}, finish_reason(ev, n_calls), **finish_fields(ev, include_usage))
                 if include_usage:
                     yield sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                                "choices": [], "usage": usage(ev)})
@@ -535,7 +538,8 @@ async def chat_stream(job: Job, cid: str, created: int, model: str, prep: Prepar
 async def text_stream(job: Job, cid: str, created: int, model: str, include_usage: bool,
                       piece: Piece | None) -> AsyncIterator[str]:
     """SSE chunks of a text completion: text deltas (with the logprobs of the tokens since the last
-    chunk when `piece` is given), then the finish."""
+    chunk when `piece` is given), then the finish (finish_fields) and, with include_usage, a usage chunk
+    without choices."""
     pending: list[ScoredToken] = []
     offset = 0
 
@@ -561,7 +565,7 @@ async def text_stream(job: Job, cid: str, created: int, model: str, include_usag
             else:
                 if ev.text or pending:
                     yield chunk(ev.text)
-                yield chunk("", ev.reason, usage=usage(ev), timings=ev.timings.to_json())
+                yield chunk("", ev.reason, **finish_fields(ev, include_usage))
                 if include_usage:
                     yield sse({"id": cid, "object": "text_completion", "created": created, "model": model,
                                "choices": [], "usage": usage(ev)})

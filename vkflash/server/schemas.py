@@ -1,22 +1,32 @@
 """Request bodies of the HTTP API as strict pydantic models: they validate every request (a wrong
 type is a 400, never a silent coercion) and they are what the published OpenAPI schema shows.
 
-Unknown fields are accepted and ignored, as OpenAI clients send many we have no use for.
+Unknown fields are accepted and ignored, as OpenAI clients send many we have no use for; null for
+a field that has a default means that default (OpenAI clients send `"top_p": null` for "not set").
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vkflash.server.logprobs import MAX_TOP
 
 
 class _Strict(BaseModel):
-    """Strict types, extra fields allowed."""
+    """Strict types, extra fields allowed, null for an optional field meaning its default."""
 
     model_config = ConfigDict(strict=True, extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """Drop the nulls of fields that have a default, so they take it; a required field's null stays a 400."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
 
 
 class ChatMessage(_Strict):
@@ -39,7 +49,7 @@ class StreamOptions(_Strict):
 class SamplingFields(_Strict):
     """Sampling and stopping fields shared by chat and text completions (OpenAI + llama-server names)."""
 
-    model: str | None = None
+    model: str | None = Field(default=None, description="any name: the one served model answers (as llama-server)")
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, description="output cap; beyond the context: finish_reason length")

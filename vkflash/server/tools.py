@@ -43,7 +43,13 @@ def parse_call(body: str) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+    return ToolCall(obj["name"], utf8_safe(args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
+
+
+def utf8_safe(text: str) -> str:
+    """JSON text with each lone surrogate (the model wrote "\\ud83d") spelled as that escape again:
+    the same JSON value, non-ASCII kept readable, and no UTF-8 reply that fails to encode."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclass
