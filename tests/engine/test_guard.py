@@ -202,6 +202,20 @@ def _tokens(fwd, prompt: list[int], params: SamplingParams) -> list[int]:
     return [e.token for e in generate(fwd, ByteCodec(eog=-1), prompt, params, ubatch=16) if isinstance(e, TokenEvent)]
 
 
+def test_ub_stays_a_verify_step(gpu, rng, tmp_path):
+    """A forced UB step never halves UB below an MTP verify step (DRAFT 6: 7 tokens, one step):
+    at UB 8 it is not taken, and a verify of 7 tokens runs; without MTP it halves UB 8 to 4."""
+    path, _ = _mtp_model(tmp_path, rng, "in-file")
+    cfg = GuardConfig(when={Kind.DRAFT: "auto", Kind.KV: "auto", Kind.UB: 1}, budget=NONE)
+    sp = Speculator.open(path, ctx=64, ub=8, kv="f16", gpu=gpu, guard=cfg)
+    sp.fwd.prefill(rng.integers(0, V, 3))
+    assert sp.drafter.k_max == 6 and sp.fwd.ub == 8 and not sp.fwd.guard.events
+    assert len(sp.fwd.verify(rng.integers(0, V, 7))) == 7
+    plain = GpuForward(path, ctx=64, ub=8, kv="f16", gpu=gpu, guard=cfg)
+    plain.prefill(rng.integers(0, V, 3))
+    assert plain.ub == 4 and [e.kind for e in plain.guard.events] == [Kind.UB]
+
+
 @pytest.mark.parametrize("layout", ["in-file", "separate"])
 def test_guard_switches_the_mtp_draft_as_planned(gpu, rng, tmp_path, layout, monkeypatch):
     """MTP speculation (context 256, UB 32: the caches grow 64 positions at a time) under a budget one

@@ -9,7 +9,8 @@ leave too little for the next step's own transition, it takes the next step, eac
 
     draft  switch the MTP draft to its smaller quant (when a draft and MODEL_DRAFT_SMALL exist)
     kv     re-quantize the live K/V and indexer caches to q8_0 on the GPU, one buffer at a time
-    ub     halve the prefill ubatch, twice (2048 → 1024 → 512): a fresh arena, the graphs rebuilt
+    ub     halve the prefill ubatch, twice (2048 → 1024 → 512), never below an MTP verify step
+           (k_max + 1 tokens): a fresh arena, the graphs rebuilt
 
 With DEEPGUARD=0 (or no step left) a growth that does not fit raises DoesNotFit: one clear line,
 never an allocation failure. GUARD_<STEP>=<depth> forces a step once the context reaches that
@@ -59,6 +60,8 @@ UB_HALVINGS = 2
 class Draft(Protocol):
     """What the guard, the forward and the memory plan need of an MTP draft (engine/draft.py
     MtpDrafter, as `GpuForward.draft`)."""
+
+    k_max: int  # most tokens a round drafts: its verify is one step of k_max + 1 tokens
 
     @property
     def can_shrink(self) -> bool:
@@ -249,7 +252,9 @@ class Guard:
         if (Kind.KV not in taken and fwd.model.kv.type is not CacheType.Q8_0 and caches
                 and all(c.dim % 32 == 0 for c in caches)):
             out.append(Kind.KV)
-        out += [Kind.UB] * min(UB_HALVINGS - taken.count(Kind.UB), max(0, fwd.ub.bit_length() - 1))
+        verify = fwd.draft.k_max + 1 if fwd.draft is not None else 1  # an MTP verify is one step, never split
+        halvings = max(0, (fwd.ub // verify).bit_length() - 1)
+        out += [Kind.UB] * min(UB_HALVINGS - taken.count(Kind.UB), halvings)
         return out
 
     def _next_forced(self) -> float:
