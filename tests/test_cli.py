@@ -122,6 +122,26 @@ def test_run_and_inspect_refuse_a_truncated_file_in_one_line(tiny, tmp_path):
         assert_one_line_error(vkflash(*args), "x.gguf: truncated GGUF")
 
 
+def test_an_mtp_only_file_is_a_draft_not_a_model(tmp_path):
+    """An MTP-only GGUF (no trunk) inspects as a valid draft; run, verify, plan and bench refuse it in
+    one line (they used to pass the check and fail on its missing token embedding with a traceback)."""
+    draft = make_model("qwen4exp", "tiny", "F32", int(np.random.default_rng().integers(1 << 30)), tmp_path / "t.gguf",
+                       mtp_separate=True)[1]
+    r = vkflash("inspect", str(draft))
+    assert r.returncode == 0 and "qwen4exp MTP-only draft" in r.stdout and "valid" in r.stdout, r.stderr
+    for args in (("run", str(draft), "-p", "hi", "--max-tokens", "1"), ("verify", str(draft)),
+                 ("plan", str(draft)), ("bench", "model", str(draft))):
+        assert_one_line_error(vkflash(*args), "an MTP-only file", "not a model to run")
+
+
+def test_unreadable_file_and_bad_token_count(tiny):
+    """A model path that cannot be read (/proc/self/mem: an I/O error at offset 0, whoever runs it),
+    `verify --tokens -1`: one line each."""
+    for args in (("inspect", "/proc/self/mem"), ("run", "/proc/self/mem", "-p", "hi", "--max-tokens", "1")):
+        assert_one_line_error(vkflash(*args), "/proc/self/mem: cannot read")
+    assert_one_line_error(vkflash("verify", str(tiny), "--tokens", "-1"), "at least 2 tokens")
+
+
 def test_inspect_builds_the_tokenizer(tiny, tmp_path):
     """A merge naming a token the vocabulary lacks used to pass `inspect` and fail at `run`; both refuse it."""
     raw = bytearray(tiny.read_bytes())

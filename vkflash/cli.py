@@ -50,7 +50,7 @@ def inspect(path: Path = typer.Argument(..., help="GGUF file")) -> None:
     try:
         from vkflash.model.model_file import open_model
 
-        m = open_model(path)
+        m = open_model(path, draft=True)
     except VkflashError as e:
         _fail(e)
         return
@@ -169,7 +169,9 @@ def plan_cmd(
         from vkflash.engine.guard import GuardConfig
         from vkflash.engine.plan import DraftFiles, make_plan
         from vkflash.gpu.budget import Budget
+        from vkflash.model.model_file import open_model
 
+        open_model(model)
         s = settings.load(flags={"CTX": ctx, "VKFLASH_MEM_BUDGET": mem, "UB": ub, "KV": kv, "MODEL_DRAFT": draft,
                                  "MODEL_DRAFT_SMALL": draft_small})
         src = s.sources["VKFLASH_MEM_BUDGET"]

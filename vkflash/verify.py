@@ -276,6 +276,8 @@ def prompt_tokens(path: Path, prompt: str | None, n_random: int, rng: np.random.
         from vkflash.model.tokenizer import Tokenizer
 
         return Tokenizer.from_gguf(path).encode(prompt)
+    if n_random < 2:
+        raise ConfigError(f"verify needs at least 2 tokens (a prefill step and a decode step), not {n_random}")
     V = hparams_from_gguf(GGUFFile(path)).V
     return [int(t) for t in rng.integers(0, V, n_random)]
 

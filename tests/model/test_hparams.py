@@ -81,6 +81,9 @@ def test_nz_key_zero(suffix):
     ("rope.freq_base", ("f32", -1e6), "must be finite and > 0"),
     ("rope.scaling.factor", ("str", "x"), "rope scaling"),  # not a float() ValueError
     ("rope.scaling.type", ("u32", 1), "rope scaling"),
+    ("rope.dimension_count", ("u32", 0), "must be even, ≥ 2"),  # kernels rotate 2..Dh dims
+    ("rope.dimension_count", ("u32", 48), "must be ≤ qwen4exp.attention.indexer.key_length = 32"),
+    ("attention.indexer.top_k", ("u32", 30), "must be a multiple of qwen4exp.attention.compress_ratios"),
 ])
 def test_invalid_values(suffix, value, pattern):
     with pytest.raises(ModelError, match=pattern) as info:

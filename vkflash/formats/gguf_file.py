@@ -230,10 +230,12 @@ class GGUFFile:
             raise FormatError(f"{self.path}: no such file")
         if not self.path.is_file():
             raise FormatError(f"{self.path}: not a regular file")
-        size = self.path.stat().st_size
-        _check_header(self.path, size)
         try:
+            size = self.path.stat().st_size
+            _check_header(self.path, size)
             reader = _BoundedReader(self.path, "r")
+        except OSError as e:  # unreadable: permissions, an I/O error
+            raise FormatError(f"{self.path}: cannot read: {e.strerror or e}") from None
         except _Truncated as e:
             raise FormatError(
                 f"{self.path}: truncated GGUF: the header needs {e.end} bytes, the file has {size} (cut or damaged "

@@ -248,8 +248,8 @@ def _common(rd: _Reader) -> dict[str, Any]:
     if Dk != Dv:
         raise ModelError(f"key {rd.key('attention.value_length')} = {Dv} must equal attention.key_length = {Dk}")
     n_rot = rd.u32("rope.dimension_count", Dk)
-    if n_rot > Dk or n_rot % 2 != 0:
-        raise ModelError(f"key {rd.key('rope.dimension_count')} = {n_rot} must be even and ≤ head dim {Dk}")
+    if not 2 <= n_rot <= Dk or n_rot % 2 != 0:
+        raise ModelError(f"key {rd.key('rope.dimension_count')} = {n_rot} must be even, ≥ 2 and ≤ head dim {Dk}")
     return dict(
         arch=rd.arch,
         n_ctx_train=rd.u32("context_length", nz=True),
@@ -338,6 +338,13 @@ def _qwen4exp(rd: _Reader, p: dict[str, Any]) -> None:
             raise ModelError(f"key {rd.key('attention.compress_ratios')}[{i}] = {r} must be ≤ {_MAX_COMPRESS_RATIO}")
     # QSA only runs on trunk attention layers; GDN layers and the MTP block are dense/unused.
     r = tuple(ri if (i < L and not p["is_gdn"][i]) else 0 for i, ri in enumerate(r_file))
+    if p["n_rot"] > D_I:
+        raise ModelError(f"key {rd.key('rope.dimension_count')} = {p['n_rot']} must be ≤ "
+                         f"{rd.key('attention.indexer.key_length')} = {D_I} (the indexer keys are rotated too)")
+    for i, ri in enumerate(r):
+        if ri and B % ri:
+            raise ModelError(f"key {rd.key('attention.indexer.top_k')} = {B} must be a multiple of "
+                             f"{rd.key('attention.compress_ratios')}[{i}] = {ri} (whole blocks)")
     p.update(sections=tuple(int(s) for s in sec), hc=hc, lr=lr, n_I=n_I, D_I=D_I, B=B, r=r)
     _ple(rd, p)
 

@@ -34,6 +34,8 @@ class ModelFile:
     """None only when the file has no tokenizer.ggml.* key at all (weights-only test files)."""
     chat_template: str | None
     """tokenizer.chat_template, None when the file has none."""
+    mtp_only: bool = False
+    """An MTP-only file (a draft head for MODEL_DRAFT), opened with open_model(draft=True)."""
 
     def require_tokenizer(self) -> Tokenizer:
         """The tokenizer, or a ModelError for a file without one (text in or out needs it)."""
@@ -45,23 +47,27 @@ class ModelFile:
         """One line: arch, tensor count, tokenizer."""
         tok = self.tokenizer
         words = f"{tok.vocab_size}-token {tok.pre} BPE tokenizer" if tok is not None else "no tokenizer"
-        return f"{self.hp.arch}, {len(self.file.tensors)} tensors, {words}"
+        kind = f"{self.hp.arch} MTP-only draft" if self.mtp_only else self.hp.arch
+        return f"{kind}, {len(self.file.tensors)} tensors, {words}"
 
 
-def open_model(path: str | os.PathLike[str]) -> ModelFile:
-    """Open and check a GGUF model file (see the module docstring); every failure is one VkflashError."""
+def open_model(path: str | os.PathLike[str], draft: bool = False) -> ModelFile:
+    """Open and check a GGUF model file (see the module docstring); every failure is one VkflashError.
+    An MTP-only file (no trunk: a draft head for MODEL_DRAFT) passes only with `draft` (inspect)."""
     try:
         gf = GGUFFile(path)  # its errors already name the file
     except VkflashError as e:
         raise type(e)(one_line(str(e))) from None
     try:
         hp = hparams_from_gguf(gf)
-        validate_tensors(hp, {n: t.ne for n, t in gf.tensors.items()})
+        mtp_only = validate_tensors(hp, {n: t.ne for n, t in gf.tensors.items()}).mtp_only
+        if mtp_only and not draft:
+            raise ModelError("an MTP-only file (a draft head: MODEL_DRAFT / --draft), not a model to run")
         tok = _tokenizer(gf, hp)
         template = _chat_template(gf)
     except VkflashError as e:
         raise type(e)(one_line(f"{gf.path}: {e}")) from None
-    return ModelFile(gf, hp, tok, template)
+    return ModelFile(gf, hp, tok, template, mtp_only)
 
 
 def _tokenizer(gf: GGUFFile, hp: HParams) -> Tokenizer | None:

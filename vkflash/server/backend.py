@@ -78,10 +78,11 @@ def preflight(settings: Settings, steps: Steps | None = None) -> str:
     why); DoesNotFit, before any weight is loaded, when the configuration cannot even boot. The
     default model is fetched here when not cached (`steps` shows the download)."""
     from vkflash.engine.plan import DraftFiles, make_plan
+    from vkflash.model.model_file import open_model
 
     try:
         path = model_path(settings, steps)
-        hp = hparams_from_gguf(path)
+        hp = open_model(path).hp  # the checked loader first: the plan builds on what it accepts
         if not uses_gpu(settings, hp.arch) or settings["CTX"] > hp.n_ctx_train:
             return ""
         draft = DraftFiles.from_settings(settings) if settings["MTP"] else None
