@@ -255,8 +255,7 @@ class MtpDrafter:
     def _drop_graphs(self) -> None:
         """Forget its graphs (they bind the weights being replaced), freeing the buffers they own."""
         for g in self._graphs.values():
-            for b in g.owned:
-                self.fwd.gpu.free(b)
+            g.release()
         self._graphs.clear()
 
     # --- bookkeeping -----------------------------------------------------------------------

@@ -339,6 +339,8 @@ class GpuForward:
 
     def drop_graphs(self) -> None:
         """Forget every step graph (the caches they bind changed): built again on use."""
+        for g in self._graphs.values():
+            g.release()
         self._graphs.clear()
         if self._reserved:
             self.reserve()

@@ -208,6 +208,13 @@ class Graph:
         self.owned.append(b)
         return b
 
+    def release(self) -> None:
+        """Free the buffers this graph owns, when it is dropped: the device's algorithm cache would
+        otherwise keep their memory alive, uncounted."""
+        for b in self.owned:
+            self.gpu.free(b)
+        self.owned = []
+
     def expose(self, name: str, buf: Buffer, off: int, n_rows: int, n_cols: int, stride: int,
                after: str | None = None) -> None:
         """Declare that the value `name` is the (n_rows × n_cols, row stride) block at element
