@@ -396,7 +396,8 @@ TOOLS = [{"type": "function", "function": {"name": n, "description": f"the {n} t
 
 
 def test_tool_choice(in_process, tiny_model, tokenizer, rng):
-    """none: no tools in the prompt; auto / required: all; a named function: that one; else a 400."""
+    """none: no tools in the prompt; auto / required: all; a named function: that one; else a 400;
+    a malformed tool is a 400 whatever the choice, also none given."""
     fwd = ScriptedForward(tokenizer.encode("fib"), tokenizer.eos_id, tokenizer.vocab_size, 4096)
     base = serve_scripted(in_process, tiny_model, tokenizer, fwd)
     template = read_tokenizer_meta(tiny_model)["tokenizer.chat_template"]
@@ -417,6 +418,17 @@ def test_tool_choice(in_process, tiny_model, tokenizer, rng):
                           ("required", None), ({"type": "function"}, TOOLS)]:
         r = call(base, "POST", "/v1/chat/completions", _chat(tools=tools, tool_choice=choice))
         _assert_error(r, 400, "tool_choice", "invalid_value")
+    for choice in (None, "auto", "required"):
+        r = call(base, "POST", "/v1/chat/completions", _chat(tools=[*TOOLS, {"type": "function"}], tool_choice=choice))
+        assert r.status == 400 and r.body["error"]["param"] == "tools", r.body
+
+
+def test_empty_prompt_is_not_too_long(in_process, tiny_model, tokenizer):
+    """A completion prompt of no tokens: a 400 on `prompt`, invalid_value (not context_length_exceeded)."""
+    base = serve_scripted(in_process, tiny_model, tokenizer, ScriptedForward([], tokenizer.eos_id,
+                                                                             tokenizer.vocab_size, 64))
+    _assert_error(call(base, "POST", "/v1/completions", {"prompt": [], "max_tokens": 1}), 400, "prompt",
+                  "invalid_value")
 
 
 def _rss_kib(pid: int) -> int:

@@ -306,7 +306,8 @@ def admit(state: ServerState, prep: Prepared) -> Job:
     try:
         check_prompt(len(prep.ids), loaded.info.n_ctx)
     except InvalidRequest as e:
-        raise ApiError(400, str(e), param=e.param, code="context_length_exceeded") from None
+        code = "invalid_value" if not prep.ids else "context_length_exceeded"
+        raise ApiError(400, str(e), param=e.param, code=code) from None
     assert state.slot is not None
     try:
         return state.slot.submit(prep.ids, prep.params, prep.top_logprobs, prep.grammar, prep.checkpoint_at)

@@ -113,7 +113,7 @@ def request_grammar(req: SamplingFields, tok: Tokenizer, n_vocab: int, tools: li
                     tool_choice: str | dict[str, Any] | None = None, in_think: bool = False) -> Grammar | None:
     """The grammar a request's output must match, or None; a bad schema or grammar is a 400."""
     src = _schema_source(req)
-    forced = _forced_tool_lark(tok, tools, tool_choice) if tools and tool_choice is not None else None
+    forced = _forced_tool_lark(tok, tools, tool_choice or "auto") if tools else None  # each tool's shape checked
     if src is not None and forced is not None:
         raise ApiError(400, f"{src[2]} and a forced tool_choice both constrain the output: give one",
                        param="tool_choice")
