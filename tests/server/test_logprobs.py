@@ -84,6 +84,20 @@ def test_chat_logprobs_streamed_and_not(in_process, tiny_model, tokenizer, rng, 
         assert fwd.argmax_calls == r["usage"]["completion_tokens"] + 1  # without logprobs it is used
 
 
+def test_completion_text_offsets_count_the_text(in_process, tiny_model, tokenizer, rng):
+    """A character split over byte tokens (€ = E2 82 AC): each text_offset is the number of the text's
+    characters before the token (the split character counts at its last byte), streamed and not."""
+    byte_token = {tokenizer.token_bytes(i, special=True): i for i in range(tokenizer.vocab_size)}
+    script = [*tokenizer.encode("a"), *(byte_token[bytes([b])] for b in "€".encode()), *tokenizer.encode("b")]
+    fwd = ScriptedForward(script, tokenizer.eos_id, tokenizer.vocab_size, 256, rng=rng)
+    base = serve_scripted(in_process, tiny_model, tokenizer, fwd)
+    r = call(base, "POST", "/v1/completions", {"prompt": "count", "temperature": 0, "logprobs": 1}).body
+    assert r["choices"][0]["text"] == "a€b" and r["choices"][0]["logprobs"]["text_offset"] == [0, 1, 1, 1, 2]
+    chunks = list(openai_client(base).completions.create(model="scripted", prompt="count", temperature=0, logprobs=1,
+                                                           stream=True))
+    assert sum((c.choices[0].logprobs.text_offset for c in chunks), []) == [0, 1, 1, 1, 2]
+
+
 def test_completion_logprobs_streamed_and_not(in_process, tiny_model, tokenizer, rng):
     base, fwd = _serve(in_process, tiny_model, tokenizer, rng)
     k = int(rng.integers(0, 6))

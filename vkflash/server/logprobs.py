@@ -108,8 +108,9 @@ def chat_entries(tokens: Sequence[ScoredToken], piece: Piece) -> list[dict[str, 
 
 
 def completion_logprobs(tokens: Sequence[ScoredToken], piece: Piece, offset: int = 0) -> dict[str, Any]:
-    """`choices[].logprobs` of a legacy completion; text_offset counts characters from `offset`
-    (0 = the start of this completion's text). Alternatives are keyed by text, as OpenAI does."""
+    """`choices[].logprobs` of a legacy completion; text_offset counts the characters of the
+    completion's text before each token, from `offset` (a character split over tokens counts at
+    its last). Alternatives are keyed by text, as OpenAI does."""
     def text(t: int) -> str:
         return piece(t).decode("utf-8", errors="replace")
 
@@ -122,6 +123,6 @@ def completion_logprobs(tokens: Sequence[ScoredToken], piece: Piece, offset: int
     offsets = []
     for s in tokens:
         offsets.append(offset)
-        offset += len(text(s.token))
+        offset += len(s.text)  # what the token put out: "" for a partial character
     return {"tokens": [text(s.token) for s in tokens], "token_logprobs": [s.logprob for s in tokens],
             "top_logprobs": [top(s) for s in tokens], "text_offset": offsets}

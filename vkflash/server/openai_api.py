@@ -549,7 +549,7 @@ async def text_stream(job: Job, cid: str, created: int, model: str, include_usag
         logprobs = None
         if piece is not None:
             logprobs = completion_logprobs(pending, piece, offset)
-            offset += sum(len(t) for t in logprobs["tokens"])
+            offset += sum(len(s.text) for s in pending)
             pending.clear()
         return sse({"id": cid, "object": "text_completion", "created": created, "model": model,
                     "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}], **extra})
