@@ -265,6 +265,17 @@ def test_verify_follows_cell_mode(gpu, tmp_path, rng, monkeypatch):
     assert rep.passed, rep.first_failed_check
 
 
+def test_greedy_near_tie_is_reported_not_failed():
+    """Greedy tokens that differ fail verify unless the reference's top two logits are a near-tie
+    (within twice the logits bound), which the report names instead."""
+    rows = [verify.OpError("decode", verify.LOGITS, 1e-5, 1e-3)]
+    tie, clear = verify.Greedy(7, 9, near=True), verify.Greedy(7, 9, near=False)
+    assert verify.Report(2, rows, {"decode": tie}).passed and not verify.Report(2, rows, {"decode": clear}).passed
+    console, buf = _console()
+    verify.print_report(verify.Report(2, rows, {"decode": tie}), console)
+    assert "a near-tie (reported)" in buf.getvalue() and "PASS" in buf.getvalue()
+
+
 def test_verify_needs_two_tokens(gpu, f32_model):
     r = CliRunner().invoke(cli.app, ["verify", str(f32_model), "--tokens", "1"])
     assert r.exit_code == 1 and "at least 2 tokens" in r.stderr
