@@ -126,23 +126,13 @@ def serve(
 ) -> None:
     """Serve a model over the OpenAI-compatible HTTP API (flags override the env knobs)."""
     try:
-        from vkflash.progress import Steps
-        from vkflash.server import backend
         from vkflash.server.app import serve as run_server
         from vkflash.server.state import ServerOptions
-
-        def checked_load(s: settings.Settings, steps: Steps | None = None) -> backend.Loaded:
-            """The server's load after the checks `inspect` makes (a damaged file stops the server
-            with the reason)."""
-            from vkflash.model.model_file import open_model
-
-            open_model(backend.model_path(s, steps))
-            return backend.load(s, steps)
 
         s = settings.load(flags={"MODEL": model, "HOST": host, "PORT": port, "CTX": ctx, "UB": ub, "KV": kv,
                                  "QUEUE": queue, "API_KEY": api_key, "MTP": mtp, "MODEL_DRAFT": draft,
                                  "MODEL_DRAFT_SMALL": draft_small})
-        run_server(s, ServerOptions(queue_depth=s["QUEUE"]), loader=checked_load)
+        run_server(s, ServerOptions(queue_depth=s["QUEUE"]))  # backend.load: the checked loader
     except VkflashError as e:
         _fail(e)
 

@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING
 from vkflash.engine.api import EngineInfo, Forward
 from vkflash.engine.qsa_config import QSAConfig
 from vkflash.engine.reference_backend import ReferenceForward
-from vkflash.errors import ConfigError, DoesNotFit, ModelError, VkflashError
+from vkflash.errors import ConfigError, DoesNotFit, VkflashError
 from vkflash.model.chat import QWEN3_THINKING_TEMPLATE
 from vkflash.model.default_model import resolve_model
-from vkflash.model.tokenizer import Tokenizer, read_tokenizer_meta
-from vkflash.model.hparams import HParams, hparams_from_gguf
+from vkflash.model.tokenizer import Tokenizer
+from vkflash.model.hparams import HParams
+from vkflash.model.model_file import open_model
 from vkflash.model.weights import load_model
 from vkflash.progress import Steps
 from vkflash.settings import Settings
@@ -78,7 +79,6 @@ def preflight(settings: Settings, steps: Steps | None = None) -> str:
     why); DoesNotFit, before any weight is loaded, when the configuration cannot even boot. The
     default model is fetched here when not cached (`steps` shows the download)."""
     from vkflash.engine.plan import DraftFiles, make_plan
-    from vkflash.model.model_file import open_model
 
     try:
         path = model_path(settings, steps)
@@ -137,18 +137,16 @@ def warm(fwd: Forward, steps: Steps | None) -> None:
 
 
 def load(settings: Settings, steps: Steps | None = None) -> Loaded:
-    """Read the model named by the settings, build its forward (Vulkan or the NumPy reference) and
-    compile its pipelines; `steps` reports each slow step (the serve log's progress)."""
+    """Read the model named by the settings through the checked loader (model_file.open_model: what
+    `inspect` checks), build its forward (Vulkan or the NumPy reference) and compile its pipelines;
+    `steps` reports each slow step (the serve log's progress)."""
     path = model_path(settings, steps)
-    hp = hparams_from_gguf(path)
+    m = open_model(path)
+    hp, tok = m.hp, m.require_tokenizer()
     n_ctx = settings["CTX"] or hp.n_ctx_train
     if n_ctx > hp.n_ctx_train:
         raise ConfigError(f"CTX={n_ctx} exceeds the model's context of {hp.n_ctx_train} tokens")
-    meta = read_tokenizer_meta(path)
-    tok = Tokenizer.from_fields(meta)
-    if tok.vocab_size > hp.V:
-        raise ModelError(f"{path.name}: the tokenizer has {tok.vocab_size} tokens but the model only {hp.V}")
-    template = str(meta.get("tokenizer.chat_template") or QWEN3_THINKING_TEMPLATE)
+    template = m.chat_template or QWEN3_THINKING_TEMPLATE
     fwd, name = _forward(settings, path, hp, n_ctx, steps)
     warm(fwd, steps)
     info = EngineInfo(model_id=path.stem, model_path=str(path), arch=hp.arch, backend=name,
