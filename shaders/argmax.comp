@@ -1,5 +1,7 @@
 #version 450
-// Row argmax in two passes (first maximum wins on ties, like numpy; inputs NaN-free).
+// Row argmax in two passes (first maximum wins on ties, like numpy; -inf is a value). A row with a
+// NaN or +inf anywhere yields NO_INDEX (0xFFFFFFFF): no logit can be its argmax, and the host,
+// reading an index >= n, reports a numeric fault instead of a token.
 //   STAGE 0: workgroup (g, r) scans x[x_off + r*x_stride + i] for i = g*WG + lane, stepping by
 //            n_parts*WG, and writes its best (value bits, index) to part[2*(r*n_parts + g) + {0,1}].
 //   STAGE 1: workgroup r reduces the n_parts pairs of row r and writes the index to out[out_off + r].
@@ -16,7 +18,14 @@ layout(std430, binding = 2) buffer Out { uint outv[]; };
 layout(push_constant) uniform P { uint n; uint n_rows; uint n_parts; uint x_off; uint x_stride; uint out_off; } p;
 
 const float NEG_INF = -1.0 / 0.0;
+const float POS_INF = 1.0 / 0.0;
 const uint NO_INDEX = 0xFFFFFFFFu;
+
+// NaN or +inf, by bits (immune to any fast-math folding of isnan).
+bool not_a_logit(float v) {
+    uint b = floatBitsToUint(v);
+    return (b & 0x7FFFFFFFu) > 0x7F800000u || b == 0x7F800000u;
+}
 
 void main() {
     uint lane = gl_LocalInvocationID.x;
@@ -25,9 +34,12 @@ void main() {
         uint bi = NO_INDEX;
         if (STAGE == 0) {
             uint xb = p.x_off + r * p.x_stride;
+            bool seen = false;
             for (uint i = gl_WorkGroupID.x * gl_WorkGroupSize.x + lane; i < p.n; i += p.n_parts * gl_WorkGroupSize.x) {
                 float v = x[xb + i];
-                if (bi == NO_INDEX || v > bv) { bv = v; bi = i; }  // i increases: ties keep the earlier
+                uint j = i;
+                if (not_a_logit(v)) { v = POS_INF; j = NO_INDEX; }  // beats every logit, wins only as NO_INDEX
+                if (!seen || argmax_better(v, j, bv, bi)) { bv = v; bi = j; seen = true; }
             }
             bv = wg_argmax(bv, bi);
             if (lane == 0u) {

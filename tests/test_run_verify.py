@@ -124,6 +124,24 @@ def test_cli_run_prompt(gpu, chat_model):
     assert r.stdout.endswith("\n") and "prefill" not in r.stdout
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("temp", ["0", "0.7"])
+def test_cli_run_on_non_finite_logits(gpu, chat_model, rng, bad, temp):
+    """A model whose logits come out NaN or infinite (one output_norm weight set so, as damaged data
+    can) is one error line from `vkflash run`, greedy (device argmax) or sampled (host logits)."""
+    t = GGUFFile(chat_model).tensors["output_norm.weight"]
+    b = bytearray(chat_model.read_bytes())
+    at = t.offset + 4 * int(rng.integers(0, t.ne[0]))
+    b[at:at + 4] = np.float32(bad).tobytes()
+    chat_model.write_bytes(b)
+    r = CliRunner().invoke(cli.app, ["run", str(chat_model), "-p", "hello", "-n", "3", "--temp", temp,
+                                     "--ctx", "128", "--ub", "16"])
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.exit_code != 0, r.stderr
+    assert lines and lines[-1].startswith("error: the model produced NaN or infinite logits"), r.stderr
+    assert "Traceback" not in r.stderr and r.stdout.strip() == ""
+
+
 def test_cli_run_mtp(gpu, tmp_path, rng):
     """`vkflash run --mtp`: the MTP line at startup, the drafted/accepted counts with the rates, and
     the same greedy text as without, also with --draft-small (named in the MTP line); a model

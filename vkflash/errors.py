@@ -31,5 +31,9 @@ class DeviceError(VkflashError):
     """The Vulkan device is missing, lacks a required feature, or was lost."""
 
 
+class NumericFault(VkflashError):
+    """The forward produced NaN or +inf logits: damaged weights or an f32 overflow, never a token."""
+
+
 class DoesNotFit(VkflashError):
     """A configuration or a step needs more memory than the budget (VKFLASH_MEM_BUDGET or the device's)."""

@@ -1,5 +1,6 @@
 """Two-pass argmax vs numpy.argmax: a full-vocabulary row (V ≥ 248,320), ragged small rows,
-ties (the first index wins), −inf entries, several rows, and replay with new logits."""
+ties (the first index wins), −inf entries, NaN / +inf rows (NO_INDEX), several rows, and replay
+with new logits."""
 
 from __future__ import annotations
 
@@ -56,6 +57,21 @@ def test_negative_infinity(gpu, rng):
     x[1, :] = -np.inf
     x[2, rng.integers(0, n, n // 3)] = -np.inf
     np.testing.assert_array_equal(_run(gpu, x), np.argmax(x, axis=1))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_rows_give_no_index(gpu, rng, bad):
+    """A row holding a NaN or +inf anywhere (first, last, a random place, a few; beside a planted
+    maximum) gives NO_INDEX; the finite rows around it keep their argmax."""
+    n = int(rng.integers(300, 70_000))
+    x = rng.standard_normal((6, n)).astype(np.float32)
+    x[:, rng.integers(0, n, 6)] = 50.0
+    for r, where in enumerate((0, n - 1, int(rng.integers(0, n)), rng.integers(0, n, 3))):
+        x[r + 1, where] = bad
+    x[-1, : n // 2] = -np.inf
+    want = np.argmax(x, axis=1)
+    want[1:5] = A.NO_INDEX
+    np.testing.assert_array_equal(_run(gpu, x), want)
 
 
 def test_replay_sees_new_logits(gpu, rng):

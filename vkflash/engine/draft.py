@@ -329,7 +329,7 @@ class MtpDrafter:
         p = self.d.rows[j]
         self._set(p, self._pos0 + j, np.array([token], np.int32))
         self._chain_graph(j).run()
-        return self.d.model.head.logits.read(np.float32, self.fwd.n_vocab, 4 * j * self.fwd.n_vocab)
+        return self.d.model.head.read_logits(1, j)[0]
 
     def warm(self) -> None:
         """Record every graph a decoding round can use (up to k_max + 1 pending rows, up to k_max
@@ -370,8 +370,8 @@ class MtpDrafter:
 
     def _read(self, k: int, logits: bool) -> Drafted:
         head = self.d.model.head
-        ids = [int(t) for t in head.ids.read(np.uint32, k)]
-        rows = head.logits.read(np.float32, k * self.fwd.n_vocab).reshape(k, -1) if logits else None
+        ids = [int(t) for t in head.read_ids(k)]
+        rows = head.read_logits(k) if logits else None
         return Drafted(ids, rows)
 
     def _set(self, p: StepParams, p0: int, toks: np.ndarray) -> None:

@@ -251,7 +251,7 @@ class GpuForward:
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
         """Feed ids; the next-token logits (float32[V]) after the last one."""
         self._feed(self._ids(ids))
-        return self.model.head.logits.read(np.float32, self.n_vocab)
+        return self.model.head.read_logits(1)[0]
 
     def decode(self, token: int) -> np.ndarray:
         """Feed one token; its next-token logits."""
@@ -265,7 +265,7 @@ class GpuForward:
             self.host_split["prepare"] = self.host_split.get("prepare", 0.0) + time.perf_counter() - t0
         self._feed(arr)
         t0 = time.perf_counter()
-        tok = int(self.model.head.ids.read(np.uint32, 1)[0])
+        tok = int(self.model.head.read_ids(1)[0])
         if self.host_split is not None:
             self.host_split["finish"] = self.host_split.get("finish", 0.0) + time.perf_counter() - t0
         return tok
@@ -280,7 +280,7 @@ class GpuForward:
         out = np.empty((len(arr), self.n_vocab), np.float32)
         for start, n in self._steps(arr, lambda: min(self.model.head.rows, self.ub)):
             self._run(arr[start:start + n], Head.ALL)
-            out[start:start + n] = self.model.head.logits.read(np.float32, n * self.n_vocab).reshape(n, -1)
+            out[start:start + n] = self.model.head.read_logits(n)
         return out
 
     def verify(self, ids: Sequence[int], logits: bool = False) -> np.ndarray:
@@ -291,8 +291,8 @@ class GpuForward:
             raise InvalidRequest(f"a verify step holds at most {min(self.ub, self.model.head.rows)} tokens")
         self._run(arr, Head.ALL)
         if logits:
-            return self.model.head.logits.read(np.float32, len(arr) * self.n_vocab).reshape(len(arr), -1)
-        return self.model.head.ids.read(np.uint32, len(arr)).astype(np.int64)
+            return self.model.head.read_logits(len(arr))
+        return self.model.head.read_ids(len(arr))
 
     def dump_step(self, ids: Sequence[int], names: Iterable[str]) -> dict[str, np.ndarray]:
         """Feed ids as one step with logits for every row; the buffers written by the dispatches

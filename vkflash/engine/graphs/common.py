@@ -13,9 +13,12 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
+
 from vkflash.engine.caches import KVCaches
 from vkflash.engine.step_params import StepParams
 from vkflash.engine.weights_gpu import GpuWeights, Stack, Transform
+from vkflash.errors import NumericFault
 from vkflash.formats.gguf_file import GGUFFile
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops import argmax as argmax_op
@@ -42,15 +45,36 @@ class Head(Enum):
 
 @dataclass
 class HeadBuffers:
-    """LM head outputs the host reads: logits [rows, V] f32 and the argmax ids (host-visible)."""
+    """LM head outputs the host reads: logits [rows, V] f32 and the argmax ids (host-visible),
+    read back checked: a NaN or +inf logit is a NumericFault, never a token."""
 
     rows: int
+    V: int
     logits: Buffer
     ids: Buffer
 
     @classmethod
     def allocate(cls, gpu: "Gpu", V: int, rows: int) -> "HeadBuffers":
-        return cls(rows, gpu.buffer(4 * rows * V, "logits"), gpu.buffer(4 * rows, "argmax.ids", host=True))
+        return cls(rows, V, gpu.buffer(4 * rows * V, "logits"), gpu.buffer(4 * rows, "argmax.ids", host=True))
+
+    def read_logits(self, n: int, first: int = 0) -> np.ndarray:
+        """Logits of rows first..first+n, (n, V) float32."""
+        z = self.logits.read(np.float32, n * self.V, 4 * first * self.V).reshape(n, self.V)
+        top = z.max()  # NaN if any is
+        if np.isnan(top) or top == np.inf:
+            raise NumericFault(NON_FINITE)
+        return z
+
+    def read_ids(self, n: int) -> np.ndarray:
+        """Argmax ids of the first n rows (int64); the kernel's NO_INDEX marks a row with NaN or +inf."""
+        ids = self.ids.read(np.uint32, n).astype(np.int64)
+        if ids.max() >= self.V:
+            raise NumericFault(NON_FINITE)
+        return ids
+
+
+NON_FINITE = ("the model produced NaN or infinite logits (damaged weights, or values overflowing float32); "
+              "no token can be drawn from them")
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Row argmax of f32 logits in two passes (greedy sampling): the first maximum wins, like numpy.
 
 Pass 1: n_parts workgroups per row each write their best (value, index) pair to a scratch
-buffer; pass 2: one workgroup per row reduces the pairs and writes one uint32 index. Inputs must
-be NaN-free.
+buffer; pass 2: one workgroup per row reduces the pairs and writes one uint32 index. A row holding
+a NaN or +inf gets NO_INDEX (no logit is its argmax; the engine reports a numeric fault).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class ArgmaxSpec(SpecConstants):
 KERNELS = [Kernel("argmax", "argmax.comp", 3, push=ArgmaxPush, spec=ArgmaxSpec)]
 MAX_PARTS = 256  # partial results per row: pass 2 is one workgroup over these
 MAX_ROWS = 65535
+NO_INDEX = 0xFFFFFFFF  # the index of a row with a NaN or +inf
 
 
 def n_parts(caps: "Capabilities", n: int) -> int:
@@ -56,8 +57,8 @@ def scratch_bytes(caps: "Capabilities", n: int, n_rows: int = 1) -> int:
 
 def argmax(g: "Graph", x: Rows, out: Buffer, out_off: int = 0, scratch: Buffer | None = None,
            name: str = "argmax") -> None:
-    """out[out_off + r] = the first index of max(x_r) (uint32) for every row r of x (the pass-1
-    pairs in `scratch`, default an intermediate)."""
+    """out[out_off + r] = the first index of max(x_r) (uint32), or NO_INDEX where x_r holds a NaN or
+    +inf, for every row r of x (the pass-1 pairs in `scratch`, default an intermediate)."""
     caps = g.gpu.caps
     parts = n_parts(caps, x.n_cols)
     if scratch is None:
