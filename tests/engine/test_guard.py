@@ -9,6 +9,7 @@ plan says, greedy output staying plain decoding's; reset() restores the boot con
 from __future__ import annotations
 
 import io
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from qwen2_tiny import Geometry, write_qwen2
 from vkflash.engine.api import SamplingParams, TokenEvent
 from vkflash.engine.generate import generate
 from vkflash.engine.gpu_forward import GpuForward
-from vkflash.engine.guard import GuardConfig, Kind
+from vkflash.engine.guard import NO_LIMIT, GuardConfig, Kind
 from vkflash.engine.plan import DraftFiles, Part, make_plan, usage
 from vkflash.engine.speculate import Speculator
 from vkflash.errors import DoesNotFit
@@ -30,6 +31,7 @@ from kv_q8 import kv_q8_0
 from vkflash.formats.quants import dequantize
 from vkflash.gpu import trace
 from vkflash.gpu.budget import Budget
+from vkflash.gpu.context import PlanningGpu
 from vkflash.gpu.ops.attention import CacheType
 from vkflash.model import reference
 from vkflash.model.make_model import make_model
@@ -130,6 +132,32 @@ def test_boot_over_budget_does_not_fit(gpu, model):
     with pytest.raises(DoesNotFit, match="does not fit: the model needs"):
         GpuForward(model, ctx=CTX, ub=UB, gpu=gpu.with_options(gpu.options, own_arena=True),
                    guard=GuardConfig(budget=Budget(1 << 16, "test")))
+
+
+def test_kv_step_always_has_room(gpu, rng, model):
+    """Under budgets drawn between boot and the full context, every growth leaves room for the KV
+    step's own transition (its largest q8_0 buffer at the positions then held) while that step is
+    pending and a UB step could make room first; a walk that stops does so with the guard's own
+    line, never an allocation's; and the depth reached never falls as the budget rises."""
+    free = make_plan(model, ctx=CTX, ub=UB, kv="f16", guard=GuardConfig(budget=NONE), suggest=False)
+    lo, hi = free.boot.usage.total, free.rows[-1].usage.total
+    reached = []
+    for budget in sorted(int(b) for b in rng.integers(lo, hi, 40)):
+        fwd = _forward(PlanningGpu(gpu.caps, gpu.options), model, GuardConfig(budget=NO_LIMIT))
+        fwd.guard.out = lambda line: None
+        fwd.guard.set_budget(fwd, Budget(budget, "test"))
+        ledger, guard = fwd.gpu.ledger, fwd.guard
+        try:
+            while guard.held < CTX:
+                guard.before_step(fwd, guard.held + 1)
+                kv_left = Kind.KV in guard._own(fwd)
+                ub_left = Kind.UB in guard._own(fwd)
+                room = ledger.total + guard._transition_peak(fwd, Kind.KV, guard.held) <= budget
+                assert room or not kv_left or not ub_left, (budget, guard.held, guard.events)
+        except DoesNotFit as e:
+            assert re.match(rf"does not fit: holding \d+ of {CTX} positions", str(e)), (budget, str(e))
+        reached.append(guard.held)
+    assert reached == sorted(reached), reached
 
 
 def test_requantized_kv_logits(gpu, rng, tmp_path):

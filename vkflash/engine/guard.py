@@ -5,7 +5,8 @@ The K/V, indexer-key and summary caches hold memory for the positions written so
 chunks (engine/caches.py). Before a step that needs more, the guard computes what the growth
 costs, from the live ledger (gpu/memory.py): the bytes held after it and its peak (a buffer's old
 and new memory exist together while it is copied). When that would not fit the budget, or would
-leave too little for the next step's own transition, it takes the next step, each once, in order:
+leave too little for the KV step's own transition at the new depth, it takes the next step, each
+once, in order (a KV step that cannot make its transition now waits behind a UB step):
 
     draft  switch the MTP draft to its smaller quant (when a draft and MODEL_DRAFT_SMALL exist)
     kv     re-quantize the live K/V and indexer caches to q8_0 on the GPU, one buffer at a time
@@ -219,7 +220,7 @@ class Guard:
         while True:
             moves, held, peak = self._growth(fwd, target)
             nxt = self._next(fwd)
-            reserve = self._transition_peak(fwd, nxt) if nxt is not None else 0
+            reserve = max((self._transition_peak(fwd, k, target) for k in self._own(fwd)), default=0)
             if not limit or (peak <= limit and held + reserve <= limit):
                 break
             if nxt is None:
@@ -228,7 +229,7 @@ class Guard:
                 raise DoesNotFit(self._no_fit(fwd, target, held, peak))
             why = (f"holding {target} positions peaks at {fmt_bytes(peak)}, over the {fmt_bytes(limit)} budget"
                    if peak > limit else f"after holding {target} positions ({fmt_bytes(held)} of {fmt_bytes(limit)}) "
-                   f"no room would be left for this step's own {fmt_bytes(reserve)}")
+                   f"no room would be left for re-quantizing the KV ({fmt_bytes(reserve)} more for a moment)")
             self._engage(fwd, nxt, self.held, why)
         for buf, n in moves:
             fwd.gpu.commit(buf, n)
@@ -263,18 +264,26 @@ class Guard:
         return min((w for k, w in self.cfg.when.items() if isinstance(w, int) and k not in taken
                     and self.cfg.enabled), default=float("inf"))
 
-    def _next(self, fwd: "GpuForward") -> Kind | None:
-        """The next step the guard may take on its own (DEEPGUARD=1, not `off`)."""
-        if not self.cfg.enabled:
-            return None
-        return next((k for k in self._pending(fwd) if self.cfg.when[k] != "off"), None)
+    def _own(self, fwd: "GpuForward") -> list[Kind]:
+        """The steps the guard may still take on its own (DEEPGUARD=1, not `off`), in order."""
+        return [k for k in self._pending(fwd) if self.cfg.when[k] != "off"] if self.cfg.enabled else []
 
-    def _transition_peak(self, fwd: "GpuForward", kind: Kind) -> int:
-        """Bytes a step holds for a moment beyond what it frees: re-quantization allocates each
-        q8_0 buffer before freeing its source; the draft and UB steps free first."""
+    def _next(self, fwd: "GpuForward") -> Kind | None:
+        """The first of them whose own transition fits now (the KV step waits while it does not;
+        a UB step, freeing first, may make room for it)."""
+        ledger = fwd.gpu.ledger
+
+        def fits_now(k: Kind) -> bool:
+            return not ledger.limit or ledger.total + self._transition_peak(fwd, k, self.held) <= ledger.limit
+        return next((k for k in self._own(fwd) if fits_now(k)), None)
+
+    def _transition_peak(self, fwd: "GpuForward", kind: Kind, positions: int) -> int:
+        """Bytes a step taken while the caches hold `positions` holds for a moment beyond what it
+        frees: re-quantization allocates each q8_0 buffer before freeing its source; the draft
+        and UB steps free first."""
         if kind is not Kind.KV:
             return 0
-        return max((Cache.nbytes(self.held, c.n_heads, c.dim, CacheType.Q8_0) for c in self._caches(fwd)), default=0)
+        return max((Cache.nbytes(positions, c.n_heads, c.dim, CacheType.Q8_0) for c in self._caches(fwd)), default=0)
 
     def _caches(self, fwd: "GpuForward") -> list[Cache]:
         return ([c for kv in fwd.model.kv.layers.values() for c in (kv.k, kv.v)]
