@@ -9,6 +9,9 @@
 // p_e' = p_e and e' < e} counted against all E (no rounds, three barriers: the ranks < k are the
 // top-k in order, ties to the lower index; VKFLASH_ROUTER_RANK=1); false (default): k rounds of a
 // workgroup argmax, each taking the best remaining expert. Both give the same ids and weights.
+// A row whose z holds a NaN or +inf (Σe not finite) is not ranked: ids 0..k-1 (always valid
+// expert indices for the kernels that gather by them) and NaN weights, which carry the fault on
+// to the logits, where the engine reports it.
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"
 #include "common/reduce.glsl"
@@ -44,6 +47,13 @@ void main() {
             s += x;
         }
         s = wg_sum(s);  // ends with a barrier: every prob[e] is written
+        if ((floatBitsToUint(s) & 0x7F800000u) == 0x7F800000u) {  // NaN or inf: the same in every lane
+            for (uint j = lid; j < p.k; j += wg) {
+                ids[ir + j] = int(j);
+                w[wr + j] = uintBitsToFloat(0x7FC00000u);
+            }
+            continue;
+        }
         for (uint e = lid; e < p.E; e += wg) prob[e] = prob[e] / s;
         barrier();
         if (RANK) {

@@ -306,3 +306,33 @@ def test_gemv_q8_greedy(gpu, rng, tmp_path):
             assert int(np.argmax(got)) == int(np.argmax(want)), f"step {i}: q8 argmax differs beyond a near tie"
             checked += 1
     assert checked >= 8, f"only {checked} of {len(ref)} steps clear of near ties"
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3next", "qwen4exp"])
+def test_nan_weights_are_a_numeric_fault(gpu, tmp_path, rng, arch):
+    """One weight of layer 0's FFN-input norm set to NaN (damaged data): the greedy path (device
+    argmax; the MoE router on NaN logits included) and the logits path raise NumericFault, never a
+    token or a gather outside the experts; a sound model's prompt runs as before. (The FFN input:
+    an online softmax's max() may skip NaN scores, and an infinite weight need not reach the
+    logits, exp(−inf) = 0 can absorb it; the argmax, router and CLI tests cover +inf.)"""
+    from vkflash.errors import NumericFault
+    from vkflash.formats.gguf_file import GGUFFile
+    from vkflash.model.make_model import make_model
+
+    path = _model(tmp_path, rng) if arch == "qwen2" else \
+        make_model(arch, "tiny", "F32", int(rng.integers(1 << 30)), tmp_path / f"{arch}.gguf")[0]
+    norm = {"qwen2": "ffn_norm", "qwen3next": "post_attention_norm", "qwen4exp": "hc_ffn_norm"}[arch]
+    t = GGUFFile(path).tensors[f"blk.0.{norm}.weight"]
+    data = bytearray(path.read_bytes())
+    at = t.offset + 4 * int(rng.integers(0, t.ne[0]))
+    data[at:at + 4] = np.float32(np.nan).tobytes()
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(data)
+    fwd = GpuForward(damaged, ctx=64, ub=16, gpu=gpu)
+    ids = rng.integers(0, fwd.n_vocab, int(rng.integers(2, 20))).tolist()
+    for feed in (fwd.prefill_argmax, fwd.prefill):
+        fwd.reset()
+        with pytest.raises(NumericFault, match="NaN or infinite logits"):
+            feed(ids)
+    sound = GpuForward(path, ctx=64, ub=16, gpu=gpu)
+    assert 0 <= sound.prefill_argmax(ids) < sound.n_vocab

@@ -83,6 +83,34 @@ def test_all_equal_logits(gpu, rng):
     np.testing.assert_allclose(wb.read(np.float32), 1.0 / k, rtol=4 * k * ULP)
 
 
+@pytest.mark.parametrize("rank", [False, True])
+def test_non_finite_rows(gpu, rng, rank):
+    """Rows holding a NaN or +inf (or all −inf) get ids 0..k−1 (valid indices for the expert
+    gathers) and NaN weights in both selections; the finite rows between them are routed as usual."""
+    from dataclasses import replace
+
+    E, k = int(rng.choice([16, 64, 512])), 10
+    T = 6
+    z = _logits(rng, T, E, k)
+    bad = [1, 2, 4, 5]
+    z[1, int(rng.integers(0, E))] = np.nan
+    z[2, int(rng.integers(0, E))] = np.inf
+    z[4, :] = -np.inf
+    z[5, rng.integers(0, E, 3)] = np.nan
+    g = gpu.with_options(replace(gpu.options, router_rank=rank)).graph("router_bad")
+    zb, ib, wb = gpu.upload(z), gpu.buffer(4 * T * k), gpu.buffer(4 * T * k)
+    ib.fill(-7, np.int32)
+    wb.fill(0.5)
+    moe_router(g, Rows(zb, T, E), Rows(ib, T, k), Rows(wb, T, k), k)
+    g.run()
+    ids, w = ib.read(np.int32).reshape(T, k), wb.read(np.float32).reshape(T, k)
+    np.testing.assert_array_equal(ids[bad], np.tile(np.arange(k), (len(bad), 1)))
+    assert np.isnan(w[bad]).all()
+    good = [0, 3]
+    np.testing.assert_array_equal(ids[good], _reference(z[good], k)[0])
+    assert np.isfinite(w[good]).all()
+
+
 def test_validation(gpu):
     """k outside 1..E, wrong output shapes and overlapping views are refused before dispatch."""
     z, o = gpu.buffer(4 * 200, "z"), gpu.buffer(4 * 200, "o")

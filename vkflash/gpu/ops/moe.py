@@ -75,7 +75,8 @@ MAX_GROUPS = 65535  # router: one workgroup per token, more tokens loop; combine
 
 
 def moe_router(g: "Graph", z: Rows, ids: Rows, w: Rows, k: int, name: str = "moe_router") -> None:
-    """ids, w = top-k of softmax(z) per row of z (T × E); ids and w are T × k (ids as int32)."""
+    """ids, w = top-k of softmax(z) per row of z (T × E); ids and w are T × k (ids as int32). A
+    row with a NaN or +inf gets ids 0..k-1 and NaN weights (valid gathers, the fault carried on)."""
     T, E = z.n_rows, z.n_cols
     if not 1 <= k <= E:
         raise ValueError(f"{name}: k = {k} must be between 1 and the expert count {E}")
