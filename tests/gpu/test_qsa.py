@@ -168,6 +168,17 @@ def test_select(gpu, rng, r, B, n_max, listing, mode):
             assert (got[t, words:] == 0xDEADBEEF).all(), "mask words past the query were written"
 
 
+@pytest.mark.parametrize("B", [0, 6])
+def test_select_refuses_a_budget_of_no_whole_blocks(gpu, B):
+    """B = 0 (no block: the wide kernel's radix select would read unset digits) and a B that is not
+    a multiple of r are refused before dispatch."""
+    g = gpu.graph("bad_select")
+    s, o = gpu.buffer(4 * 64, "s"), gpu.buffer(4 * 64, "o")
+    with pytest.raises(ValueError, match="positive multiple of the block size r=4"):
+        qsa_select(g, s, 0, Rows(s, 1, 16), Rows(o, 1, 16), r=4, B=B)
+    assert not g.ops
+
+
 def test_select_then_gathered_decode(gpu, rng):
     """Decode over the selected cells: qsa_select's list and gather params drive attn_flash (GATHER)
     with no host step; equals the reference masked attention (tolerance as in test_attention)."""

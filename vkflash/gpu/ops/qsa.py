@@ -183,8 +183,8 @@ def qsa_select(g: "Graph", params: Buffer, param_off: int, scores: Rows, out: Ro
     `cell` mode with tie rule `index` (lower cell first). With gather_params:
     out row t = sorted cells of Sel_t (needs ≥ W = B + r − 1 columns) and gather_params[gp_off+2t],
     [gp_off+2t+1] = (position, count); else out row t = bit words of Sel_t (≥ ⌈n_ctx/32⌉ columns)."""
-    if B % r:
-        raise ValueError(f"{name}: token budget B={B} is not a multiple of the block size r={r}")
+    if B < r or B % r:
+        raise ValueError(f"{name}: token budget B={B} is not a positive multiple of the block size r={r}")
     W, T = B + r - 1, scores.n_rows
     if out.n_rows != T:
         raise ValueError(f"{name}: output has {out.n_rows} rows for {T} queries")
