@@ -213,6 +213,22 @@ def test_step_over_T_equals_chunked(gpu, rng, S, chunked):
     _close("o step", o1, want_o, _tol(want_o, S, T))
 
 
+def test_large_state_prefill_falls_back_to_step(gpu, rng):
+    """S = 512: no chunk of either chunked variant fits the device's shared memory (32 KiB lavapipe,
+    48 KiB H200), so a prefill-sized T runs the step kernel token by token, equal to the recurrence;
+    asking for the chunked variant is still an error naming shared memory."""
+    shape = GDNShape(1, 2, 512, HeadMap.TILED)
+    T = int(rng.integers(gdn.STEP_MAX_T + 1, 24))
+    x = _inputs(rng, shape, T)
+    o, st, _, plan = _run(gpu, rng, shape, x, None)
+    assert plan.variant == Variant.STEP
+    want_o, want_st = _reference(shape, x)
+    _close("o", o, want_o, _tol(want_o, 512, T))
+    _close("state", st[0], want_st, _tol(want_st, 512, T))
+    with pytest.raises(ValueError, match="does not fit .* shared memory"):
+        _run(gpu, rng, shape, x, Variant.CHUNK)
+
+
 @pytest.mark.parametrize("variant", list(Variant))
 def test_raw_gates_equal_gates_then_delta(gpu, rng, variant):
     """Fusion.GDN_GATES: β = σ(b), g = softplus(a + dt_bias)·ssm_a computed inside the delta kernel

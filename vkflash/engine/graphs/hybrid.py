@@ -24,7 +24,8 @@ from vkflash.formats.gguf_file import GGUFFile
 from vkflash.gpu.memory import Buffer
 from vkflash.gpu.ops import eltwise as E
 from vkflash.gpu.ops import gdn
-from vkflash.gpu.ops.attention import CellList, CellMask, DenseHead, Heads, attention, kv_append, q_and_gate
+from vkflash.gpu.ops.attention import (CellList, CellMask, DenseHead, Heads, attention, kv_append, q_and_gate,
+                                       row_lists_possible)
 from vkflash.gpu.ops.matmul import QWeight, matmul
 from vkflash.gpu.ops.moe import ExpertStack, RoutedExperts, moe_combine, moe_routed, moe_router, split_gate_up
 from vkflash.gpu.ops.norm import rms_norm
@@ -170,7 +171,8 @@ def qsa_select_cells(g: "Graph", m: StepModel, i: int, u: Rows, idx: IndexerCach
                      cfg: QSAConfig) -> CellMask | GatheredCells | GatheredTiles:
     """(Q1)–(Q8): write ρ, pool the blocks this step completes (or all, POOLED=0), score the visible
     blocks and select: a gathered cell list per row (positions in its gather params) for decode and
-    verify-sized steps, and for prefill steps with VKFLASH_QSA_ROWS; else per-query bit rows, turned
+    verify-sized steps, and for prefill steps with VKFLASH_QSA_ROWS where the kernels run this
+    shape's row lists (attention.row_lists_possible); else per-query bit rows, turned
     into per-tile union lists (GP=1) or used as the mask of dense attention (GP=0)."""
     hp, w, p, n = m.hp, m.weights, m.params, u.n_rows
     b = f"blk.{i}."
@@ -190,7 +192,8 @@ def qsa_select_cells(g: "Graph", m: StepModel, i: int, u: Rows, idx: IndexerCach
     scores = g.tensor(n, idx.n_blocks, b + "idx_scores")
     qsa_scores(g, p.buf, 0, qI, summary, scores, n_I=n_I, r=r, name=b + "idx_scores")  # (Q5)
     W = hp.B + max(hp.r) - 1
-    if n <= p.row_steps or cfg.gathered and cfg.rows:  # one cell list per row
+    rows = cfg.gathered and cfg.rows and row_lists_possible(g, n, hp.H, hp.H_kv, hp.Dh, m.kv[i].k.type)
+    if n <= p.row_steps or rows:  # one cell list per row
         cells, gp = g.tensor(n, W, b + "qsa_select"), g.temp(8 * n, b + "qsa_select.gp")
         qsa_select(g, p.buf, 0, scores, cells, r=r, B=hp.B, cell=cfg.cell, gather_params=gp,
                    name=b + "qsa_select")  # (Q6)–(Q8)

@@ -620,6 +620,16 @@ def attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v:
                         n_split=n_split, partial=partial, kind=kind, name=name)
 
 
+def row_lists_possible(g: "Graph", T: int, H: int, H_kv: int, dim: int, cache: CacheType) -> bool:
+    """Whether attention(row_lists=True) runs T queries of this shape here (the coopmat flash with a
+    list tile shape, else the decode kernel); where not, a graph gathers through per-tile unions."""
+    from vkflash.gpu.ops import attn_decode as dec
+
+    coopmat = (flash_kind(g, T, dim, cache, gathered=True) is Flash.COOPMAT
+               and list_tiles(g.gpu.caps, dim, H // H_kv) is not None)
+    return coopmat or dec.supported(g.gpu.caps, T, H, H_kv, dim, cache, row_lists=True)
+
+
 def flash_attention(g: "Graph", params: Buffer, param_off: int, q: Heads, k: Cache, v: Cache, out: Heads, *,
                     gate: Heads | None = None, mask: CellMask | None = None, cells: CellList | None = None,
                     tile: int = 0, n_split: int | None = None, partial: Buffer | None = None,

@@ -136,9 +136,9 @@ def _shape(caps: Capabilities, rows: int, dim: int, ctype: CacheType) -> tuple[i
 def supported(caps: Capabilities, T: int, H: int, H_kv: int, dim: int, ctype: CacheType,
               row_lists: bool = False) -> bool:
     """Whether the kernel runs this shape on this device (else attention() uses flash); with row
-    lists one token's GQA group must fit a workgroup."""
-    rows = H // H_kv if row_lists else T * (H // H_kv)
-    return (not row_lists or rows <= MAX_ROWS) and _shape(caps, rows, dim, ctype) is not None
+    lists one token's GQA group must fit a workgroup (one row chunk, as `plan` needs)."""
+    shape = _shape(caps, H // H_kv if row_lists else T * (H // H_kv), dim, ctype)
+    return shape is not None and (not row_lists or shape[1] == 1)
 
 
 def plan(caps: Capabilities, T: int, H: int, H_kv: int, dim: int, ctype: CacheType, n_keys: int,

@@ -353,8 +353,9 @@ def _plan_matrix(shape: GDNShape, wg: int, budget: int, chunk: int | None, cols:
 def plan_delta(g: "Graph", shape: GDNShape, T: int, variant: Variant | None = None, chunk: int | None = None,
                cols: int | None = None) -> DeltaPlan:
     """Pick the variant (unless told: step for T ≤ STEP_MAX_T, else the matrix form where the
-    options' gdn_matrix (VKFLASH_GDN_MATRIX) is on and a layout fits, else the scalar chunked one), the value-column
-    slice and the chunk so the workgroup's shared memory fits the device."""
+    options' gdn_matrix (VKFLASH_GDN_MATRIX) is on and a layout fits, else the scalar chunked one,
+    else, for an S whose chunks do not fit, step), the value-column slice and the chunk so the
+    workgroup's shared memory fits the device."""
     wg = kernel("gdn_delta").workgroup(g.gpu.caps)
     budget = g.gpu.caps.shared_memory // F32
     S = shape.S
@@ -369,21 +370,24 @@ def plan_delta(g: "Graph", shape: GDNShape, T: int, variant: Variant | None = No
             raise ValueError(f"gdn_delta: no matrix layout for S = {S} fits {g.gpu.caps.shared_memory} B of shared "
                              f"memory with {wg} invocations")
         v = Variant.CHUNK
-    if v == Variant.STEP:
-        for bw in _divisors_down(S, 32):
-            n_par = wg // bw
-            if wg % bw == 0 and S % n_par == 0 and n_par <= S and 2 * S + 5 * wg <= budget:
-                return DeltaPlan(v, bw, 1, S // n_par, 2 * S + 5 * wg)
-        raise ValueError(f"gdn_delta: no step layout for S = {S} with {wg} invocations")
-    chunks = CHUNKS if chunk is None else (chunk,)
-    for ch in chunks:
-        if not 1 <= ch <= wg // 2:
-            raise ValueError(f"gdn_delta: chunk {ch} outside 1..{wg // 2} (two row norms per invocation pair)")
-        for bw in _divisors_down(S, 64) if cols is None else [cols]:
-            sh = 2 * ch * S + ch * ch + S * bw + ch * bw + 2 * ch
-            if sh <= budget:
-                return DeltaPlan(v, bw, ch, 1, sh)
-    raise ValueError(f"gdn_delta: S = {S} with chunks {chunks} does not fit {g.gpu.caps.shared_memory} B of shared memory")
+    if v == Variant.CHUNK:
+        chunks = CHUNKS if chunk is None else (chunk,)
+        for ch in chunks:
+            if not 1 <= ch <= wg // 2:
+                raise ValueError(f"gdn_delta: chunk {ch} outside 1..{wg // 2} (two row norms per invocation pair)")
+            for bw in _divisors_down(S, 64) if cols is None else [cols]:
+                sh = 2 * ch * S + ch * ch + S * bw + ch * bw + 2 * ch
+                if sh <= budget:
+                    return DeltaPlan(v, bw, ch, 1, sh)
+        if variant is not None:
+            raise ValueError(f"gdn_delta: S = {S} with chunks {chunks} does not fit {g.gpu.caps.shared_memory} B "
+                             f"of shared memory")
+        v = Variant.STEP  # a large S: token by token, as decode (slower, the same recurrence)
+    for bw in _divisors_down(S, 32):
+        n_par = wg // bw
+        if wg % bw == 0 and S % n_par == 0 and n_par <= S and 2 * S + 5 * wg <= budget:
+            return DeltaPlan(v, bw, 1, S // n_par, 2 * S + 5 * wg)
+    raise ValueError(f"gdn_delta: no step layout for S = {S} with {wg} invocations")
 
 
 @dataclass(frozen=True)
