@@ -5,6 +5,7 @@ the first diverging op when a weight buffer is corrupted after upload."""
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 import re
 from pathlib import Path
 
@@ -140,6 +141,29 @@ def test_cli_run_on_non_finite_logits(gpu, chat_model, rng, bad, temp):
     assert r.exit_code != 0, r.stderr
     assert lines and lines[-1].startswith("error: the model produced NaN or infinite logits"), r.stderr
     assert "Traceback" not in r.stderr and r.stdout.strip() == ""
+
+
+def test_shapes_beyond_the_kernels_are_one_line(gpu, tmp_path, rng):
+    """A valid file whose head dim (48) the attention kernels do not run: `inspect` calls it valid,
+    `run`, `verify` and `plan` stop with one error line naming the shape, no traceback."""
+    bare = tmp_path / "bare.gguf"
+    write_qwen2(bare, rng, Geometry(d=64, H=2, H_kv=1, Dh=48, F=96, V=len(VOCAB.tokens), L=2), Q.F32)
+    path = str(with_tokenizer(bare, tmp_path / "dh48.gguf"))
+    assert CliRunner().invoke(cli.app, ["inspect", path]).exit_code == 0
+    for args in (["run", path, "-p", "hi", "-n", "2", "--ctx", "64"], ["verify", path], ["plan", path]):
+        r = CliRunner().invoke(cli.app, args)
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.exit_code != 0 and "Traceback" not in r.stderr, (args, r.stderr)
+        assert lines[-1].startswith("error: this model's shapes are beyond what vkflash's kernels run here"), args
+        assert "head dim 48 is not a multiple of 32" in lines[-1], (args, lines[-1])
+
+
+def test_verify_one_token_vocabulary(gpu, tmp_path, rng):
+    """A one-token vocabulary (no top two logits to call a near-tie) verifies and passes."""
+    path = tmp_path / "v1.gguf"
+    write_qwen2(path, rng, replace(GEO, V=1), Q.F32)
+    r = CliRunner().invoke(cli.app, ["verify", str(path)])
+    assert r.exit_code == 0 and "PASS" in r.stdout, r.stdout + r.stderr
 
 
 def test_cli_run_mtp(gpu, tmp_path, rng):

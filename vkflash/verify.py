@@ -278,9 +278,9 @@ def verify(path: Path, tokens: Sequence[int], fwd: "GpuForward | None" = None, c
             n, V = ref[LOGITS].shape
             gpu_logits, last = got[LOGITS][:n * V].reshape(n, V), ref[LOGITS][-1]
             tol = next(r.tol for r in report.rows if r.phase == phase and r.name == LOGITS)
-            top2 = np.sort(last)[-2:]
+            top2 = np.sort(last)[-2:]  # one logit (V = 1): never a tie
             report.argmax[phase] = Greedy(int(gpu_logits[-1].argmax()), int(last.argmax()),
-                                          bool(top2[1] - top2[0] <= 2 * tol * ref[LOGITS].std()))
+                                          V > 1 and bool(top2[1] - top2[0] <= 2 * tol * ref[LOGITS].std()))
     return report
 
 

@@ -28,7 +28,7 @@ from typing import Callable
 import numpy as np
 
 from vkflash.engine.caches import allocate_kv
-from vkflash.engine.gpu_forward import GpuForward
+from vkflash.engine.gpu_forward import GpuForward, build_checked
 from vkflash.engine.guard import Fill
 from vkflash.engine.graphs import mtp
 from vkflash.engine.graphs.common import Head, HeadBuffers, StepModel
@@ -381,7 +381,7 @@ class MtpDrafter:
         g = self._graphs.get(key)
         if g is None:
             g = Graph(self.fwd.gpu, "mtp." + ".".join(str(x) for x in key), split=split)
-            build(g)
+            build_checked(g, lambda: build(g))
             self._graphs[key] = g
         return g
 

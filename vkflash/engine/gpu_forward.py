@@ -35,7 +35,7 @@ from vkflash.engine.weights_gpu import device_embeddable, host_row_gather, uploa
 from vkflash.formats.gguf_file import GGUFFile
 from vkflash.gpu.context import Gpu
 from vkflash.gpu.graph import Graph
-from vkflash.errors import ConfigError
+from vkflash.errors import ConfigError, ModelError
 from vkflash.model.hparams import hparams_from_gguf
 from vkflash.model.tensors import block_of
 
@@ -50,6 +50,16 @@ class GraphStats:
     dispatches: int
     submissions: int
     barriers: int
+
+
+def build_checked(g: Graph, build: Callable[[], None]) -> None:
+    """Build a step graph; an op's refusal of a shape (ValueError: no kernel layout, no shared memory
+    for it) is this model's shape being beyond the kernels here: one ModelError line, not a traceback."""
+    try:
+        build()
+    except ValueError as e:
+        raise ModelError(f"this model's shapes are beyond what vkflash's kernels run here "
+                         f"(building {g.name}: {e})") from e
 
 
 def pieces(n: int, cap: int) -> Iterator[int]:
@@ -315,7 +325,7 @@ class GpuForward:
                 raise ValueError(f"a step of {n} tokens; this forward's steps hold 1..{self.ub}")
             kind = "verify" if head is Head.ALL and 2 <= n <= ROW_STEP_MAX else head.value  # named in the job log
             g = Graph(self.gpu, f"{self.hp.arch}.{kind}.{n}", split=n > 1)
-            self.arch.build(g, self.model, n, head)
+            build_checked(g, lambda: self.arch.build(g, self.model, n, head))
             self._graphs[key] = g
         return g
 
