@@ -35,6 +35,10 @@ def test_qwen3_template_thinking_tools_and_history():
     assert on.endswith("<|im_start|>assistant\n") and off.endswith("<think>\n\n</think>\n\n")
     assert not prompt_opens_think(on) and not prompt_opens_think(off)
     assert prompt_opens_think(on + "<think>\n")
+    said = [{"role": "user", "content": "What does the parser do with '<think>' in model output?"}]
+    mentioned = render_chat(QWEN3_THINKING_TEMPLATE, said + [{"role": "assistant", "content": "It opens <think> mode"},
+                                                              {"role": "user", "content": "and then?"}])
+    assert not prompt_opens_think(mentioned) and prompt_opens_think(mentioned + "<think>\n\n")
 
 
 def test_reply_start_is_where_the_generation_prompt_begins():

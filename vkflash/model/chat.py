@@ -178,9 +178,10 @@ def _render_mid_system(tpl, ctx: dict[str, Any], mid: list[int]) -> str:
 
 
 def prompt_opens_think(prompt: str) -> bool:
-    """True when the rendered prompt ends inside an open <think> block (generation starts in it)."""
-    k = prompt.rfind(THINK_OPEN)
-    return k >= 0 and prompt.find(THINK_CLOSE, k) < 0
+    """True when the rendered prompt's generation prompt opens a <think> block (the prompt ends with
+    `<think>` and whitespace; llama.cpp's thinking_forced_open): generation starts inside it. A
+    `<think>` the conversation merely mentions, unclosed, is text."""
+    return prompt.rstrip().endswith(THINK_OPEN)
 
 
 def split_reasoning(text: str, in_think: bool = False) -> tuple[str, str]:
