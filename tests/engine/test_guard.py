@@ -36,7 +36,7 @@ from vkflash.gpu.ops.attention import CacheType
 from vkflash.model import reference
 from vkflash.model.make_model import make_model
 from vkflash.model.weights import load_model
-from vkflash.server.llama_api import memory_gauges
+from vkflash.engine.guard import memory_gauges
 
 pytestmark = pytest.mark.gpu
 # K/V (4 heads × 64, two layers) outweigh the compute buffers: the KV step is worth taking

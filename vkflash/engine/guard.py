@@ -27,7 +27,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vkflash import settings
 from vkflash.engine.caches import IndexerCache, KVCaches, LayerKV, growable_cache, held_positions, summary_bytes
@@ -344,3 +344,13 @@ class Guard:
         fwd.set_ubatch(ub)
         self.events = []
         self._forced = self._next_forced()
+
+
+def memory_gauges(fwd: Any) -> dict[str, tuple[str, float]]:
+    """Memory held against the budget and what the guard's steps returned (GPU forward only)."""
+    guard = getattr(fwd, "guard", None)
+    if guard is None:
+        return {}
+    return {"guard_freed_bytes": ("bytes the deep-context guard's steps returned", float(guard.freed)),
+            "memory_bytes": ("bytes held against the memory budget", float(fwd.gpu.ledger.total)),
+            "memory_budget_bytes": ("the memory budget", float(guard.budget.nbytes))}

@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 
 import vkflash
 from vkflash.engine.api import Finish, SamplingParams, TokenEvent
+from vkflash.engine.guard import memory_gauges
 from vkflash.model.chat import render_chat
 from vkflash.model.tokenizer import Tokenizer
 from vkflash.server.backend import Loaded
@@ -144,16 +145,6 @@ def _piece(tok: Tokenizer, t: int) -> str | list[int]:
         return b.decode("utf-8")
     except UnicodeDecodeError:
         return list(b)
-
-
-def memory_gauges(fwd: Any) -> dict[str, tuple[str, float]]:
-    """Memory held against the budget and what the guard's steps returned (GPU forward only)."""
-    guard = getattr(fwd, "guard", None)
-    if guard is None:
-        return {}
-    return {"guard_freed_bytes": ("bytes the deep-context guard's steps returned", float(guard.freed)),
-            "memory_bytes": ("bytes held against the memory budget", float(fwd.gpu.ledger.total)),
-            "memory_budget_bytes": ("the memory budget", float(guard.budget.nbytes))}
 
 
 def _stop_type(fin: Finish) -> str:
