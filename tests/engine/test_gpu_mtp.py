@@ -108,22 +108,25 @@ def _generate(fwd, prompt: list[int], params: SamplingParams) -> tuple[list[int]
     return [e.token for e in evs if isinstance(e, TokenEvent)], evs[-1]
 
 
-@pytest.mark.parametrize("layout, draft_len, accept, adapt, prompts, catchup_async", [
-    ("in-file", 2, 0.6, "0", (21, 25), "1"), ("separate-q8", 7, 0.9, "1", (22, 26), "1"),
-    ("in-file", 4, None, "0", (23,), "1"), ("in-file", 3, 0.6, "0", (24,), "0")])
+@pytest.mark.parametrize("layout, draft_len, accept, adapt, prompts, catchup_async, ub", [
+    ("in-file", 2, 0.6, "0", (21, 25), "1", 8), ("separate-q8", 7, 0.9, "1", (22, 26), "1", 8),
+    ("in-file", 4, None, "0", (23,), "1", 8), ("in-file", 3, 0.6, "0", (24,), "0", 8),
+    ("in-file", 6, 0.9, "0", (21,), "1", 4)])
 def test_greedy_speculation_is_plain_decoding(gpu, rng, tmp_path, layout, draft_len, accept, adapt, prompts,
-                                              catchup_async):
+                                              catchup_async, ub):
     """For several prompts (ubatches of 8 and a tail, QSA sparse from position 35), greedy output
     with MTP is token for token plain decoding's up to the context end (≥ 64 tokens): with drafts
     agreeing with the output with probability `accept` (rounds accept every number of drafts and
     roll the rest back; fixed or adaptive length), or the head's own drafts (on random weights
     nearly all rejected); timings count the drafts. The catch-up rows run ahead of the target
-    step unwaited, or (VKFLASH_MTP_CATCHUP_ASYNC=0) waited for."""
+    step unwaited, or (VKFLASH_MTP_CATCHUP_ASYNC=0) waited for. A ubatch smaller than a round
+    (UB 4, DRAFT 6) boots, warms as the server does, and verifies at most 4 tokens a step."""
     path, draft = _models(tmp_path, rng, layout)
     plain = GpuForward(path, ctx=90, ub=8, kv="f16", gpu=gpu)
-    sp = _open(gpu, path, draft, ctx=90, DRAFT=str(draft_len), SPEC_ADAPT=adapt,
+    sp = _open(gpu, path, draft, ctx=90, ub=ub, DRAFT=str(draft_len), SPEC_ADAPT=adapt,
                VKFLASH_MTP_CATCHUP_ASYNC=catchup_async)
     assert sp.drafter._async == (catchup_async == "1")
+    sp.warm()
     params = SamplingParams(temperature=0.0, ignore_eos=True)
     for n_prompt in prompts:
         prompt = [int(t) for t in rng.integers(0, V, n_prompt)]

@@ -332,9 +332,9 @@ class MtpDrafter:
         return self.d.model.head.read_logits(1, j)[0]
 
     def warm(self) -> None:
-        """Record every graph a decoding round can use (up to k_max + 1 pending rows, up to k_max
-        drafted tokens), so that timing sees replays only."""
-        for c in range(1, self.k_max + 2):
+        """Record every graph a decoding round can use (up to k_max + 1 pending rows, fewer when a
+        ubatch holds fewer; up to k_max drafted tokens), so that timing sees replays only."""
+        for c in range(1, min(self.k_max + 1, self.fwd.ub) + 1):
             self._catch_graph(c).record()
             for k in range(1, self.k_max + 1 if self.device_chain else 2):
                 self._round_graph(c, k, self.device_chain).record()
