@@ -205,10 +205,12 @@ class GpuForward:
         when a verify step's planes reach, else restored from the nearest checkpoint at or below
         it (`strict`: below it, for the MTP head, whose cache cell at the restore point was
         written with the old sequence's next token); with none, the sequence starts over (reset,
-        guard steps undone). The guard's steps in force stay: K/V cells already re-quantized stay so."""
+        guard steps undone). The guard's steps taken within the prefix stay (K/V cells already
+        re-quantized stay so); one taken deeper than the prefix starts the sequence over, so that
+        a reply does not depend on how deep the requests before it went."""
         c = min(common_prefix(self._seq, [int(t) for t in ids]), len(ids) - 1)
         st = self.model.state
-        if c <= 0:
+        if c <= 0 or self.guard.taken_beyond(c):
             self.reset()
             return 0
         if c == self._n:

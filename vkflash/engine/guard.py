@@ -163,6 +163,11 @@ class Guard:
         """Bytes the steps returned."""
         return sum(e.freed for e in self.events)
 
+    def taken_beyond(self, n: int) -> bool:
+        """Whether a step was taken at a depth a sequence of n tokens does not pass (a prefix that
+        short, run alone, would not have taken it)."""
+        return any(e.depth >= n for e in self.events)
+
     def start(self, fwd: "GpuForward") -> None:
         """After the boot allocations: the budget becomes the ledger's limit, and must hold them."""
         self.set_budget(fwd, self.budget)
