@@ -203,6 +203,7 @@ def test_constraint_masks_every_draw(rng, params):
     from vkflash.model.tokenizer import Tokenizer
     from vkflash.model.vocab_build import tiny_vocab
 
+    pytest.importorskip("llguidance", reason="grammars need llguidance (a dependency; absent from the GPU kit)")
     vm = tiny_vocab(512)
     tok = Tokenizer(vm.tokens, vm.token_types, vm.merges, vm.pre, vm.eos_id, vm.bos_id)
     table = rng.standard_normal((512, 512)).astype(np.float32)

@@ -102,7 +102,8 @@ def test_gathered_prefill_equals_masked(gpu, rng, tmp_path: Path, monkeypatch, k
         if name.startswith("rows"):  # the coopmat run's lists take one-token tiles of the coopmat kernel,
             assert all(("coopmat" in d) == (kernel == "coopmat") for d in lists), lists
             heads = [op.desc for op in fwd.graph(58, Head.LAST).ops if op.name == b + "attn_gated.dense"]
-            assert len(heads) == (kernel == "coopmat" and name == "rows"), heads  # and its queries before W
+            one_split = all("split=1 " in d for d in lists)  # a GPU with many cores splits the keys instead
+            assert len(heads) == (kernel == "coopmat" and name == "rows" and one_split), heads  # queries before W
             continue
         # one more 10-token step (positions 236..245; steps of ≤ 8 attend row by row instead) to
         # compare the last QSA layer's bit rows

@@ -257,10 +257,10 @@ def test_guard_switches_the_mtp_draft_as_planned(gpu, rng, tmp_path, layout, mon
     path, draft = _mtp_model(tmp_path, rng, layout)
     ctx, ub = 256, 32
     free = make_plan(path, ctx=ctx, ub=ub, kv="f16", draft=draft, guard=GuardConfig(budget=NONE), suggest=False,
-                     depths=(192,))
+                     depths=(192,), options=gpu.options)
     budget = Budget(next(r for r in free.rows if r.depth == 192).usage.total - 1, "test")
     plan = make_plan(path, ctx=ctx, ub=ub, kv="f16", budget=budget, draft=draft, guard=GuardConfig(), suggest=False,
-                     depths=(192,))
+                     depths=(192,), options=gpu.options)
     assert plan.fill_fits and [(e.depth, e.kind) for e in plan.events] == [(128, Kind.DRAFT)]
     fresh = gpu.with_options(gpu.options, own_arena=True)
     sp = Speculator.open(path, draft.path, draft.small, ctx=ctx, ub=ub, kv="f16", gpu=fresh,

@@ -52,7 +52,7 @@ def _close(plan: Usage, real: Usage, what: str) -> None:
 
 def _compare(gpu, path: Path, ctx: int, ub: int, depth: int, vocab: int) -> None:
     """Plan at 0 and `depth`; the real forward after reserve() and after a prompt of `depth` tokens."""
-    plan = make_plan(path, ctx=ctx, ub=ub, kv="f16", guard=NO_GUARD, depths=(0, depth))
+    plan = make_plan(path, ctx=ctx, ub=ub, kv="f16", guard=NO_GUARD, depths=(0, depth), options=gpu.options)
     row = next(r for r in plan.rows if r.depth == depth)
     fresh = gpu.with_options(gpu.options, own_arena=True)
     fwd = GpuForward(path, ctx=ctx, ub=ub, kv="f16", gpu=fresh, guard=NO_GUARD)
@@ -129,7 +129,8 @@ def test_plan_with_an_mtp_draft_equals_allocation(gpu, rng, tmp_path):
     path = make_model("qwen4exp", "tiny", "F32", seed, tmp_path / "m.gguf", mtp_block=True)[0]
     small = make_model("qwen4exp", "tiny", "Q8_0", seed, tmp_path / "q.gguf", mtp_separate=True)[1]
     cfg = GuardConfig(when={Kind.DRAFT: 64, Kind.KV: "off", Kind.UB: 96}, budget=Budget(0, "none"))
-    plan = make_plan(path, ctx=512, ub=32, kv="f16", guard=cfg, draft=DraftFiles(None, small), depths=(0, 130, 192))
+    plan = make_plan(path, ctx=512, ub=32, kv="f16", guard=cfg, draft=DraftFiles(None, small), depths=(0, 130, 192),
+                     options=gpu.options)
     sp = Speculator.open(path, None, small, ctx=512, ub=32, kv="f16", gpu=gpu.with_options(gpu.options, own_arena=True),
                          guard=cfg)
     sp.fwd.reserve()

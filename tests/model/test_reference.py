@@ -271,22 +271,33 @@ def test_timing_600_token_prefill(rng):
 @pytest.mark.oracle
 @pytest.mark.slow
 def test_qwen2_real_model_vs_llama_cpp(rng, llama_oracle):
-    """The qwen2 reference on the real default model agrees with llama.cpp's CPU logprobs (it quantizes
-    activations for Q4_K weights, so the tolerance is loose: typically ≈ 0.04 nats, seen up to 0.17
-    on a top-5 candidate near −4 nats; a wrong layer or layout is off by whole nats)."""
+    """The qwen2 reference on the real default model agrees with llama.cpp's CPU logprobs on a random
+    16-token window of this project's own docs (text like the model's users send) and the 3 tokens
+    llama.cpp then generates: the top-5 candidates of all 4 positions. llama.cpp quantizes the
+    activations of Q4_K/Q6_K matmuls to 8 bits, so single candidates move: over 100 windows the mean
+    |Δ logprob| of the 20 stayed within 0.02–0.08 nats and the worst single one reached 0.54 (random
+    token ids, out of distribution, reach 0.22 and 0.85); a wrong layer or layout is off by whole nats."""
+    from pathlib import Path
+
     from vkflash.model.default_model import FILE_NAME, cache_dir
+    from vkflash.model.tokenizer import Tokenizer
     from vkflash.model.weights import load_model
 
     path = cache_dir() / FILE_NAME
     if not path.is_file():
         pytest.skip("default qwen2 model not in the cache (vkflash fetches it on first run)")
     w = load_model(path)
-    prompt = [int(t) for t in rng.integers(100, 20000, 12)]
-    logits = reference.prefill(prompt, reference.new_state(w))[-1].astype(np.float64)
-    logp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+    corpus = Tokenizer.from_gguf(path).encode((Path(__file__).parents[2] / "docs" / "SERVING.md").read_text())
+    start = int(rng.integers(0, len(corpus) - 16))
+    prompt = corpus[start:start + 16]
     with llama_oracle(path) as oracle:
-        step = oracle.complete(prompt, 1, n_probs=5)[0]  # "id" is the argmax over all ids, as here
-    for cand in step["top_logprobs"]:
-        assert abs(logp[cand["id"]] - cand["logprob"]) < 0.3, (prompt, cand, logp[cand["id"]])
-    if step["top_logprobs"][0]["logprob"] - step["top_logprobs"][1]["logprob"] > 0.3:
-        assert int(np.argmax(logits)) == step["id"], (prompt, step)
+        steps = oracle.complete(prompt, 4, n_probs=5)  # each "id" is the argmax over all ids, as here
+    fed = prompt + [s["id"] for s in steps[:-1]]
+    logits = reference.prefill(fed, reference.new_state(w))[-4:].astype(np.float64)
+    diffs = []
+    for row, step in zip(logits, steps):
+        logp = row - row.max() - np.log(np.exp(row - row.max()).sum())
+        diffs += [abs(logp[c["id"]] - c["logprob"]) for c in step["top_logprobs"]]
+        if step["top_logprobs"][0]["logprob"] - step["top_logprobs"][1]["logprob"] > 0.3:
+            assert int(np.argmax(row)) == step["id"], (prompt, step)
+    assert np.mean(diffs) < 0.15 and max(diffs) < 1.0, (prompt, np.round(diffs, 3))

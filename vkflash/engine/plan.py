@@ -258,18 +258,18 @@ def _walk(fwd: GpuForward, plan: Plan, depths: Sequence[int]) -> None:
 def make_plan(model: str | os.PathLike[str], ctx: int | None = None, ub: int | None = None, kv: str | None = None,
               budget: Budget | None = None, draft: DraftFiles | None = None, uma: bool | None = None,
               guard: GuardConfig | None = None, caps: Capabilities | None = None, suggest: bool = True,
-              depths: Sequence[int] = DEPTHS) -> Plan:
-    """The plan of `model` at `depths` (ctx/ub/kv/guard default to the knobs; the budget to the
-    device's or VKFLASH_MEM_BUDGET; uma overrides the device's kind: plan a Strix Halo from another
-    machine); with `draft`, of MTP speculation with that draft. With `suggest`, a plan that does not
-    fit also says which knob change first makes it fit."""
+              depths: Sequence[int] = DEPTHS, options: GpuOptions | None = None) -> Plan:
+    """The plan of `model` at `depths` (ctx/ub/kv/guard and the Gpu `options` default to the knobs;
+    the budget to the device's or VKFLASH_MEM_BUDGET; uma overrides the device's kind: plan a Strix
+    Halo from another machine); with `draft`, of MTP speculation with that draft. With `suggest`, a
+    plan that does not fit also says which knob change first makes it fit."""
     s = settings.current()
     caps = caps or probe(s["VKFLASH_DEVICE"])
     if uma is not None:
         caps = replace(caps, uma=uma)
     cfg = guard or GuardConfig.from_settings(s)
     budget = budget or detect(caps, cfg.override)
-    gpu = PlanningGpu(caps, GpuOptions.from_settings(s))
+    gpu = PlanningGpu(caps, options or GpuOptions.from_settings(s))
     forward: dict = dict(ctx=ctx, ub=ub, kv=kv, gpu=gpu, guard=replace(cfg, budget=NO_LIMIT))
     if draft is not None:  # the speculator the run opens, its draft head on the planning Gpu
         fwd = Speculator.open(model, draft.path, draft.small, **forward).fwd
