@@ -53,18 +53,20 @@ def model(tmp_path, rng) -> Path:
     return path
 
 
-def _plan(path: Path, nbytes: int, enabled: bool = True):
+def _plan(gpu, path: Path, nbytes: int, enabled: bool = True):
+    """The plan under a budget, for the test Gpu's options (the forwards it is compared with)."""
     return make_plan(path, ctx=CTX, ub=UB, kv="f16", budget=Budget(nbytes, "test"), guard=GuardConfig(enabled=enabled),
-                     suggest=False)
+                     suggest=False, options=gpu.options)
 
 
-def _least_budget(path: Path) -> int:
+def _least_budget(gpu, path: Path) -> int:
     """The smallest budget (to 1 KiB) under which the plan fills the context: it needs every step."""
-    free = make_plan(path, ctx=CTX, ub=UB, kv="f16", guard=GuardConfig(budget=NONE), suggest=False)
+    free = make_plan(path, ctx=CTX, ub=UB, kv="f16", guard=GuardConfig(budget=NONE), suggest=False,
+                     options=gpu.options)
     lo, hi = free.boot.usage.total, free.rows[-1].usage.total
     while hi - lo > 1024:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if _plan(path, mid).fill_fits else (mid, hi)
+        lo, hi = (lo, mid) if _plan(gpu, path, mid).fill_fits else (mid, hi)
     return hi
 
 
@@ -80,8 +82,8 @@ def test_guard_walks_every_step_as_planned(gpu, rng, model, monkeypatch):
     prefills) then a decode take them at the same depths, freeing the same bytes, stay within
     the budget, print a line each (and a job-log note), count in /metrics; reset() undoes them."""
     path = model
-    budget = _least_budget(path)
-    plan = _plan(path, budget)
+    budget = _least_budget(gpu, path)
+    plan = _plan(gpu, path, budget)
     assert plan.fill_fits and [e.kind for e in plan.events] == [Kind.KV, Kind.UB, Kind.UB]
     job_log = io.StringIO()
     monkeypatch.setattr(trace, "OUT", job_log)
@@ -112,8 +114,8 @@ def test_deepguard_off_does_not_fit_clearly(gpu, rng, model):
     at the depth the plan without the guard stops; no allocation failed and the forward still
     serves a prompt that fits."""
     path = model
-    budget = _least_budget(path)
-    plan = _plan(path, budget, enabled=False)
+    budget = _least_budget(gpu, path)
+    plan = _plan(gpu, path, budget, enabled=False)
     assert plan.fails_at is not None and not plan.events
     fwd = _forward(gpu.with_options(gpu.options, own_arena=True), path,
                    GuardConfig(enabled=False, budget=Budget(budget, "test")))
@@ -139,7 +141,8 @@ def test_kv_step_always_has_room(gpu, rng, model):
     step's own transition (its largest q8_0 buffer at the positions then held) while that step is
     pending and a UB step could make room first; a walk that stops does so with the guard's own
     line, never an allocation's; and the depth reached never falls as the budget rises."""
-    free = make_plan(model, ctx=CTX, ub=UB, kv="f16", guard=GuardConfig(budget=NONE), suggest=False)
+    free = make_plan(model, ctx=CTX, ub=UB, kv="f16", guard=GuardConfig(budget=NONE), suggest=False,
+                     options=gpu.options)
     lo, hi = free.boot.usage.total, free.rows[-1].usage.total
     reached = []
     for budget in sorted(int(b) for b in rng.integers(lo, hi, 40)):
@@ -205,9 +208,10 @@ def test_knobs_force_and_skip_steps(gpu, rng, model):
     fwd = _forward(gpu.with_options(gpu.options, own_arena=True), path, GuardConfig(when=when, budget=NONE))
     fwd.prefill(rng.integers(0, GEO.V, 200))
     assert [(e.depth, e.kind) for e in fwd.guard.events] == [(128, Kind.UB)] and fwd.ub == UB // 2
-    budget = _least_budget(path)
+    budget = _least_budget(gpu, path)
     skip_kv = GuardConfig(when={Kind.DRAFT: "auto", Kind.KV: "off", Kind.UB: "auto"})
-    plan = make_plan(path, ctx=CTX, ub=UB, kv="f16", budget=Budget(budget, "t"), guard=skip_kv, suggest=False)
+    plan = make_plan(path, ctx=CTX, ub=UB, kv="f16", budget=Budget(budget, "t"), guard=skip_kv, suggest=False,
+                     options=gpu.options)
     assert plan.events and all(e.kind is Kind.UB for e in plan.events)
 
 
