@@ -54,10 +54,10 @@ def tap_names(n_layers: int) -> list[str]:
 
 class Follow:
     """The reference hooks: `route` takes the engine's experts where they differ from the
-    reference's only by experts within ROUTE_TIE of the k-th probability; `select` (block mode)
-    takes the engine's block scores for a query whose kb-th and (kb+1)-th visible scores are
-    within QSA_TIE. Any other difference stays, for the comparison to report. `followed` counts
-    the near-ties taken."""
+    reference's only by experts within ROUTE_TIE of the k-th probability; `select` takes the
+    engine's block scores for a query whose kb-th and (kb+1)-th visible scores are within QSA_TIE
+    (or, for `cell` mode's partly kept block, the (kb+1)-th and (kb+2)-th). Any other difference
+    stays, for the comparison to report. `followed` counts the near-ties taken."""
 
     def __init__(self, seen: Seen, hp: HParams) -> None:
         self.seen, self.r, self.B = seen, hp.r, hp.B
@@ -94,7 +94,8 @@ class Follow:
             if nb <= kb:
                 continue
             q = np.sort(scores[t, :nb])[::-1]
-            if q[kb - 1] - q[kb] <= QSA_TIE * abs(q[kb - 1]):
+            ranks = [kb - 1] + [kb] * (nb > kb + 1)  # `cell` mode also keeps part of the (kb+1)-th block
+            if any(q[j] - q[j + 1] <= QSA_TIE * abs(q[j]) for j in ranks):
                 out[t, :nb] = dev[t, :nb]
                 self.followed += 1
         return out
