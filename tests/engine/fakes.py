@@ -108,11 +108,7 @@ class ScriptForward(TableForward):
 class VerifyTableForward(ArgmaxTableForward):
     """ArgmaxTableForward with the speculator's verify step: logits (or argmax) after every fed token."""
 
-    ub = 64
-
-    class model:  # noqa: N801 — the head rows a verify step may fill, as GpuForward.model.head.rows
-        class head:  # noqa: N801
-            rows = 64
+    logits_step = 64  # the most tokens a verify step holds, as GpuForward.logits_step
 
     def verify(self, ids: Sequence[int], logits: bool = False) -> np.ndarray:
         self.calls.append(f"verify {len(ids)}")

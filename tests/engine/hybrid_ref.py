@@ -47,7 +47,7 @@ def device_logits(fwd: Any, toks: np.ndarray, seen: Seen | None = None) -> np.nd
     and QSA block scores of the same steps are appended to `seen` when given."""
     L, names = fwd.hp.L, tap_names(fwd.hp.L)
     logits = []
-    for start, n in steps(len(toks), min(fwd.ub, fwd.model.head.rows)):
+    for start, n in steps(len(toks), fwd.logits_step):
         taps = fwd.dump_step(toks[start:start + n], names)
         logits.append(fwd.model.head.logits.read(np.float32, n * fwd.n_vocab).reshape(n, -1))
         if seen is not None:

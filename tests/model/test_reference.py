@@ -5,6 +5,7 @@ draft/verify/rollback, and a timing print."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -277,8 +278,6 @@ def test_qwen2_real_model_vs_llama_cpp(rng, llama_oracle):
     activations of Q4_K/Q6_K matmuls to 8 bits, so single candidates move: over 100 windows the mean
     |Δ logprob| of the 20 stayed within 0.02–0.08 nats and the worst single one reached 0.54 (random
     token ids, out of distribution, reach 0.22 and 0.85); a wrong layer or layout is off by whole nats."""
-    from pathlib import Path
-
     from vkflash.model.default_model import FILE_NAME, cache_dir
     from vkflash.model.tokenizer import Tokenizer
     from vkflash.model.weights import load_model

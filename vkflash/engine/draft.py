@@ -215,7 +215,7 @@ class MtpDrafter:
         calls it; after a switch the new graphs are placed again."""
         self._reserved = True
         fwd = self.fwd
-        step = min(fwd.ub, fwd.model.head.rows)  # the most tokens one verify step holds
+        step = fwd.logits_step  # the most tokens one verify step holds
         counts = {fwd.ub} | {1 << i for i in range(fwd.ub.bit_length()) if 1 << i < fwd.ub}
         for c in sorted(counts | set(range(1, min(self.k_max + 1, fwd.ub) + 1))):
             self._catch_graph(c).place()

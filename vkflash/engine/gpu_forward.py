@@ -170,6 +170,12 @@ class GpuForward:
         """Tokens in the sequence so far."""
         return self._n
 
+    @property
+    def logits_step(self) -> int:
+        """The most tokens one step with every row's logits holds (a verify step): a ubatch, and
+        the head's rows."""
+        return min(self.ub, self.model.head.rows)
+
     def reset(self) -> None:
         """Start a new, empty sequence (cache rows past n_kv are never read; recurrent states zeroed;
         the guard's steps undone)."""
@@ -290,7 +296,7 @@ class GpuForward:
         """Feed ids; the logits after every one of them, (len(ids), V) (teacher forcing, verify)."""
         arr = self._ids(ids)
         out = np.empty((len(arr), self.n_vocab), np.float32)
-        for start, n in self._steps(arr, lambda: min(self.model.head.rows, self.ub)):
+        for start, n in self._steps(arr, lambda: self.logits_step):
             self._run(arr[start:start + n], Head.ALL)
             out[start:start + n] = self.model.head.read_logits(n)
         return out
@@ -299,8 +305,8 @@ class GpuForward:
         """Feed ids as one step with logits of every row (a speculation verify step, which a later
         truncate can roll back): every row's argmax (int64, n), or with `logits` the logits (n, V)."""
         arr = self._ids(ids)
-        if len(arr) > min(self.ub, self.model.head.rows):
-            raise InvalidRequest(f"a verify step holds at most {min(self.ub, self.model.head.rows)} tokens")
+        if len(arr) > self.logits_step:
+            raise InvalidRequest(f"a verify step holds at most {self.logits_step} tokens")
         self._run(arr, Head.ALL)
         if logits:
             return self.model.head.read_logits(len(arr))
@@ -310,8 +316,8 @@ class GpuForward:
         """Feed ids as one step with logits for every row; the buffers written by the dispatches
         named in `names`, read right after them (flat float32, engine/dump.py). For verify."""
         arr = self._ids(ids)
-        if len(arr) > min(self.ub, self.model.head.rows):
-            raise InvalidRequest(f"a dumped step holds at most {min(self.ub, self.model.head.rows)} tokens")
+        if len(arr) > self.logits_step:
+            raise InvalidRequest(f"a dumped step holds at most {self.logits_step} tokens")
         g, taps = tapped(self.graph(len(arr), Head.ALL), names)
         self._run(arr, Head.ALL, g)
         return read_taps(taps)

@@ -178,13 +178,8 @@ class Speculator:
     def warm(self) -> None:
         """Record every graph a decoding round can use (draft rounds, verify steps, plain decode)."""
         self.drafter.warm()
-        for n in range(1, min(self.drafter.k_max + 1, self.verify_rows) + 1):
+        for n in range(1, min(self.drafter.k_max + 1, self.fwd.logits_step) + 1):
             self.fwd.graph_stats(n, Head.ALL if n > 1 else Head.LAST)
-
-    @property
-    def verify_rows(self) -> int:
-        """The most tokens one verify step holds (a ubatch, and a head of that many logits rows)."""
-        return min(self.fwd.ub, self.fwd.model.head.rows)
 
     # --- Forward protocol -----------------------------------------------------------------
     @property
@@ -239,7 +234,7 @@ class Speculator:
         """One round from the token x (the last of `history`, not yet fed): the tokens it produces,
         at least one, at most `limit` (≥ 1) and never past the context."""
         greedy = sampler.params.greedy
-        room = min(self.n_ctx - self.fwd.n_past - 1, limit - 1, self.verify_rows - 1)
+        room = min(self.n_ctx - self.fwd.n_past - 1, limit - 1, self.fwd.logits_step - 1)
         seeded = not greedy and sampler.params.seed is not None  # its draws may not depend on timings
         k = self.policy.length(self.cfg.cap(greedy), room, adapt=not seeded)
         records, t0 = Graph.records, time.perf_counter()
