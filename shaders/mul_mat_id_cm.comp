@@ -9,6 +9,8 @@
 // MODE 3 (down): the routing weight w[t, j] multiplies each output in the store.
 // FAST (spec constant 11): weight groups decoded from wide loads (common/quant_group.glsl's
 // cm_group_load / cm_group_decode, the same values as dequant_group; VKFLASH_MMID_FAST_FETCH).
+// HALF (spec constant 12, with FAST): every invocation fetches and decodes half groups, the same
+// values into the same places (common/mm_cm.glsl; VKFLASH_MMID_HALF).
 // Every store is rounded step by step (`precise`) exactly as mul_mat_id.comp rounds it.
 #extension GL_GOOGLE_include_directive : require
 #include "common/base.glsl"
@@ -33,6 +35,7 @@ layout(push_constant) uniform P {
 const uint NB = MODE == 2u ? 2u : 1u;
 #define CM_COMBINE
 #define CM_FAST_SPEC  // FAST: spec constant 11 (VKFLASH_MMID_FAST_FETCH)
+#define CM_HALF_SPEC  // HALF: spec constant 12 (VKFLASH_MMID_HALF)
 #include "common/mm_cm.glsl"
 
 shared uint xrow[BN];

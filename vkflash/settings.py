@@ -196,6 +196,10 @@ KNOBS: tuple[Knob, ...] = (
     _k("VKFLASH_MMID_FAST_FETCH", _bool, True,
        "0: the coopmat MoE prefill GEMM decodes weight groups with one 16/32-bit load per 2-4 bytes instead of "
        "16-byte / whole-word loads (same values; H200 qwen3next gate_up at 512 tokens: 2.20 vs 1.00 ms)", "revert"),
+    _k("VKFLASH_MMID_HALF", _bool, True,
+       "0: the coopmat MoE prefill GEMM's wide-load fetch of Q4_K / Q5_K weights decodes whole groups on half the "
+       "workgroup (the other half fetching activations) instead of half groups on every invocation (the same "
+       "values; H200, Q4_K gate/up at 512 / 2048 tokens: 8–15% faster)", "revert"),
     _k("VKFLASH_MM_SPLITK", _bool, True,
        "0: prefill GEMMs whose output tiles leave compute units idle run unsplit instead of split-K (K cut into "
        "chunks summed by a reduce pass in a fixed order: a different f32 summation order), and the transposed "

@@ -23,6 +23,10 @@
 //   2. every subgroup runs its MMAs on stage u & 1;
 //   3. the registers are converted and stored into stage (u+1) & 1.
 // So one barrier per step, and the activation (and f16 weight) loads are in flight during the MMAs.
+// HALF (spec constant 12 where the includer defines CM_HALF_SPEC; with FAST, for the types whose
+// decoders read half groups: CM_GROUP_HALF): every invocation fetches and decodes half a group (16 k
+// of a row) and the first BN·4 also an activation item, so a step's decode, which with few tokens per
+// tile sets its pace, is spread over the whole workgroup instead of its first half.
 // FAST (spec constant 11 where the includer defines CM_FAST_SPEC and has cm_group_load, the expert
 // GEMM): groups come from common/quant_group.glsl's wide loads (the same values as dequant_group);
 // step 1 only loads their raw words, step 3 decodes them, so the loads are in flight during the
@@ -60,7 +64,19 @@ const bool FAST = false;
 const uint BK = 32u;                 // k per step: one 32-group per weight row
 const uint SA4 = 5u;                 // shared row pitch in uvec4 (40 halves = 32 + 8 pad; 80 B)
 const uint WG = gl_WorkGroupSize.x;
-const uint WG_A = WG / 2u, WG_B = WG - WG_A;  // weight fetchers, activation fetchers
+#ifdef CM_HALF_SPEC
+layout(constant_id = 12) const bool HALF = false;  // FAST groups fetched and decoded in halves (below)
+#else
+const bool HALF = false;
+#endif
+#ifdef CM_GROUP_HALF
+const bool HALVES = HALF && FAST;
+#else
+const bool HALVES = false;  // types without half-group decoders fetch whole groups
+#endif
+const uint WG_A = HALVES ? WG : WG / 2u;  // weight fetchers: invocations 0 .. WG_A - 1
+const uint B0 = HALVES ? 0u : WG_A;       // activation fetchers: invocations B0 .. WG - 1
+const uint WG_B = WG - B0;
 const uint WARPS_M = BM / WM, NWT = WARPS_M * (BN / WN), CM = WM / TM, CN = WN / TN;
 const uint NSG_MIN = WG / SG_MAX;
 const uint PER_SG = (NWT + NSG_MIN - 1u) / NSG_MIN;
@@ -69,7 +85,7 @@ const uint A_ROWS = NB * BM;
 #define CM_RAW
 const uint A_IPR = 4u, A_U4 = 1u;  // raw weights: 4 items of 8 halves per row (4 lanes read a row's 64 B)
 #else
-const uint A_IPR = 1u, A_U4 = 4u;  // decoded weights: one item = one row's 32-group (dequant_group)
+const uint A_IPR = HALVES ? 2u : 1u, A_U4 = 4u / A_IPR;  // decoded weights: an item = a row's 32-group or half
 #endif
 const uint A_ITEMS = A_ROWS * A_IPR;
 const uint A_PER = (A_ITEMS + WG_A - 1u) / WG_A;   // weight items per fetcher and step
@@ -87,7 +103,7 @@ void cm_store(float v, uint r, uint n);  // epilogue of tile element (row r < BM
 float cm_combine(float g, float u);  // NB = 2: the value stored for gate g and up u
 #endif
 
-uvec4 cm_ra[A_PER * A_U4];  // fetched weights: 8 halves per uvec4 (F16/BF16: the raw words)
+uvec4 cm_ra[A_PER * 4u];    // fetched weights: 8 halves per uvec4 (F16/BF16: the raw words, one per item)
 #ifdef CM_GROUP_FAST
 CmRaw cm_rw[A_PER];         // FAST: fetched raw groups, decoded when stored
 #endif
@@ -111,8 +127,14 @@ void cm_fetch(uint u) {
                 cm_ra[j] = qw[4u * G + i % 4u];
 #else
 #ifdef CM_GROUP_FAST
-                if (FAST) {
-                    cm_rw[j] = cm_group_load(G);  // decoded by cm_put, after this step's products
+                if (FAST) {  // decoded by cm_put, after this step's products
+#ifdef CM_GROUP_HALF
+                    if (HALVES) {
+                        cm_rw[j] = cm_group_load_half(G, i % 2u);
+                        continue;
+                    }
+#endif
+                    cm_rw[j] = cm_group_load(G);
                     continue;
                 }
 #endif
@@ -122,9 +144,10 @@ void cm_fetch(uint u) {
 #endif
             }
         }
-    } else {
+    }
+    if (tid >= B0) {
         CM_UNROLL for (uint j = 0u; j < B_PER; ++j) {
-            uint i = tid - WG_A + j * WG_B;
+            uint i = tid - B0 + j * WG_B;
             if (i < BN * 4u) {
                 uint v = cm_xb[j] + 8u * u + 2u * (i % 4u);
                 cm_rx[2u * j] = xv[v];
@@ -152,10 +175,18 @@ void cm_put(uint s) {
 #else
 #ifdef CM_GROUP_FAST
                 if (FAST) {
+                    const uint at = s * ST_SZ + (i / A_IPR) * SA4 + (i % A_IPR) * A_U4;
+#ifdef CM_GROUP_HALF
+                    if (HALVES) {  // half h = i % 2: the row's k 16h .. 16h + 15, uvec4s 2h and 2h + 1
+                        vec4 w[4];
+                        cm_group_decode_half(cm_rw[j], w);
+                        CM_UNROLL for (uint c = 0u; c < 2u; ++c) cm_sh[at + c] = cm_h8(w[2u * c], w[2u * c + 1u]);
+                        continue;
+                    }
+#endif
                     vec4 w[8];
                     cm_group_decode(cm_rw[j], w);
-                    CM_UNROLL for (uint c = 0u; c < 4u; ++c)
-                        cm_sh[s * ST_SZ + i * SA4 + c] = cm_h8(w[2u * c], w[2u * c + 1u]);
+                    CM_UNROLL for (uint c = 0u; c < 4u; ++c) cm_sh[at + c] = cm_h8(w[2u * c], w[2u * c + 1u]);
                     continue;
                 }
 #endif
@@ -163,9 +194,10 @@ void cm_put(uint s) {
 #endif
             }
         }
-    } else {
+    }
+    if (tid >= B0) {
         CM_UNROLL for (uint j = 0u; j < B_PER; ++j) {
-            uint i = tid - WG_A + j * WG_B;
+            uint i = tid - B0 + j * WG_B;
             if (i < BN * 4u) cm_sh[s * ST_SZ + A_SZ + (i / 4u) * SA4 + i % 4u] = cm_h8(cm_rx[2u * j], cm_rx[2u * j + 1u]);
         }
     }
@@ -235,9 +267,10 @@ void cm_gemm(uint gpr, uint u0, uint steps) {
             uint row = min(tid + j * WG_A, A_ITEMS - 1u) / A_IPR;
             cm_wb[j] = cm_w_row(row / BM, row % BM) * gpr + u0;
         }
-    } else {
+    }
+    if (tid >= B0) {
         CM_UNROLL for (uint j = 0u; j < B_PER; ++j)
-            cm_xb[j] = cm_x_base(min((tid - WG_A + j * WG_B) / 4u, BN - 1u)) + 8u * u0;
+            cm_xb[j] = cm_x_base(min((tid - B0 + j * WG_B) / 4u, BN - 1u)) + 8u * u0;
     }
 
     CM_ACC_DECL;

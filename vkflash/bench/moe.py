@@ -22,8 +22,8 @@ from vkflash.formats.quants import random_blocks
 from vkflash.gpu.context import Gpu
 from vkflash.gpu.graph import Graph
 from vkflash.gpu.ops.matmul import coopmat_possible, q8_possible
-from vkflash.gpu.ops.moe import (DECODE_MAX_T, ExpertStack, MoEPlan, RoutedExperts, cm_expert_tile, moe_routed,
-                                 plan_words, split_gate_up, tile_width)
+from vkflash.gpu.ops.moe import (DECODE_MAX_T, HALF_TYPES, ExpertStack, MoEPlan, RoutedExperts, cm_expert_tile,
+                                 moe_routed, plan_words, split_gate_up, tile_width)
 from vkflash.gpu.ops.views import Rows
 
 
@@ -75,10 +75,10 @@ def _fused_experts(gpu: Gpu, s: Shape, rng: np.random.Generator) -> RoutedExpert
 
 
 def _routed_graph(gpu: Gpu, name: str, s: Shape, T: int, calls: int, compact: bool | None,
-                  rng: np.random.Generator, coopmat: bool | None = None,
-                  ex: RoutedExperts | None = None, fast: bool | None = None) -> tuple[Graph, RoutedExperts]:
+                  rng: np.random.Generator, coopmat: bool | None = None, ex: RoutedExperts | None = None,
+                  fast: bool | None = None, half: bool | None = None) -> tuple[Graph, RoutedExperts]:
     """A graph of `calls` routed-expert passes over one stack set (`ex`, or new random experts), each
-    with the next rotated routing (fast: the coopmat fetch, default the options')."""
+    with the next rotated routing (fast, half: the coopmat fetch, default the options')."""
     ex = ex or _experts(gpu, s, rng)
     x = Rows(gpu.upload(rng.standard_normal((T, s.d), dtype=np.float32), "bench.x"), T, s.d)
     h = Rows(gpu.buffer(4 * T * s.k * s.F, "bench.h"), T * s.k, s.F)
@@ -91,10 +91,13 @@ def _routed_graph(gpu: Gpu, name: str, s: Shape, T: int, calls: int, compact: bo
     routings = _routings(gpu, T, s, rng)
     for i in range(calls):
         ids, w = routings[i % ROTATE]
-        moe_routed(g, x, ids, w, ex, ys, h, plan=plan, compact=compact, name=f"moe{i}", coopmat=coopmat, fast=fast)
+        moe_routed(g, x, ids, w, ex, ys, h, plan=plan, compact=compact, name=f"moe{i}", coopmat=coopmat, fast=fast,
+                   half=half)
     return g, ex
 
 
+FETCHES = (("old fetch", False, False), ("wide-load fetch", True, False), ("wide-load fetch, halves", True, True))
+"""The expert GEMM's weight fetches `moe_pass` times: (label, VKFLASH_MMID_FAST_FETCH, VKFLASH_MMID_HALF)."""
 PASS_TOKENS = (512, 2048)  # prefill ubatches: ~10 and ~40 rows per expert at E 512, k 10
 
 
@@ -117,9 +120,10 @@ def _op_seconds(g: Graph, reps: int) -> dict[str, float]:
 
 def expert_pass_rates(gpu: Gpu, quick: bool = False) -> list[dict]:
     """The coopmat expert passes (fused gate/up, down) at the prefill regimes, T 512 and 2048 tokens at
-    the Qwen3-Next and Flash-Next expert shapes (quick: QUICK, T 64), with the old weight fetch and the
-    wide-load one (VKFLASH_MMID_FAST_FETCH): GPU seconds per pass (timestamps), TFLOP/s, and in the
-    shape column the weight GB/s (the bytes of the distinct experts the pass reads, each once)."""
+    the Qwen3-Next and Flash-Next expert shapes (quick: QUICK, T 64), with the old weight fetch, the
+    wide-load one (VKFLASH_MMID_FAST_FETCH) on whole and on half groups (VKFLASH_MMID_HALF): GPU seconds
+    per pass (timestamps), TFLOP/s, and in the shape column the weight GB/s (the bytes of the distinct
+    experts the pass reads, each once)."""
     caps = gpu.caps
     shapes = (QUICK,) if quick else (QWEN3_NEXT, FLASH_NEXT)
     if not all(coopmat_possible(caps, q) and all(cm_expert_tile(caps, tile_width(T, s.k, s.E), nb) is not None
@@ -134,13 +138,16 @@ def expert_pass_rates(gpu: Gpu, quick: bool = False) -> list[dict]:
         for T in (64,) if quick else PASS_TOKENS:
             bn = tile_width(T, s.k, s.E)
             live = min(s.E, T * s.k)
-            for fast in (False, True):
-                g, _ = _routed_graph(gpu, "bench.moe_pass", s, T, calls, True, rng, coopmat=True, ex=ex, fast=fast)
+            for label_f, fast, half in FETCHES:
+                g, _ = _routed_graph(gpu, "bench.moe_pass", s, T, calls, True, rng, coopmat=True, ex=ex, fast=fast,
+                                     half=half)
                 sec = _op_seconds(g, reps)
                 for label, nb, w in (("gate_up", 2, ex.gate), ("down", 1, ex.down)):
+                    if half and Q(w.qtype) not in HALF_TYPES:
+                        continue  # the whole-group kernel of the row before
                     t = sum(v for k, v in sec.items() if k.endswith(f".{label}")) / calls
                     gbs = nb * live * w.expert_bytes / t / 1e9
-                    rows.append({"name": f"moe {label} {'wide-load' if fast else 'old'} fetch",
+                    rows.append({"name": f"moe {label} {label_f}",
                                  "shape": f"{s} T={T} bn={bn} {gbs:.0f} GB/s", "seconds": t,
                                  "TFLOP/s": 2.0 * nb * T * s.k * w.k * w.n_out / t / 1e12})
         for b in {ex.gate.buf, ex.down.buf}:

@@ -49,6 +49,7 @@ class GpuOptions:
     fa_rows: bool = True  # ... on the subgroup-rows kernel (attn_flash_sg.comp; else attn_flash_cm.comp)
     mmid_compact: bool = True  # MoE prefill launches only live (expert, tile) pairs
     mmid_fast_fetch: bool = True  # the coopmat MoE prefill GEMM decodes weight groups from wide loads
+    mmid_half: bool = True  # ... in half groups on every invocation
     mm_splitk: bool = True  # split-K for tiled GEMMs with few output tiles; more workgroups for the transposed GEMV
     gdn_matrix: bool = True  # chunked GDN prefill in matrix form (else the scalar chunked kernel)
     attn_decode: bool = True  # attention of ≤ 8 queries on the decode kernel (else the flash kernel)
@@ -89,6 +90,7 @@ class GpuOptions:
                    coopmat=not s["VKFLASH_DISABLE_COOPMAT"], fa_coopmat=bool(s["VKFLASH_FA_COOPMAT"]),
                    fa_rows=bool(s["VKFLASH_FA_ROWS"]),
                    mmid_compact=bool(s["VKFLASH_MMID_COMPACT"]), mmid_fast_fetch=bool(s["VKFLASH_MMID_FAST_FETCH"]),
+                   mmid_half=bool(s["VKFLASH_MMID_HALF"]),
                    mm_splitk=bool(s["VKFLASH_MM_SPLITK"]),
                    gdn_matrix=bool(s["VKFLASH_GDN_MATRIX"]), attn_decode=bool(s["VKFLASH_ATTN_DECODE"]),
                    gemv_teams=bool(s["VKFLASH_GEMV_TEAMS"]), gemv_q8=bool(s["VKFLASH_GEMV_Q8"]),

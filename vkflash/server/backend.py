@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 # knobs that steer the GPU forward only (BLKTOPK and GP reach the reference's QSA options); the
 # reference backend says so instead of ignoring them silently
 REFERENCE_IGNORES = ("KV", "DRAFT", "VKFLASH_MM_TILE_EPILOG", "VKFLASH_MMID_COMPACT", "VKFLASH_MMID_FAST_FETCH",
-                     "VKFLASH_MM_SPLITK", "VKFLASH_PLE_RAW", "VKFLASH_QSA_SCORE_TILE", "VKFLASH_MTP_CATCHUP_ASYNC",
-                     "VKFLASH_HC_FUSE", "VKFLASH_GDN_MATRIX", "VKFLASH_ATTN_DECODE")
+                     "VKFLASH_MMID_HALF", "VKFLASH_MM_SPLITK", "VKFLASH_PLE_RAW", "VKFLASH_QSA_SCORE_TILE",
+                     "VKFLASH_MTP_CATCHUP_ASYNC", "VKFLASH_HC_FUSE", "VKFLASH_GDN_MATRIX", "VKFLASH_ATTN_DECODE")
 
 
 @dataclass

@@ -241,7 +241,8 @@ class MoeCombineSpec(SpecConstants):
 @dataclass(frozen=True)
 class ExpertGemmCmSpec(SpecConstants):
     """mul_mat_id_cm.comp's store (Mode), the coopmat shape, subgroup bound and tile (cm_spec), grid kind,
-    and whether weight groups are decoded from wide loads (common/quant_group.glsl)."""
+    whether weight groups are decoded from wide loads (common/quant_group.glsl), and in halves on every
+    invocation."""
 
     mode: u32
     tm: u32
@@ -254,6 +255,7 @@ class ExpertGemmCmSpec(SpecConstants):
     wn: u32
     compact: boolean
     fast: boolean = False
+    half: boolean = False
 
 
 def _expert_kernels() -> list[Kernel]:
@@ -441,6 +443,11 @@ def cm_expert_tile(caps, bn: int, nb: int) -> CmTile | None:
     return t if t.valid(shape) and t.smem(shape.n, nb) + extra <= caps.shared_memory else None
 
 
+HALF_TYPES = (Q.Q4_K, Q.Q5_K)
+"""Weight types whose wide-load decoders (common/quant_group.glsl) also decode half groups (FAST + HALF).
+The others' halves would each load the whole block: H200, Q5_0 down at 512 / 2048 tokens, 1–4% slower."""
+
+
 def _folded(caps, n: int) -> tuple[int, int]:
     """(gy, gz) with gy·gz ≥ n within the device's grid limits (shaders use slot = z·gy + y)."""
     gy = min(n, caps.max_workgroup_count[1])
@@ -449,13 +456,14 @@ def _folded(caps, n: int) -> tuple[int, int]:
 
 def expert_gemm(g: "Graph", plan: MoEPlan, mode: Mode, w: ExpertStack, x: Rows, y: Rows, wts: Rows | None = None,
                 w2: ExpertStack | None = None, compact: bool | None = None, name: str = "mul_mat_id",
-                coopmat: bool | None = None, fast: bool | None = None) -> None:
+                coopmat: bool | None = None, fast: bool | None = None, half: bool | None = None) -> None:
     """One prefill expert pass over the plan's rows (mode: see Mode; rows of h follow the plan order).
 
     x is u (T × K) for the gate/up modes, h (T·k × K, plan order) for DOWN; y is h (T·k × n_out) or,
     for DOWN, the slot outputs (T·k × n_out, row t·k + j). wts (T × k) only for DOWN; w2 only for GATE_UP.
     coopmat defaults to matmul.use_coopmat for the weight type (VKFLASH_DISABLE_COOPMAT; never F32);
-    fast (the coopmat GEMM's wide-load group decode, same values) to VKFLASH_MMID_FAST_FETCH.
+    fast (the coopmat GEMM's wide-load group decode, same values) to VKFLASH_MMID_FAST_FETCH, half (that
+    decode in half groups on every invocation, same values; HALF_TYPES) to VKFLASH_MMID_HALF.
     """
     T, k = plan.T, plan.k
     _check_pass(name, mode, w, w2, wts, x, y, T, k, plan.E)
@@ -464,6 +472,7 @@ def expert_gemm(g: "Graph", plan: MoEPlan, mode: Mode, w: ExpertStack, x: Rows, 
     caps = g.gpu.caps
     cm = g.options.mmid_compact if compact is None else compact
     fast = g.options.mmid_fast_fetch if fast is None else fast
+    half = fast and Q(w.qtype) in HALF_TYPES and (g.options.mmid_half if half is None else half)
     slots = plan.live_cap if cm else plan.E * plan.max_tiles
     gy, gz = _folded(caps, slots)
     nb = 2 if w2 is not None else 1
@@ -477,7 +486,7 @@ def expert_gemm(g: "Graph", plan: MoEPlan, mode: Mode, w: ExpertStack, x: Rows, 
         if tile is None or not kernel(f"mul_mat_id_cm_{w.type_name}").usable(caps):
             raise ValueError(f"{name}: {caps.name} has no coopmat expert GEMM for tile width {plan.bn}")
         kname, bm = f"{CM_KERNEL}_{w.type_name}", tile.bm
-        spec: SpecConstants = ExpertGemmCmSpec(mode, *cm_spec(caps, tile), cm, fast)
+        spec: SpecConstants = ExpertGemmCmSpec(mode, *cm_spec(caps, tile), cm, fast, half)
         if kernel(kname).workgroup(caps) != CM_WG:
             raise ValueError(f"{name}: the coopmat expert GEMM needs {CM_WG} invocations per workgroup")
     else:
@@ -491,7 +500,8 @@ def expert_gemm(g: "Graph", plan: MoEPlan, mode: Mode, w: ExpertStack, x: Rows, 
                                    wts.stride if wts else 0),
                spec=spec, name=name,
                desc=(f"{w.type_name} {w.k}x{w.n_out} T={T} k={k} E={plan.E} bn={plan.bn}{'' if cm else ' plain'}"
-                     f"{f' cm {tile}' if tile else ''}{' fast' if tile and fast else ''}"),
+                     f"{f' cm {tile}' if tile else ''}{' fast' if tile and fast else ''}"
+                     f"{' half' if tile and half else ''}"),
                nbytes=nb * min(plan.E, T * k) * w.expert_bytes + 4 * (x.size + y.size),
                flops=2 * nb * w.k * w.n_out * T * k)
 
@@ -550,14 +560,14 @@ class RoutedExperts:
 
 def moe_routed(g: "Graph", x: Rows, ids: Rows, wts: Rows, w: RoutedExperts, ys: Rows, h: Rows | None = None,
                plan: MoEPlan | None = None, compact: bool | None = None, name: str = "moe",
-               coopmat: bool | None = None, fast: bool | None = None) -> None:
+               coopmat: bool | None = None, fast: bool | None = None, half: bool | None = None) -> None:
     """ys[t·k + j] = w[t, j]·W_d^{(e)}(silu(W_g^{(e)} x_t) ⊙ W_u^{(e)} x_t), e = ids[t, j] (M4, routed part).
 
     Up to DECODE_MAX_T tokens (decode) the expert GEMV reads the ids directly; more tokens go
     through the prepass `plan` (default: an intermediate) and the tiled expert GEMM. h (T·k × F,
     default: an intermediate) holds the expert hidden rows. coopmat (prefill GEMMs; default:
     use_coopmat per weight type) applies to the passes whose weight type has a coopmat GEMM, and so
-    does fast (their wide-load group decode; default VKFLASH_MMID_FAST_FETCH).
+    do fast and half (their wide-load group decode, in halves; default VKFLASH_MMID_FAST_FETCH, _HALF).
     """
     T, k = ids.n_rows, ids.n_cols
     if h is None:
@@ -583,13 +593,14 @@ def moe_routed(g: "Graph", x: Rows, ids: Rows, wts: Rows, w: RoutedExperts, ys: 
 
     if w.fused:
         expert_gemm(g, plan, Mode.GATE_UP, w.gate, x, h, w2=w.up, compact=compact, name=f"{name}.gate_up",
-                    coopmat=cm(w.gate), fast=fast)
+                    coopmat=cm(w.gate), fast=fast, half=half)
     else:
         expert_gemm(g, plan, Mode.GATE, w.gate, x, h, compact=compact, name=f"{name}.gate", coopmat=cm(w.gate),
-                    fast=fast)
-        expert_gemm(g, plan, Mode.UP, w.up, x, h, compact=compact, name=f"{name}.up", coopmat=cm(w.up), fast=fast)
+                    fast=fast, half=half)
+        expert_gemm(g, plan, Mode.UP, w.up, x, h, compact=compact, name=f"{name}.up", coopmat=cm(w.up), fast=fast,
+                    half=half)
     expert_gemm(g, plan, Mode.DOWN, w.down, h, ys, wts=wts, compact=compact, name=f"{name}.down",
-                coopmat=cm(w.down), fast=fast)
+                coopmat=cm(w.down), fast=fast, half=half)
 
 
 @dataclass(frozen=True)
