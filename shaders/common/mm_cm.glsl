@@ -85,7 +85,7 @@ const uint A_ROWS = NB * BM;
 #define CM_RAW
 const uint A_IPR = 4u, A_U4 = 1u;  // raw weights: 4 items of 8 halves per row (4 lanes read a row's 64 B)
 #else
-const uint A_IPR = HALVES ? 2u : 1u, A_U4 = 4u / A_IPR;  // decoded weights: an item = a row's 32-group or half
+const uint A_IPR = HALVES ? 2u : 1u, A_U4 = 4u;  // decoded weights: an item = a row's 32-group (HALVES: half)
 #endif
 const uint A_ITEMS = A_ROWS * A_IPR;
 const uint A_PER = (A_ITEMS + WG_A - 1u) / WG_A;   // weight items per fetcher and step
@@ -103,7 +103,7 @@ void cm_store(float v, uint r, uint n);  // epilogue of tile element (row r < BM
 float cm_combine(float g, float u);  // NB = 2: the value stored for gate g and up u
 #endif
 
-uvec4 cm_ra[A_PER * 4u];    // fetched weights: 8 halves per uvec4 (F16/BF16: the raw words, one per item)
+uvec4 cm_ra[A_PER * A_U4];  // fetched weights: 8 halves per uvec4 (F16/BF16: the raw words)
 #ifdef CM_GROUP_FAST
 CmRaw cm_rw[A_PER];         // FAST: fetched raw groups, decoded when stored
 #endif
@@ -175,7 +175,7 @@ void cm_put(uint s) {
 #else
 #ifdef CM_GROUP_FAST
                 if (FAST) {
-                    const uint at = s * ST_SZ + (i / A_IPR) * SA4 + (i % A_IPR) * A_U4;
+                    const uint at = s * ST_SZ + (i / A_IPR) * SA4 + (i % A_IPR) * (4u / A_IPR);
 #ifdef CM_GROUP_HALF
                     if (HALVES) {  // half h = i % 2: the row's k 16h .. 16h + 15, uvec4s 2h and 2h + 1
                         vec4 w[4];
