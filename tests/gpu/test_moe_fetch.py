@@ -44,8 +44,8 @@ def _run(gpu, rng, rw, x, ids, wts, d, F, bn, fast: bool, half: bool = False) ->
     g.run()
     ops = [f"{op.name}: {op.kernel.name} {op.desc}" for op in g.ops[1:]]
     assert all(("fast" in o) == fast for o in ops), ops
-    halves = {f"_{t.name.lower()}" for t in HALF_TYPES}
-    assert all((" half" in o) == (fast and half and o.split()[1][-5:] in halves) for o in ops), ops
+    halves = {t.name.lower() for t in HALF_TYPES}  # an op reads "name: kernel type KxN … [half]"
+    assert all((" half" in o) == (fast and half and o.split()[2] in halves) for o in ops), ops
     return read_rows(ys), ops
 
 
