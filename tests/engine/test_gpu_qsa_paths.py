@@ -89,7 +89,7 @@ def test_gathered_prefill_equals_masked(gpu, rng, tmp_path: Path, monkeypatch, k
     monkeypatch.setattr(hybrid, "GATHER_TILE", 3)
     path = _model(tmp_path, rng)
     toks = _prompt(rng, 236)
-    out, sel, seen = {}, {}, {}
+    out, sel, scores, seen = {}, {}, {}, {}
     for name, env in PATHS.items():
         dev = gpu.with_options(replace(gpu.options, qsa_dense_head=name != "rows, no dense head"))
         with knobs(**env):
@@ -107,8 +107,9 @@ def test_gathered_prefill_equals_masked(gpu, rng, tmp_path: Path, monkeypatch, k
             continue
         # one more 10-token step (positions 236..245; steps of ≤ 8 attend row by row instead) to
         # compare the last QSA layer's bit rows
-        taps = fwd.dump_step(toks[:10], [b + "qsa_mask"] + [b + "qsa_union.gp"] * (name == "union"))
+        taps = fwd.dump_step(toks[:10], [b + "qsa_mask", b + "idx_scores"] + [b + "qsa_union.gp"] * (name == "union"))
         sel[name] = taps[b + "qsa_mask"].view(np.uint32)
+        scores[name] = taps[b + "idx_scores"].reshape(10, -1)
         if name == "union":  # tiles of 3, 3, 3, 1 queries select ≤ 3·W = 105 cells of ~240: all gather
             counts = taps[b + "qsa_union.gp"].view(np.int32).reshape(-1)[1::2]
             dense = 236 + np.array([3, 6, 9, 10])
@@ -121,7 +122,20 @@ def test_gathered_prefill_equals_masked(gpu, rng, tmp_path: Path, monkeypatch, k
             err = rel(out[name], ref.logits)
             assert err <= max(COOPMAT_LOGITS, ref.tol()), f"{name} coopmat: max|Δ| = {err:.2e}·std"
     if kernel == "scalar":
-        assert np.array_equal(sel["union"], sel["masked"]), "selections differ between the union and masked paths"
+        _same_selections(sel, scores, fwd.hp, _last_qsa(fwd), np.arange(236, 246))
+
+
+def _same_selections(sel: dict, scores: dict, hp, layer: int, pos: np.ndarray) -> None:
+    """The union and masked paths keep the same cells for every query, except where their block
+    scores (which earlier layers' rounding moves apart by up to δ) put the kb-th and (kb+1)-th
+    visible blocks within 2δ of each other: a near-tie either side may take."""
+    r, kb = hp.r[layer], hp.kb(layer)
+    for t in np.nonzero((sel["union"] != sel["masked"]).any(axis=1))[0]:
+        nb = (int(pos[t]) + 1) // r
+        a, m = scores["union"][t, :nb], scores["masked"][t, :nb]
+        q = np.sort(a)[::-1]
+        gap, delta = q[kb - 1] - q[kb], np.abs(a - m).max()
+        assert gap <= 2 * delta, f"query {pos[t]}: selections differ across a gap {gap:.3g} > 2·{delta:.3g}"
 
 
 def test_repooled_summary_equals_cache(gpu, rng, tmp_path: Path):

@@ -191,11 +191,14 @@ def run_stacks(members: list[str]) -> list[Stack]:
 
 
 def project(g: "Graph", w: GpuWeights, x: Rows, y: Rows, parts: list[tuple[str, str]]) -> None:
-    """y's columns, in order, are x times each (tensor, op name) of `parts` (one matmul each)."""
+    """y's columns, in order, are x times each (tensor, op name) of `parts` (one matmul each);
+    each part is tappable under its op name as its own columns, not as all of y's buffer."""
     col = 0
     for t, op in parts:
         W = w[t].matrix()
-        matmul(g, W, x, y.cols(col, W.n_out), name=op)
+        part = y.cols(col, W.n_out)
+        matmul(g, W, x, part, name=op)
+        g.expose(op, part.buf, part.off, part.n_rows, part.n_cols, part.stride)
         col += W.n_out
     if col != y.n_cols:
         raise ValueError(f"project: {col} columns for a {y.n_cols}-column output")
