@@ -19,13 +19,18 @@
 //       V'_k = T_kk (R_k − A_{k,<k} V'_{<k}) block row by block row  (V' = (I+A)⁻¹R = U − Wk S₀,
 //              GC3–GC4 with Wk·S₀ folded into R: T·(βV) − T·(βe^γK̂)·S₀ without all of T, or Wk)
 //       O = O₀ + P V' (GC5);  S₁ = e^{γ_{CH−1}} S₀ + K̂ᵀ diag(e^{γ_{CH−1}−γ}) V' (GC6)
+//   MODES 3 + 4 (chunked prefill, split matrix form; VKFLASH_GDN_SPLIT=1 instead of MODE 2):
+//     MODE 3 computes, per (head, chunk), what does not depend on S₀ — the row vectors, P and all
+//     of T = (I + A)⁻¹ — once per head instead of once per value slice, all chunks in parallel;
+//     MODE 4 then scans the chunks of each slice with V' = T R in one product.
 // The state lives in n_planes planes of [n_v, S, S] (engine/state.py); the live one is plane
 // q = idx[idx_off] mod n_planes (plane 0 when n_planes = 1, idx unread). Without RING the final
 // state goes back into plane q; with ring ≠ 0 (MODE 0 only, a verify step, T < n_planes) plane q is
 // left as it was and plane (q+1+t) mod n_planes gets the state after token t.
 // Buffers: 0 c (f32) [T rows, stride c_stride: q (n_k·S) | k (n_k·S) | v (n_v·S)], 1 beta and
 // 2 g (f32) [T rows × n_v], 3 planes (f32) [n_planes, n_v, S, S] from st_off (read, then
-// written), 4 o (f32) [T rows × n_v·S], 5 idx (uint). Offsets and strides in elements.
+// written), 4 o (f32) [T rows × n_v·S], 5 idx (uint), 10 the MODE 3 → 4 blocks (f32, from
+// pr_off; another buffer, unread, in MODES 0–2). Offsets and strides in elements.
 // RAW_GATES: β = σ(b), g = softplus(a + dt_bias[j])·ssm_a[j] (G2, G3, as shaders/gdn_gates.comp)
 // are computed where read from the raw projections 8 b and 9 a [T rows × n_v] (b_off, b_stride,
 // a_off, a_stride), 6 dt_bias [n_v] from dt_off and 7 ssm_a [n_v] from sa_off; buffers 1 and 2
@@ -40,7 +45,7 @@ layout(constant_id = 2) const uint S = 32;
 layout(constant_id = 3) const uint GROUPED = 0;
 layout(constant_id = 4) const uint BW = 32;   // value columns per workgroup; divides S
 layout(constant_id = 5) const uint CH = 64;   // chunk size (MODES 1, 2)
-layout(constant_id = 6) const uint ROWS = 4;  // state rows per invocation (MODE 0): S·BW/WG
+layout(constant_id = 6) const uint ROWS = 4;  // state rows per invocation (MODE 0): S·BW/WG; key ranges (MODE 4)
 layout(constant_id = 7) const uint SH = 1;    // shared floats
 layout(constant_id = 8) const bool RAW_GATES = false;
 
@@ -54,11 +59,12 @@ layout(std430, binding = 6) readonly buffer Dt { float dt_bias[]; };
 layout(std430, binding = 7) readonly buffer Sa { float ssm_a[]; };
 layout(std430, binding = 8) readonly buffer Braw { float b_raw[]; };
 layout(std430, binding = 9) readonly buffer Araw { float a_raw[]; };
+layout(std430, binding = 10) buffer Pr { float pr[]; };
 layout(push_constant) uniform P {
     uint n_k; uint n_v; uint T;
     uint c_off; uint c_stride; uint beta_off; uint beta_stride; uint g_off; uint g_stride;
     uint st_off; uint o_off; uint o_stride; uint n_planes; uint idx_off; uint ring; float eps;
-    uint dt_off; uint sa_off; uint b_off; uint b_stride; uint a_off; uint a_stride;
+    uint dt_off; uint sa_off; uint b_off; uint b_stride; uint a_off; uint a_stride; uint pr_off;
 } p;
 
 shared float sh[SH];
@@ -244,15 +250,30 @@ void chunk_mode() {
     for (uint e = tid; e < S * BW; e += WG) st[st_idx(live, e / BW, e % BW)] = sh[SR + e];
 }
 
-// MODE 2. Shared, rows padded by one float so rows 4 apart fall in different banks:
+// MODES 2–4 share one shared-memory layout, rows padded by one float so rows 4 apart fall in
+// different banks:
 //   K [CH, S+1] | Q [CH, S+1] raw rows | S₀ slice [S, BW] | Att [CH, CH+1] | V [CH, BW] (→ R → V')
-//   | γ [CH] | β [CH] | r_k [CH] | r_q [CH] | g [CH] (→ w = r_k e^{γ_{CH−1}−γ}).
-// Att holds A (strict lower; its diagonal blocks become T_kk) and Pᵀ (upper incl. diagonal); it
-// first holds the row norms' partial sums. Phase A's items are TL×TL tiles of Q̂S₀ (item e < NO:
-// invocation e keeps it in registers, oacc, and later owns the same tile of O), K̂S₀, and the
-// lower triangles of K̂K̂ᵀ and Q̂K̂ᵀ; the last phase's are O's tiles and the state's.
+//   | γ [CH] | β [CH] | r_k [CH] | r_q [CH] | g [CH] (→ w = r_k e^{γ_{CH−1}−γ}) | (MODE 3) T [CH, CH].
+// Att holds A (strict lower; MODE 2 turns its diagonal blocks into T_kk, MODE 3 holds all of T =
+// (I + A)⁻¹ apart) and Pᵀ (upper incl. diagonal); it first holds the row norms' partial sums.
+// Phase A's items are TL×TL tiles of Q̂S₀ (item e < NO: invocation e keeps it in registers, oacc,
+// and later owns the same tile of O), K̂S₀, and (MODE 2) the lower triangles of K̂K̂ᵀ and Q̂K̂ᵀ; the
+// last phase's are O's tiles and the state's.
+// MODE 3 (split, first pass): one workgroup per (v-head j, chunk) computes what does not depend on
+// S₀ — γ, β, r_k, r_q, w, and Att with T's strict lower part in place of A — into buffer 10 at
+// element pr_off + (j·n_chunks + chunk)·PW: Att [CH, CH] (unpadded), then the 5 vectors [CH] each.
+// MODE 4 (split, second pass): MODE 2 with that block read instead of computed (the S₀-free work
+// once per head, not once per value slice), phase A's S₀ products split into ROWS key ranges
+// (partials summed through the Q rows' space) and V' = T R in one product.
 const uint TL = 4;   // register tile edge
-const uint DB = 16;  // diagonal block of the solve
+const uint DB = 16;  // diagonal block of MODE 2's solve
+const uint KST = S + 1, AST = CH + 1;
+const uint KR = 0, QR = CH * KST, SR = 2 * CH * KST, AT = SR + S * BW, VR = AT + CH * AST;
+const uint GR = VR + CH * BW, BR = GR + CH, RK = BR + CH, RQ = RK + CH, WR = RQ + CH, TI = WR + CH;
+const uint NB = BW / TL, NO = (CH / TL) * NB, NTRI = (CH / TL) * (CH / TL + 1) / 2;
+const uint PW = CH * CH + 5 * CH;  // floats per (head, chunk) block of buffer 10
+float oacc[TL][TL];  // the O tile this invocation owns: O₀, then O
+float acc[TL][TL];   // the tile being summed
 
 // Row of item t in a lower triangle of tiles enumerated row by row: t = ti(ti+1)/2 + tj, tj ≤ ti.
 uint tri_row(uint t) {
@@ -262,132 +283,205 @@ uint tri_row(uint t) {
     return ti;
 }
 
-void matrix_mode() {
-    const uint WG = gl_WorkGroupSize.x, NPART = 4;  // NPART invocations per row norm
-    const uint KST = S + 1, AST = CH + 1;
-    const uint KR = 0, QR = CH * KST, SR = 2 * CH * KST, AT = SR + S * BW, VR = AT + CH * AST;
-    const uint GR = VR + CH * BW, BR = GR + CH, RK = BR + CH, RQ = RK + CH, WR = RQ + CH;
-    const uint NB = BW / TL, NO = (CH / TL) * NB, NTRI = (CH / TL) * (CH / TL + 1) / 2;
-    const uint NA = 2 * NO + 2 * NTRI, NS = (S / TL) * NB, YI = (DB * BW + WG - 1) / WG;
+// Raw K, Q rows (and the V slice) of the chunk at t0, zero on padding rows i ≥ n: every load
+// first (rows clamped into the batch, so none waits on a branch), then every store.
+void load_rows(uint t0, uint n, bool with_v) {
+    const uint WG = gl_WorkGroupSize.x;
     const uint LK = (CH * S + WG - 1) / WG, LV = (CH * BW + WG - 1) / WG;  // loads per invocation
     uint tid = gl_LocalInvocationID.x;
-    float oacc[TL][TL];
-    for (uint e = tid; e < S * BW; e += WG) sh[SR + e] = st[st_idx(live, e / BW, e % BW)];
-    for (uint t0 = 0; t0 < p.T; t0 += CH) {
-        uint n = min(CH, p.T - t0);
-        // raw K, Q rows and the V slice of the chunk, zero on padding rows i ≥ n: every load first
-        // (rows clamped into the batch, so none waits on a branch), then every store
-        float kv[LK], qv[LK], vv[LV];
-        [[unroll]] for (uint s = 0; s < LK; ++s) {
-            uint e = min(tid + s * WG, CH * S - 1), row = min(t0 + e / S, p.T - 1) * p.c_stride;
-            kv[s] = c[k_col(e % S) + row];
-            qv[s] = c[q_col(e % S) + row];
-        }
+    float kv[LK], qv[LK], vv[LV];
+    [[unroll]] for (uint s = 0; s < LK; ++s) {
+        uint e = min(tid + s * WG, CH * S - 1), row = min(t0 + e / S, p.T - 1) * p.c_stride;
+        kv[s] = c[k_col(e % S) + row];
+        qv[s] = c[q_col(e % S) + row];
+    }
+    if (with_v) {
         [[unroll]] for (uint s = 0; s < LV; ++s) {
             uint e = min(tid + s * WG, CH * BW - 1);
             vv[s] = c[v_col(e % BW) + min(t0 + e / BW, p.T - 1) * p.c_stride];
         }
-        [[unroll]] for (uint s = 0; s < LK; ++s) {
-            uint e = tid + s * WG, i = e / S;
-            if (e < CH * S) {
-                sh[KR + i * KST + e % S] = i < n ? kv[s] : 0.0;
-                sh[QR + i * KST + e % S] = i < n ? qv[s] : 0.0;
-            }
+    }
+    [[unroll]] for (uint s = 0; s < LK; ++s) {
+        uint e = tid + s * WG, i = e / S;
+        if (e < CH * S) {
+            sh[KR + i * KST + e % S] = i < n ? kv[s] : 0.0;
+            sh[QR + i * KST + e % S] = i < n ? qv[s] : 0.0;
         }
+    }
+    if (with_v) {
         [[unroll]] for (uint s = 0; s < LV; ++s) {
             uint e = tid + s * WG;
             if (e < CH * BW) sh[VR + e] = e / BW < n ? vv[s] : 0.0;
         }
-        for (uint i = tid; i < CH; i += WG) {
-            float gv = 0.0, bv = 0.0;
-            if (i < n) {
-                gv = g_at(t0 + i);
-                bv = beta_at(t0 + i);
+    }
+}
+
+// After load_rows, g and β (0 on padding rows) of the chunk, then (between barriers) the row
+// vectors: (G6) r_k, r_q from partial sums of squares, part-major in Att (a warp reads 32 rows at
+// one column: 32 banks); (GC1) γ_i = Σ_{l≤i} g_l; g replaced by the GC6 row weights w.
+void row_vectors(uint t0, uint n) {
+    const uint WG = gl_WorkGroupSize.x, NPART = 4;  // NPART invocations per row norm
+    uint tid = gl_LocalInvocationID.x;
+    for (uint i = tid; i < CH; i += WG) {
+        float gv = 0.0, bv = 0.0;
+        if (i < n) {
+            gv = g_at(t0 + i);
+            bv = beta_at(t0 + i);
+        }
+        sh[WR + i] = gv;
+        sh[BR + i] = bv;
+    }
+    barrier();
+    for (uint e = tid; e < 2 * CH * NPART; e += WG) {
+        uint r = e % (2 * CH);
+        uint base = (r < CH ? KR + r * KST : QR + (r - CH) * KST) + (e / (2 * CH)) * (S / NPART);
+        float ss = 0.0;
+        for (uint a = 0; a < S / NPART; ++a) ss += sh[base + a] * sh[base + a];
+        sh[AT + e] = ss;
+    }
+    for (uint i = tid; i < CH; i += WG) {
+        float gam = 0.0;
+        for (uint l = 0; l <= i; ++l) gam += sh[WR + l];
+        sh[GR + i] = gam;
+    }
+    barrier();
+    for (uint r = tid; r < 2 * CH; r += WG) {
+        float ss = 0.0;
+        for (uint part = 0; part < NPART; ++part) ss += sh[AT + part * 2 * CH + r];
+        float x = 1.0 / sqrt(ss + p.eps);
+        if (r < CH) {
+            x = r < n ? x : 0.0;
+            sh[RK + r] = x;
+            sh[WR + r] = x * exp(sh[GR + CH - 1] - sh[GR + r]);
+        } else {
+            sh[RQ + r - CH] = r - CH < n ? x / sqrt(float(S)) : 0.0;
+        }
+    }
+    barrier();
+}
+
+// acc = tile e of Q̂S₀ (e < NO) or K̂S₀ (raw rows times the S₀ slice) over the keys a0..a1−1.
+void s0_tile(uint e, uint a0, uint a1) {
+    uint t = e % NO, i0 = (t / NB) * TL, bc = (t % NB) * TL;
+    uint xb = (e < NO ? QR : KR) + i0 * KST;
+    [[unroll]] for (uint r = 0; r < TL; ++r) {
+        [[unroll]] for (uint q = 0; q < TL; ++q) acc[r][q] = 0.0;
+    }
+    for (uint a = a0; a < a1; ++a) {
+        float x[TL], y[TL];
+        [[unroll]] for (uint r = 0; r < TL; ++r) x[r] = sh[xb + r * KST + a];
+        [[unroll]] for (uint q = 0; q < TL; ++q) y[q] = sh[SR + a * BW + bc + q];
+        [[unroll]] for (uint r = 0; r < TL; ++r) {
+            [[unroll]] for (uint q = 0; q < TL; ++q) acc[r][q] = fma(x[r], y[q], acc[r][q]);
+        }
+    }
+}
+
+// Tile e's product in place: O₀ = e^γ r_q Q S₀ kept in oacc (e < NO), or R = β(V − e^γ r_k K S₀)
+// in place of V.
+void s0_epilogue(uint e) {
+    uint t = e % NO, i0 = (t / NB) * TL, bc = (t % NB) * TL;
+    [[unroll]] for (uint r = 0; r < TL; ++r) {
+        uint i = i0 + r;
+        float eg = exp(sh[GR + i]);
+        if (e < NO) {
+            [[unroll]] for (uint q = 0; q < TL; ++q) oacc[r][q] = eg * sh[RQ + i] * acc[r][q];
+        } else {
+            [[unroll]] for (uint q = 0; q < TL; ++q) {
+                uint x = VR + i * BW + bc + q;
+                sh[x] = sh[BR + i] * (sh[x] - eg * sh[RK + i] * acc[r][q]);
             }
-            sh[WR + i] = gv;
-            sh[BR + i] = bv;
         }
-        barrier();
-        // (G6) partial sums of squares of the K then Q rows, part-major into Att (a warp reads 32
-        // rows at one column: 32 banks); (GC1) γ_i = Σ_{l≤i} g_l
-        for (uint e = tid; e < 2 * CH * NPART; e += WG) {
-            uint r = e % (2 * CH);
-            uint base = (r < CH ? KR + r * KST : QR + (r - CH) * KST) + (e / (2 * CH)) * (S / NPART);
-            float ss = 0.0;
-            for (uint a = 0; a < S / NPART; ++a) ss += sh[base + a] * sh[base + a];
-            sh[AT + e] = ss;
+    }
+}
+
+// Triangle tile t < 2·NTRI: K̂K̂ᵀ (strict lower → A) or, from NTRI on, Q̂K̂ᵀ (lower incl. the
+// diagonal → Pᵀ above it), with the decays and row scales, into Att.
+void kq_tile(uint t) {
+    bool qk = t >= NTRI;
+    if (qk) t -= NTRI;
+    uint ti = tri_row(t), i0 = ti * TL, l0 = (t - ti * (ti + 1) / 2) * TL;
+    uint xb = (qk ? QR : KR) + i0 * KST, yb = KR + l0 * KST;
+    [[unroll]] for (uint r = 0; r < TL; ++r) {
+        [[unroll]] for (uint q = 0; q < TL; ++q) acc[r][q] = 0.0;
+    }
+    for (uint a = 0; a < S; ++a) {
+        float x[TL], y[TL];
+        [[unroll]] for (uint r = 0; r < TL; ++r) x[r] = sh[xb + r * KST + a];
+        [[unroll]] for (uint q = 0; q < TL; ++q) y[q] = sh[yb + q * KST + a];
+        [[unroll]] for (uint r = 0; r < TL; ++r) {
+            [[unroll]] for (uint q = 0; q < TL; ++q) acc[r][q] = fma(x[r], y[q], acc[r][q]);
         }
-        for (uint i = tid; i < CH; i += WG) {
-            float gam = 0.0;
-            for (uint l = 0; l <= i; ++l) gam += sh[WR + l];
-            sh[GR + i] = gam;
+    }
+    [[unroll]] for (uint r = 0; r < TL; ++r) {
+        [[unroll]] for (uint q = 0; q < TL; ++q) {
+            uint i = i0 + r, l = l0 + q;
+            float d = exp(sh[GR + i] - sh[GR + l]) * sh[RK + l] * acc[r][q];
+            if (qk && l <= i) sh[AT + l * AST + i] = sh[RQ + i] * d;
+            if (!qk && l < i) sh[AT + i * AST + l] = sh[BR + i] * sh[RK + i] * d;
         }
-        barrier();
-        // r_k, r_q (0 on padding rows); g is replaced by the GC6 row weights w = r_k e^{γ_{CH−1}−γ}
-        for (uint r = tid; r < 2 * CH; r += WG) {
-            float ss = 0.0;
-            for (uint part = 0; part < NPART; ++part) ss += sh[AT + part * 2 * CH + r];
-            float x = 1.0 / sqrt(ss + p.eps);
-            if (r < CH) {
-                x = r < n ? x : 0.0;
-                sh[RK + r] = x;
-                sh[WR + r] = x * exp(sh[GR + CH - 1] - sh[GR + r]);
-            } else {
-                sh[RQ + r - CH] = r - CH < n ? x / sqrt(float(S)) : 0.0;
+    }
+}
+
+// (GC5) O = O₀ + P V' (item e < NO: invocation e, whose registers hold O₀), (GC6) S₁ =
+// e^{γ_{CH−1}} S₀ + Kᵀ diag(w) V' in place, each tile by its own invocation.
+void last_phase(uint t0, uint n) {
+    const uint WG = gl_WorkGroupSize.x, NS = (S / TL) * NB;
+    float decay = exp(sh[GR + CH - 1]);
+    for (uint e = gl_LocalInvocationID.x; e < NO + NS; e += WG) {
+        if (e < NO) {
+            uint i0 = (e / NB) * TL, bc = (e % NB) * TL;
+            for (uint l = 0; l < i0 + TL; ++l) {
+                float x[TL], y[TL];
+                [[unroll]] for (uint r = 0; r < TL; ++r) x[r] = l <= i0 + r ? sh[AT + l * AST + i0 + r] : 0.0;
+                [[unroll]] for (uint q = 0; q < TL; ++q) y[q] = sh[VR + l * BW + bc + q];
+                [[unroll]] for (uint r = 0; r < TL; ++r) {
+                    [[unroll]] for (uint q = 0; q < TL; ++q) oacc[r][q] = fma(x[r], y[q], oacc[r][q]);
+                }
+            }
+            [[unroll]] for (uint r = 0; r < TL; ++r) {
+                if (i0 + r < n) {
+                    uint ob = p.o_off + (t0 + i0 + r) * p.o_stride + j * S + b0 + bc;
+                    [[unroll]] for (uint q = 0; q < TL; ++q) o[ob + q] = oacc[r][q];
+                }
+            }
+        } else {
+            uint t = e - NO, a0 = (t / NB) * TL, bc = (t % NB) * TL;
+            [[unroll]] for (uint r = 0; r < TL; ++r) {
+                [[unroll]] for (uint q = 0; q < TL; ++q) acc[r][q] = decay * sh[SR + (a0 + r) * BW + bc + q];
+            }
+            for (uint i = 0; i < n; ++i) {
+                float x[TL], y[TL];
+                [[unroll]] for (uint r = 0; r < TL; ++r) x[r] = sh[KR + i * KST + a0 + r];
+                [[unroll]] for (uint q = 0; q < TL; ++q) y[q] = sh[WR + i] * sh[VR + i * BW + bc + q];
+                [[unroll]] for (uint r = 0; r < TL; ++r) {
+                    [[unroll]] for (uint q = 0; q < TL; ++q) acc[r][q] = fma(x[r], y[q], acc[r][q]);
+                }
+            }
+            [[unroll]] for (uint r = 0; r < TL; ++r) {
+                [[unroll]] for (uint q = 0; q < TL; ++q) sh[SR + (a0 + r) * BW + bc + q] = acc[r][q];
             }
         }
-        barrier();
+    }
+}
+
+// MODE 2: everything of a chunk in this workgroup, for its value slice.
+void matrix_mode() {
+    const uint WG = gl_WorkGroupSize.x;
+    const uint NA = 2 * NO + 2 * NTRI, YI = (DB * BW + WG - 1) / WG;
+    uint tid = gl_LocalInvocationID.x;
+    for (uint e = tid; e < S * BW; e += WG) sh[SR + e] = st[st_idx(live, e / BW, e % BW)];
+    for (uint t0 = 0; t0 < p.T; t0 += CH) {
+        uint n = min(CH, p.T - t0);
+        load_rows(t0, n, true);
+        row_vectors(t0, n);
         // Phase A: every product contracted over the S keys, one TL×TL tile per item
         for (uint e = tid; e < NA; e += WG) {
-            float acc[TL][TL];
-            [[unroll]] for (uint r = 0; r < TL; ++r) {
-                [[unroll]] for (uint q = 0; q < TL; ++q) acc[r][q] = 0.0;
-            }
-            if (e < 2 * NO) {  // Q̂S₀ (e < NO) or K̂S₀: rows of Q or K times the S₀ slice
-                uint t = e % NO, i0 = (t / NB) * TL, bc = (t % NB) * TL;
-                uint xb = (e < NO ? QR : KR) + i0 * KST;
-                for (uint a = 0; a < S; ++a) {
-                    float x[TL], y[TL];
-                    [[unroll]] for (uint r = 0; r < TL; ++r) x[r] = sh[xb + r * KST + a];
-                    [[unroll]] for (uint q = 0; q < TL; ++q) y[q] = sh[SR + a * BW + bc + q];
-                    [[unroll]] for (uint r = 0; r < TL; ++r) {
-                        [[unroll]] for (uint q = 0; q < TL; ++q) acc[r][q] = fma(x[r], y[q], acc[r][q]);
-                    }
-                }
-                [[unroll]] for (uint r = 0; r < TL; ++r) {
-                    uint i = i0 + r;
-                    float eg = exp(sh[GR + i]);
-                    if (e < NO) {  // O₀, kept for the last phase
-                        [[unroll]] for (uint q = 0; q < TL; ++q) oacc[r][q] = eg * sh[RQ + i] * acc[r][q];
-                    } else {  // R = β(V − e^γ K̂S₀), in place of V
-                        [[unroll]] for (uint q = 0; q < TL; ++q) {
-                            uint x = VR + i * BW + bc + q;
-                            sh[x] = sh[BR + i] * (sh[x] - eg * sh[RK + i] * acc[r][q]);
-                        }
-                    }
-                }
-            } else {  // K̂K̂ᵀ (strict lower → A) or Q̂K̂ᵀ (lower incl. diagonal → Pᵀ above it)
-                uint t = e - 2 * NO;
-                bool qk = t >= NTRI;
-                if (qk) t -= NTRI;
-                uint ti = tri_row(t), i0 = ti * TL, l0 = (t - ti * (ti + 1) / 2) * TL;
-                uint xb = (qk ? QR : KR) + i0 * KST, yb = KR + l0 * KST;
-                for (uint a = 0; a < S; ++a) {
-                    float x[TL], y[TL];
-                    [[unroll]] for (uint r = 0; r < TL; ++r) x[r] = sh[xb + r * KST + a];
-                    [[unroll]] for (uint q = 0; q < TL; ++q) y[q] = sh[yb + q * KST + a];
-                    [[unroll]] for (uint r = 0; r < TL; ++r) {
-                        [[unroll]] for (uint q = 0; q < TL; ++q) acc[r][q] = fma(x[r], y[q], acc[r][q]);
-                    }
-                }
-                [[unroll]] for (uint r = 0; r < TL; ++r) {
-                    [[unroll]] for (uint q = 0; q < TL; ++q) {
-                        uint i = i0 + r, l = l0 + q;
-                        float d = exp(sh[GR + i] - sh[GR + l]) * sh[RK + l] * acc[r][q];
-                        if (qk && l <= i) sh[AT + l * AST + i] = sh[RQ + i] * d;
-                        if (!qk && l < i) sh[AT + i * AST + l] = sh[BR + i] * sh[RK + i] * d;
-                    }
-                }
+            if (e < 2 * NO) {
+                s0_tile(e, 0, S);
+                s0_epilogue(e);
+            } else {
+                kq_tile(e - 2 * NO);
             }
         }
         barrier();
@@ -397,9 +491,9 @@ void matrix_mode() {
         float tcol[DB];
         if (tid < CH) {
             [[unroll]] for (uint i = 0; i < DB; ++i) {
-                float acc = i == cc ? 1.0 : 0.0;
-                [[unroll]] for (uint m = 0; m < i; ++m) acc = fma(-sh[dbase + i * AST + m], tcol[m], acc);
-                tcol[i] = acc;
+                float x = i == cc ? 1.0 : 0.0;
+                [[unroll]] for (uint m = 0; m < i; ++m) x = fma(-sh[dbase + i * AST + m], tcol[m], x);
+                tcol[i] = x;
             }
         }
         barrier();
@@ -415,9 +509,9 @@ void matrix_mode() {
             if (k > 0) {  // R_k −= A_{k,<k} V'_{<k}
                 for (uint e = tid; e < DB * BW; e += WG) {
                     uint x = VR + (r0 + e / BW) * BW + e % BW, arow = AT + (r0 + e / BW) * AST;
-                    float acc = sh[x];
-                    for (uint m = 0; m < r0; ++m) acc = fma(-sh[arow + m], sh[VR + m * BW + e % BW], acc);
-                    sh[x] = acc;
+                    float v = sh[x];
+                    for (uint m = 0; m < r0; ++m) v = fma(-sh[arow + m], sh[VR + m * BW + e % BW], v);
+                    sh[x] = v;
                 }
                 barrier();
             }
@@ -425,11 +519,11 @@ void matrix_mode() {
             for (uint s = 0; s < YI; ++s) {
                 uint e = tid + s * WG, il = e / BW, b = e % BW;
                 if (e < DB * BW) {
-                    float acc = sh[VR + (r0 + il) * BW + b];
+                    float v = sh[VR + (r0 + il) * BW + b];
                     for (uint m = 0; m < il; ++m) {
-                        acc = fma(sh[AT + (r0 + il) * AST + r0 + m], sh[VR + (r0 + m) * BW + b], acc);
+                        v = fma(sh[AT + (r0 + il) * AST + r0 + m], sh[VR + (r0 + m) * BW + b], v);
                     }
-                    y[s] = acc;
+                    y[s] = v;
                 }
             }
             barrier();
@@ -439,57 +533,100 @@ void matrix_mode() {
             }
             barrier();
         }
-        // last phase: (GC5) O = O₀ + P V' (item e < NO: invocation e, whose registers hold O₀),
-        // (GC6) S₁ = e^{γ_{CH−1}} S₀ + Kᵀ diag(w) V' in place, each tile by its own invocation
-        float decay = exp(sh[GR + CH - 1]);
-        for (uint e = tid; e < NO + NS; e += WG) {
-            if (e < NO) {
-                uint i0 = (e / NB) * TL, bc = (e % NB) * TL;
-                for (uint l = 0; l < i0 + TL; ++l) {
-                    float x[TL], y[TL];
-                    [[unroll]] for (uint r = 0; r < TL; ++r) x[r] = l <= i0 + r ? sh[AT + l * AST + i0 + r] : 0.0;
-                    [[unroll]] for (uint q = 0; q < TL; ++q) y[q] = sh[VR + l * BW + bc + q];
-                    [[unroll]] for (uint r = 0; r < TL; ++r) {
-                        [[unroll]] for (uint q = 0; q < TL; ++q) oacc[r][q] = fma(x[r], y[q], oacc[r][q]);
-                    }
-                }
-                [[unroll]] for (uint r = 0; r < TL; ++r) {
-                    if (i0 + r < n) {
-                        uint ob = p.o_off + (t0 + i0 + r) * p.o_stride + j * S + b0 + bc;
-                        [[unroll]] for (uint q = 0; q < TL; ++q) o[ob + q] = oacc[r][q];
-                    }
-                }
-            } else {
-                uint t = e - NO, a0 = (t / NB) * TL, bc = (t % NB) * TL;
-                float acc[TL][TL];
-                [[unroll]] for (uint r = 0; r < TL; ++r) {
-                    [[unroll]] for (uint q = 0; q < TL; ++q) acc[r][q] = decay * sh[SR + (a0 + r) * BW + bc + q];
-                }
-                for (uint i = 0; i < n; ++i) {
-                    float x[TL], y[TL];
-                    [[unroll]] for (uint r = 0; r < TL; ++r) x[r] = sh[KR + i * KST + a0 + r];
-                    [[unroll]] for (uint q = 0; q < TL; ++q) y[q] = sh[WR + i] * sh[VR + i * BW + bc + q];
-                    [[unroll]] for (uint r = 0; r < TL; ++r) {
-                        [[unroll]] for (uint q = 0; q < TL; ++q) acc[r][q] = fma(x[r], y[q], acc[r][q]);
-                    }
-                }
-                [[unroll]] for (uint r = 0; r < TL; ++r) {
-                    [[unroll]] for (uint q = 0; q < TL; ++q) sh[SR + (a0 + r) * BW + bc + q] = acc[r][q];
-                }
-            }
-        }
+        last_phase(t0, n);
         barrier();  // the next chunk reloads K, Q, V and the vectors and reads S₁
     }
     for (uint e = tid; e < S * BW; e += WG) st[st_idx(live, e / BW, e % BW)] = sh[SR + e];
 }
 
+// MODE 3: chunk gl_WorkGroupID.y of head j: T = (I + A)⁻¹ by forward substitution, invocation cc
+// solving column cc (rows above cc are 0), and the chunk's S₀-free block out to buffer 10.
+void prep_mode() {
+    const uint WG = gl_WorkGroupSize.x;
+    uint tid = gl_LocalInvocationID.x, ci = gl_WorkGroupID.y, t0 = ci * CH, n = min(CH, p.T - t0);
+    load_rows(t0, n, false);
+    row_vectors(t0, n);
+    for (uint e = tid; e < 2 * NTRI; e += WG) kq_tile(e);
+    barrier();
+    if (tid < CH) {
+        for (uint i = 0; i < CH; ++i) {
+            float x = i == tid ? 1.0 : 0.0;
+            for (uint m = tid; m < i; ++m) x = fma(-sh[AT + i * AST + m], sh[TI + m * CH + tid], x);
+            sh[TI + i * CH + tid] = x;
+        }
+    }
+    barrier();
+    uint base = p.pr_off + (j * ((p.T + CH - 1) / CH) + ci) * PW;
+    for (uint e = tid; e < CH * CH; e += WG) {
+        uint r = e / CH, l = e % CH;
+        pr[base + e] = l < r ? sh[TI + e] : sh[AT + r * AST + l];
+    }
+    for (uint e = tid; e < 5 * CH; e += WG) pr[base + CH * CH + e] = sh[GR + e];
+}
+
+// MODE 4: the chunks of one value slice in order, each chunk's block read from buffer 10.
+void scan_mode() {
+    const uint WG = gl_WorkGroupSize.x, NI = 2 * NO, SP = S / ROWS, YI = (CH * BW + WG - 1) / WG;
+    uint tid = gl_LocalInvocationID.x, item = tid % NI, part = tid / NI;
+    for (uint e = tid; e < S * BW; e += WG) sh[SR + e] = st[st_idx(live, e / BW, e % BW)];
+    for (uint t0 = 0, ci = 0; t0 < p.T; t0 += CH, ++ci) {
+        uint n = min(CH, p.T - t0), base = p.pr_off + (j * ((p.T + CH - 1) / CH) + ci) * PW;
+        load_rows(t0, n, true);
+        for (uint e = tid; e < CH * CH; e += WG) sh[AT + (e / CH) * AST + e % CH] = pr[base + e];
+        for (uint e = tid; e < 5 * CH; e += WG) sh[GR + e] = pr[base + CH * CH + e];
+        barrier();
+        // phase A: item's tile over key range `part`; parts > 0 leave their sums where the Q rows
+        // were, once every Q row has been read, for part 0 to add
+        if (part < ROWS) s0_tile(item, part * SP, part * SP + SP);
+        barrier();
+        if (part > 0 && part < ROWS) {
+            uint x = QR + ((part - 1) * NI + item) * TL * TL;
+            [[unroll]] for (uint r = 0; r < TL; ++r) {
+                [[unroll]] for (uint q = 0; q < TL; ++q) sh[x + r * TL + q] = acc[r][q];
+            }
+        }
+        barrier();
+        if (part == 0) {
+            for (uint pp = 1; pp < ROWS; ++pp) {
+                uint x = QR + ((pp - 1) * NI + item) * TL * TL;
+                [[unroll]] for (uint r = 0; r < TL; ++r) {
+                    [[unroll]] for (uint q = 0; q < TL; ++q) acc[r][q] += sh[x + r * TL + q];
+                }
+            }
+            s0_epilogue(item);
+        }
+        barrier();
+        // V' = T R (T unit lower triangular), stored once every invocation has read R
+        float y[YI];
+        for (uint s = 0; s < YI; ++s) {
+            uint e = tid + s * WG, i = e / BW, b = e % BW;
+            if (e < CH * BW) {
+                float v = sh[VR + i * BW + b];
+                for (uint l = 0; l < i; ++l) v = fma(sh[AT + i * AST + l], sh[VR + l * BW + b], v);
+                y[s] = v;
+            }
+        }
+        barrier();
+        for (uint s = 0; s < YI; ++s) {
+            uint e = tid + s * WG;
+            if (e < CH * BW) sh[VR + e] = y[s];
+        }
+        barrier();
+        last_phase(t0, n);
+        barrier();  // the next chunk reloads K, Q, V, the block and reads S₁
+    }
+    for (uint e = tid; e < S * BW; e += WG) st[st_idx(live, e / BW, e % BW)] = sh[SR + e];
+}
+
 void main() {
-    uint slices = S / BW;
+    uint slices = MODE == 3 ? 1 : S / BW;
     j = gl_WorkGroupID.x / slices;
     b0 = (gl_WorkGroupID.x % slices) * BW;
     kh = GROUPED == 1 ? j / (p.n_v / p.n_k) : j % p.n_k;
     live = p.n_planes > 1 ? idx[p.idx_off] % p.n_planes : 0;
     if (MODE == 0) step_mode();
     else if (MODE == 1) chunk_mode();
-    else matrix_mode();
+    else if (MODE == 2) matrix_mode();
+    else if (MODE == 3) prep_mode();
+    else scan_mode();
 }

@@ -211,6 +211,11 @@ KNOBS: tuple[Knob, ...] = (
        "revert"),
     _k("VKFLASH_GDN_MATRIX", _bool, True,
        "0: the scalar chunked GDN delta rule in prefill instead of its matrix form", "revert"),
+    _k("VKFLASH_GDN_SPLIT", _bool, False,
+       "1: the matrix-form GDN delta rule as a per-chunk pass over all chunks at once (their key products and "
+       "(I+A)⁻¹, once per head) and a scan (gdn_delta.comp MODES 3, 4), instead of one kernel in which every "
+       "value slice computes its chunks' key products; opt-in until `vkflash bench kernels --only gdn` shows "
+       "it faster on the target GPU", "revert"),
     _k("VKFLASH_GEMV_TEAMS", _bool, True,
        "0: the previous decode GEMV (a 64/128-invocation workgroup per few rows) instead of row groups sized "
        "from K with fewer decode instructions per byte (gemv.comp); routed-expert decode GEMVs likewise", "revert"),

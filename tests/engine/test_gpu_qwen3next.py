@@ -5,6 +5,7 @@ decode."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 from hybrid_ref import (SAME, check_decode_graph, check_logits_at_every_position, check_prefill_decode_greedy,
                         check_prompt_then_steps, check_rollback, device_logits, reference_logits, rel)
 from vkflash.engine.gpu_forward import GpuForward
+from vkflash.engine.graphs.common import Head
 from vkflash.gpu.ops.attention import decode_splits
 from vkflash.model.make_model import make_model
 from vkflash.model.ties import Seen
@@ -28,13 +30,17 @@ def _model(tmp_path: Path, rng: np.random.Generator, variant: str | None = None)
 
 
 
-@pytest.mark.parametrize("variant", [None, "ssm_in"], ids=["attn_qkv", "ssm_in"])
-def test_logits_at_every_position(gpu, rng, tmp_path, variant):
+@pytest.mark.parametrize("variant, split", [(None, False), ("ssm_in", False), (None, True)],
+                         ids=["attn_qkv", "ssm_in", "gdn_split"])
+def test_logits_at_every_position(gpu, rng, tmp_path, variant, split):
     """Teacher-forced logits of a 64-token prompt in steps 24 + 24 + 16 (chunked GDN, GEMM paths)
-    match the reference; grouped v-head order, silu gate, ssm_ba (and ssm_in) rows re-ordered at upload."""
+    match the reference; grouped v-head order, silu gate, ssm_ba (and ssm_in) rows re-ordered at upload;
+    also with the delta rule's per-chunk pass and scan (VKFLASH_GDN_SPLIT=1)."""
     path = _model(tmp_path, rng, variant)
     toks = rng.integers(0, V, 64)
-    fwd = GpuForward(path, ctx=128, ub=24, kv="f32", gpu=gpu, logits_rows=24)
+    dev = gpu.with_options(replace(gpu.options, gdn_split=split))
+    fwd = GpuForward(path, ctx=128, ub=24, kv="f32", gpu=dev, logits_rows=24)
+    assert any(op.desc.startswith("split") for op in fwd.graph(24, Head.LAST).ops) == split
     check_logits_at_every_position(fwd, path, toks)
 
 

@@ -1,6 +1,7 @@
 """GDN gated delta rule (G6–G8, GC1–GC6) vs the float64 token-by-token recurrence of the model
-reference: step, scalar chunked and matrix chunked variants, both head maps, state planes in place
-and per token (ring), and the VKFLASH_GDN_MATRIX knob."""
+reference: step, scalar chunked and matrix chunked variants (one kernel, or split into a per-chunk
+pass and a scan), both head maps, state planes in place and per token (ring), and the
+VKFLASH_GDN_MATRIX and VKFLASH_GDN_SPLIT knobs."""
 
 from __future__ import annotations
 
@@ -127,32 +128,66 @@ def test_small_chunks_and_slices(gpu, rng, chunk):
     _close("state", st[0], want_st, _tol(want_st, 64, T))
 
 
+MATRIX_FORMS = [Variant.MATRIX, Variant.SPLIT]
+
+
+@pytest.mark.parametrize("variant", MATRIX_FORMS)
 @pytest.mark.parametrize("head_map", list(HeadMap))
 @pytest.mark.parametrize("T", [1, 3, 31, 32, 33, 100])
-def test_matrix_equals_recurrence(gpu, rng, T, head_map):
-    """The matrix variant (the device's default layout) over ragged T vs the f64 recurrence: o and state."""
+def test_matrix_equals_recurrence(gpu, rng, T, head_map, variant):
+    """Each matrix form (the device's default layout) over ragged T vs the f64 recurrence: o and state."""
     shape = GDNShape(2, 6, 32, head_map)
     x = _inputs(rng, shape, T)
-    o, st, _, plan = _run(gpu, rng, shape, x, Variant.MATRIX, c_pad=int(rng.integers(0, 5)))
-    assert plan.variant == Variant.MATRIX
+    o, st, _, plan = _run(gpu, rng, shape, x, variant, c_pad=int(rng.integers(0, 5)))
+    assert plan.variant == variant
     want_o, want_st = _reference(shape, x)
     _close("o", o, want_o, _tol(want_o, 32, T))
     _close("state", st[0], want_st, _tol(want_st, 32, T))
 
 
+LAYOUTS = [(32, 16, 4), (64, 32, 16), (64, 16, 64), (128, 16, 16)]
+"""(S, chunk, cols) that fit lavapipe's 32 KiB of shared memory in both matrix forms."""
+
+
 @pytest.mark.parametrize("head_map", list(HeadMap))
-@pytest.mark.parametrize("S, chunk, cols", [(16, 64, 8), (32, 16, 4), (64, 32, 16), (64, 16, 64), (128, 16, 16)])
-def test_matrix_layouts(gpu, rng, S, chunk, cols, head_map):
-    """Every chunk (1, 2 or 4 solve blocks) and slices from one 4-column tile to 64 columns, over a
-    ragged T of several chunks."""
+@pytest.mark.parametrize("variant, S, chunk, cols", [(Variant.MATRIX, *x) for x in LAYOUTS + [(16, 64, 8)]]
+                         + [(Variant.SPLIT, *x) for x in LAYOUTS + [(16, 32, 8), (64, 16, 4)]])
+def test_matrix_layouts(gpu, rng, S, chunk, cols, head_map, variant):
+    """Every chunk (1, 2 or 4 solve blocks), slices from one 4-column tile to 64 columns, and (split)
+    1, 2, 4 and 8 key ranges of the scan's S₀ products, over a ragged T of several chunks."""
     shape = GDNShape(2, 4, S, head_map)
     T = int(rng.integers(2 * chunk + 1, 3 * chunk))
     x = _inputs(rng, shape, T)
-    o, st, _, plan = _run(gpu, rng, shape, x, Variant.MATRIX, chunk=chunk, cols=cols)
-    assert (plan.variant, plan.chunk, plan.cols) == (Variant.MATRIX, chunk, cols)
+    o, st, _, plan = _run(gpu, rng, shape, x, variant, chunk=chunk, cols=cols)
+    assert (plan.variant, plan.chunk, plan.cols) == (variant, chunk, cols)
     want_o, want_st = _reference(shape, x)
     _close("o", o, want_o, _tol(want_o, S, T))
     _close("state", st[0], want_st, _tol(want_st, S, T))
+
+
+def test_split_key_ranges():
+    """The split scan's key ranges: as many (a power of two) as idle invocations and the Q rows'
+    space for their partial tiles allow."""
+    plan = gdn._plan_split(GDNShape(16, 32, 128, HeadMap.GROUPED), 256, 12288, None, None)
+    assert (plan.chunk, plan.cols, plan.rows) == (32, 16, 4)
+    assert gdn._plan_split(GDNShape(2, 4, 128, HeadMap.TILED), 256, 12288, 32, 8).rows == 8
+    assert gdn._plan_split(GDNShape(2, 4, 16, HeadMap.TILED), 256, 12288, 64, 8).rows == 2
+    assert gdn._plan_split(GDNShape(2, 4, 16, HeadMap.TILED), 256, 12288, 16, 16).rows == 1
+
+
+@pytest.mark.parametrize("split", ["1", "0"])
+def test_split_knob_and_both_agree(gpu, rng, split):
+    """VKFLASH_GDN_SPLIT picks the matrix form's split (two dispatches) or one-kernel variant; both
+    are within _tol of the f64 recurrence (tested above), so within 2·_tol of each other."""
+    shape = GDNShape(2, 6, 32, HeadMap.GROUPED)
+    T = int(rng.integers(9, 150))
+    x = _inputs(rng, shape, T)
+    o, st, _, plan = _run(gpu.with_options(GpuOptions.from_knobs(VKFLASH_GDN_SPLIT=split)), rng, shape, x, None)
+    assert plan.variant == (Variant.SPLIT if split == "1" else Variant.MATRIX)
+    o2, st2, _, _ = _run(gpu, rng, shape, x, Variant.MATRIX if split == "1" else Variant.SPLIT)
+    want_o, want_st = _reference(shape, x)
+    _close("o split vs one kernel", o, o2, 2 * _tol(want_o, 32, T))
+    _close("state split vs one kernel", st, st2, 2 * _tol(want_st, 32, T))
 
 
 @pytest.mark.parametrize("matrix", ["1", "0"])
@@ -198,7 +233,7 @@ def test_step_in_place_and_ring(gpu, rng, T, head_map):
     np.testing.assert_array_equal(planes[live], x.state)
 
 
-@pytest.mark.parametrize("chunked", [Variant.CHUNK, Variant.MATRIX])
+@pytest.mark.parametrize("chunked", [Variant.CHUNK, Variant.MATRIX, Variant.SPLIT])
 @pytest.mark.parametrize("S", [32, 128])
 def test_step_over_T_equals_chunked(gpu, rng, S, chunked):
     """The step kernel over T tokens equals each chunked kernel over the same T (o and state)."""
@@ -256,7 +291,7 @@ def test_raw_gates_equal_gates_then_delta(gpu, rng, variant):
         gdn.gates(g, b, a, dtv, sav, beta, gate)
         gdn.delta(g, Rows(cb, T, C), beta, gate, Rows(sb, n_v, shape.S ** 2), Rows(ob, T, n_v * shape.S), shape,
                   EPS, variant)
-        assert len(g.ops) == (1 if fused else 2)
+        assert len(g.ops) == (1 if fused else 2) + (variant == Variant.SPLIT)  # the split: 2 dispatches
         g.run()
         out[fused] = ob.read(np.float32), sb.read(np.float32)
     # the same formulas, inlined: the compiler may contract them differently (seen: ≤ 1e-7 relative)
@@ -324,4 +359,6 @@ def test_validation(gpu):
         gdn.delta(g, *args, shape, EPS, Variant.MATRIX, cols=6)
     with pytest.raises(ValueError, match="no matrix layout"):
         gdn.delta(g, *args, shape, EPS, Variant.MATRIX, chunk=256, cols=32)
+    with pytest.raises(ValueError, match="no split layout"):
+        gdn.delta(g, *args, shape, EPS, Variant.SPLIT, chunk=256, cols=32)
     assert not g.ops

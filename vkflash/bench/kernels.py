@@ -249,7 +249,8 @@ def moe_gemv_rows(gpu: Gpu, quick: bool) -> list[Row]:
 
 def gdn_delta_rows(gpu: Gpu, quick: bool) -> list[Row]:
     """The chunked GDN delta rule at qwen4exp's prefill shape (T 2048, n_v 48, n_k 16, S 128; quick or
-    CPU: T 256, n_v 6, n_k 2), matrix form vs the scalar one (VKFLASH_GDN_MATRIX=0), gates raw as in
+    CPU: T 256, n_v 6, n_k 2): the matrix form split in two passes (its plan's slice, and 8 columns),
+    in one kernel (VKFLASH_GDN_SPLIT=0), and the scalar form (VKFLASH_GDN_MATRIX=0), gates raw as in
     the model. GB/s of the bytes it must move: conv rows and raw gates in, o out, the state in and out."""
     from vkflash.gpu.ops import gdn
     from vkflash.gpu.ops.views import F32, Rows
@@ -269,14 +270,15 @@ def gdn_delta_rows(gpu: Gpu, quick: bool) -> list[Row]:
     nbytes = F32 * (T * (shape.C + 2 * n_v + n_v * S) + 2 * n_v * S * S)
     reps = 2 if gpu.caps.device_type == "cpu" else 5 if quick else 20
     out = []
-    for variant in (gdn.Variant.MATRIX, gdn.Variant.CHUNK):
+    for variant, cols in ((gdn.Variant.SPLIT, None), (gdn.Variant.SPLIT, 8), (gdn.Variant.MATRIX, None),
+                          (gdn.Variant.CHUNK, None)):
         g = gpu.graph(f"bench.gdn_delta.{variant.name.lower()}")
         for cb, bab, sb, ob in sets:  # the gates fold into the delta kernel (Fusion.GDN_GATES)
             beta, gate = g.tensor(T, n_v, "beta"), g.tensor(T, n_v, "g")
             gdn.gates(g, Rows(bab, T, n_v, 0, 2 * n_v), Rows(bab, T, n_v, n_v, 2 * n_v), Rows.flat(params, n_v),
                       Rows.flat(params, n_v, n_v), beta, gate)
             plan = gdn.delta(g, Rows(cb, T, shape.C), beta, gate, Rows(sb, n_v, S * S), Rows(ob, T, n_v * S), shape,
-                             1e-6, variant)
+                             1e-6, variant, cols=cols)
         out.append(_rate(f"gdn_delta {variant.name.lower()}",
                          f"T{T} {n_v}x{n_k}x{S} chunk {plan.chunk} cols {plan.cols}", g, len(sets), nbytes, reps))
     return out

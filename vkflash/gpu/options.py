@@ -52,6 +52,7 @@ class GpuOptions:
     mmid_half: bool = True  # ... in half groups on every invocation
     mm_splitk: bool = True  # split-K for tiled GEMMs with few output tiles; more workgroups for the transposed GEMV
     gdn_matrix: bool = True  # chunked GDN prefill in matrix form (else the scalar chunked kernel)
+    gdn_split: bool = False  # the matrix form as a per-chunk pass and a scan (else one kernel)
     attn_decode: bool = True  # attention of ≤ 8 queries on the decode kernel (else the flash kernel)
     gemv_teams: bool = True  # decode GEMVs in row groups sized from K (gemv.comp; else mul_mat_vec.comp)
     gemv_q8: bool = False  # decode GEMVs of quantized weights on 8-bit activations and integer dots
@@ -92,7 +93,8 @@ class GpuOptions:
                    mmid_compact=bool(s["VKFLASH_MMID_COMPACT"]), mmid_fast_fetch=bool(s["VKFLASH_MMID_FAST_FETCH"]),
                    mmid_half=bool(s["VKFLASH_MMID_HALF"]),
                    mm_splitk=bool(s["VKFLASH_MM_SPLITK"]),
-                   gdn_matrix=bool(s["VKFLASH_GDN_MATRIX"]), attn_decode=bool(s["VKFLASH_ATTN_DECODE"]),
+                   gdn_matrix=bool(s["VKFLASH_GDN_MATRIX"]),
+                   gdn_split=bool(s["VKFLASH_GDN_SPLIT"]), attn_decode=bool(s["VKFLASH_ATTN_DECODE"]),
                    gemv_teams=bool(s["VKFLASH_GEMV_TEAMS"]), gemv_q8=bool(s["VKFLASH_GEMV_Q8"]),
                    gemv_cols=bool(s["VKFLASH_GEMV_COLS"]), gemv_deq=bool(s["VKFLASH_GEMV_DEQ"]),
                    topk_wide=bool(s["VKFLASH_TOPK_WIDE"]), router_rank=bool(s["VKFLASH_ROUTER_RANK"]),

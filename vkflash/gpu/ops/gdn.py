@@ -1,5 +1,6 @@
 """Gated DeltaNet ops (MODEL.md §5.4 G2–G9): causal conv + silu with state, gates, the gated delta
-rule (a step-by-step decode/verify variant; chunked prefill in matrix form, or scalar with
+rule (a step-by-step decode/verify variant; chunked prefill in matrix form — in one kernel, or
+with VKFLASH_GDN_SPLIT=1 split into a per-chunk pass and a scan — or scalar with
 VKFLASH_GDN_MATRIX=0) and the gated RMSNorm. Every op covers a whole ubatch in one dispatch; states
 are f32, kept as `Planes` whose live plane a step updates in place, or, in a verify step (`ring`),
 leaves behind for one plane per token. The fusion pass computes the gates inside the delta-rule
@@ -8,7 +9,7 @@ kernel (Fusion.GDN_GATES).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
@@ -91,6 +92,7 @@ class DeltaPush(PushConstants):
     b_stride: u32
     a_off: u32
     a_stride: u32
+    pr_off: u32
 
 
 @dataclass(frozen=True)
@@ -134,7 +136,7 @@ class GatedNormSpec(SpecConstants):
 KERNELS = [
     Kernel("gdn_conv", "gdn_conv.comp", 5, local_size=256, push=ConvPush, spec=ConvSpec),
     Kernel("gdn_gates", "gdn_gates.comp", 6, local_size=256, push=GatesPush, spec=SpecConstants),
-    Kernel("gdn_delta", "gdn_delta.comp", 10, local_size=256, push=DeltaPush, spec=DeltaSpec),
+    Kernel("gdn_delta", "gdn_delta.comp", 11, local_size=256, push=DeltaPush, spec=DeltaSpec),
     Kernel("gdn_norm", "gdn_norm.comp", 4, local_size=64, push=GatedNormPush, spec=GatedNormSpec),
 ]
 CONV_TOKENS = 32  # tokens per conv invocation (≥ K_c − 1: only the first token block touches the state)
@@ -202,11 +204,16 @@ class Gate(IntEnum):
 
 class Variant(IntEnum):
     """gdn_delta.comp MODE: token-by-token recurrence (G8), chunked prefill (GC1–GC6) scalar or in
-    matrix form (VKFLASH_GDN_MATRIX)."""
+    matrix form (VKFLASH_GDN_MATRIX), in one kernel or (SPLIT, VKFLASH_GDN_SPLIT) as MODE 3's
+    per-chunk pass then MODE 4's scan."""
 
     STEP = 0
     CHUNK = 1
     MATRIX = 2
+    SPLIT = 3
+
+
+PREP_MODE, SCAN_MODE = 3, 4  # the SPLIT variant's two dispatches
 
 
 @dataclass(frozen=True)
@@ -237,8 +244,14 @@ class DeltaPlan:
     variant: Variant
     cols: int
     chunk: int
-    rows: int  # state rows per invocation (step variant)
-    shared: int  # floats of the kernel's `sh` array
+    rows: int  # state rows per invocation (step variant); key ranges of the scan's S₀ products (split)
+    shared: int  # floats of the kernel's `sh` array (the split variant's scan)
+    prep_shared: int = 0  # floats of `sh` in the split variant's per-chunk pass
+
+    def prep_floats(self, shape: "GDNShape", T: int) -> int:
+        """Floats the split variant passes from its per-chunk pass to its scan: per (head, chunk)
+        Att [chunk, chunk] and 5 row vectors."""
+        return shape.n_v * -(-T // self.chunk) * (self.chunk * self.chunk + 5 * self.chunk)
 
 
 def _check_dense(op: str, **views: Rows) -> None:
@@ -350,11 +363,34 @@ def _plan_matrix(shape: GDNShape, wg: int, budget: int, chunk: int | None, cols:
     return None
 
 
+def _plan_split(shape: GDNShape, wg: int, budget: int, chunk: int | None, cols: int | None) -> DeltaPlan | None:
+    """The split variant's largest chunk, then widest slice, whose scan (the matrix layout, every
+    S₀-product tile an invocation: chunk·cols/8 ≤ wg) and per-chunk pass (the layout at 4 columns
+    plus T) both fit; the scan's key ranges: the most (a power of two) whose partial tiles fit
+    where the Q rows were."""
+    S = shape.S
+    for ch in MATRIX_CHUNKS if chunk is None else (chunk,):
+        if ch % 16 or not 16 <= ch <= wg:
+            raise ValueError(f"gdn_delta: split chunk {ch} must be a multiple of 16 in 16..{wg}")
+        prep = _matrix_shared(S, ch, 4) + ch * ch
+        for bw in _divisors_down(S, MATRIX_MAX_COLS, 4) if cols is None else [cols]:
+            if bw % 4 or S % bw:
+                raise ValueError(f"gdn_delta: a split slice of {bw} columns must be a multiple of 4 dividing S = {S}")
+            items, sh = ch * bw // 8, _matrix_shared(S, ch, bw)
+            if items <= wg and max(sh, prep) <= budget:
+                parts = 1
+                while 2 * parts * items <= wg and (2 * parts - 1) * 2 * bw <= S + 1:
+                    parts *= 2
+                return DeltaPlan(Variant.SPLIT, bw, ch, parts, sh, prep)
+    return None
+
+
 def plan_delta(g: "Graph", shape: GDNShape, T: int, variant: Variant | None = None, chunk: int | None = None,
                cols: int | None = None) -> DeltaPlan:
     """Pick the variant (unless told: step for T ≤ STEP_MAX_T, else the matrix form where the
-    options' gdn_matrix (VKFLASH_GDN_MATRIX) is on and a layout fits, else the scalar chunked one,
-    else, for an S whose chunks do not fit, step), the value-column slice and the chunk so the
+    options' gdn_matrix (VKFLASH_GDN_MATRIX) is on and a layout fits — split in two passes where
+    gdn_split (VKFLASH_GDN_SPLIT) is on and its layout fits —, else the scalar chunked one, else,
+    for an S whose chunks do not fit, step), the value-column slice and the chunk so the
     workgroup's shared memory fits the device."""
     wg = kernel("gdn_delta").workgroup(g.gpu.caps)
     budget = g.gpu.caps.shared_memory // F32
@@ -362,6 +398,16 @@ def plan_delta(g: "Graph", shape: GDNShape, T: int, variant: Variant | None = No
     v = variant
     if v is None:
         v = Variant.STEP if T <= STEP_MAX_T else Variant.MATRIX if g.options.gdn_matrix else Variant.CHUNK
+        if v == Variant.MATRIX and g.options.gdn_split:
+            v = Variant.SPLIT
+    if v == Variant.SPLIT:
+        plan = _plan_split(shape, wg, budget, chunk, cols)
+        if plan is not None:
+            return plan
+        if variant == Variant.SPLIT:
+            raise ValueError(f"gdn_delta: no split layout for S = {S} fits {g.gpu.caps.shared_memory} B of shared "
+                             f"memory with {wg} invocations")
+        v = Variant.MATRIX
     if v == Variant.MATRIX:
         plan = _plan_matrix(shape, wg, budget, chunk, cols)
         if plan is not None:
@@ -406,6 +452,7 @@ class Delta(Node):
     ring: bool
     raw_gates: tuple[Rows, Rows] | None
     name: str
+    prep: Buffer | None = None  # the split variant's per-chunk blocks (an intermediate)
 
     def __post_init__(self) -> None:
         if self.raw_gates is not None:
@@ -427,17 +474,24 @@ class Delta(Node):
         bt, gt = (c, c) if raw else (beta, gate)  # buffers 1, 2: β and g as stored
         rb, ra = (beta, gate) if raw else (c, c)  # buffers 8, 9: the raw projections b, a
         written = T if self.ring else 1
-        g.dispatch("gdn_delta", [c.buf, bt.buf, gt.buf, state.buf, o.buf, state.index, dt.buf, sa.buf, rb.buf, ra.buf],
-                   [n_v * (S // plan.cols)],
-                   push=DeltaPush(shape.n_k, n_v, T, c.off, c.stride, bt.off, bt.stride, gt.off, gt.stride,
-                                  state.off, o.off, o.stride, *state.push(), int(self.ring), self.eps, dt.off, sa.off,
-                                  rb.off, rb.stride, ra.off, ra.stride),
-                   spec=DeltaSpec(plan.variant, S, shape.head_map, plan.cols, plan.chunk, plan.rows, plan.shared, raw),
-                   name=self.name, writes=[3, 4],
-                   desc=f"{plan.variant.name.lower()} {T}x{n_v}x{S} cols {plan.cols} chunk {plan.chunk}"
-                   + " ring" * self.ring,
-                   nbytes=F32 * (T * (shape.C + 2 * n_v + n_v * S) + (1 + written) * n_v * S * S),
-                   flops=6 * T * n_v * S * S)
+        pr = self.prep if self.prep is not None else o.buf  # buffer 10: another one, unread, unless split
+        buffers = [c.buf, bt.buf, gt.buf, state.buf, o.buf, state.index, dt.buf, sa.buf, rb.buf, ra.buf, pr]
+        push = DeltaPush(shape.n_k, n_v, T, c.off, c.stride, bt.off, bt.stride, gt.off, gt.stride, state.off, o.off,
+                         o.stride, *state.push(), int(self.ring), self.eps, dt.off, sa.off, rb.off, rb.stride, ra.off,
+                         ra.stride, 0)
+        spec = DeltaSpec(plan.variant, S, shape.head_map, plan.cols, plan.chunk, plan.rows, plan.shared, raw)
+        desc = f"{plan.variant.name.lower()} {T}x{n_v}x{S} cols {plan.cols} chunk {plan.chunk}" + " ring" * self.ring
+        state_bytes = F32 * (1 + written) * n_v * S * S
+        if plan.variant == Variant.SPLIT:
+            n_chunks, blk = -(-T // plan.chunk), plan.chunk * plan.chunk + 5 * plan.chunk
+            g.dispatch("gdn_delta", buffers, [n_v, n_chunks], push=push,
+                       spec=replace(spec, mode=PREP_MODE, bw=4, sh=plan.prep_shared), name=f"{self.name}.prep",
+                       writes=[10], desc=f"{desc} prep",
+                       nbytes=F32 * (T * (2 * shape.n_k * S + 2 * n_v) + n_v * n_chunks * blk),
+                       flops=2 * T * plan.chunk * S * n_v)
+            spec = replace(spec, mode=SCAN_MODE)
+        g.dispatch("gdn_delta", buffers, [n_v * (S // plan.cols)], push=push, spec=spec, name=self.name, writes=[3, 4],
+                   desc=desc, nbytes=F32 * (T * (shape.C + 2 * n_v + n_v * S)) + state_bytes, flops=6 * T * n_v * S * S)
 
 
 def delta(g: "Graph", c: Rows, beta: Rows, gate: Rows, state: Planes | Rows, o: Rows, shape: GDNShape, eps: float,
@@ -468,7 +522,8 @@ def delta(g: "Graph", c: Rows, beta: Rows, gate: Rows, state: Planes | Rows, o: 
     planes = st.all()
     check_alias(name, o, c, beta, gate, planes)
     check_alias(name, planes, c, beta, gate)
-    g.add(Delta(c, beta, gate, st, o, shape, eps, plan, ring, None, name))
+    prep = g.temp(F32 * plan.prep_floats(shape, T), f"{name}.prep") if plan.variant == Variant.SPLIT else None
+    g.add(Delta(c, beta, gate, st, o, shape, eps, plan, ring, None, name, prep))
     return plan
 
 
