@@ -55,8 +55,11 @@ def device_logits(fwd: Any, toks: np.ndarray, seen: Seen | None = None) -> np.nd
     return np.vstack(logits)
 
 
-F32_FACTOR = 4.0
-"""The device may be this much further from float64 than the same reference in float32 is."""
+F32_FACTOR = 8.0
+"""The device may be this much further from float64 than the same reference in float32 is: both are
+one draw of f32 rounding amplified by random weights, in another order. Measured on 120 qwen3next-tiny
+648-token prompts (test_long_prompt's case): device error / NumPy-f32 error 0.37–2.8, and one CI draw
+above 5.7 (1.42e-3·std against a float32 reference under 2.5e-4); a wrong kernel is off by ≫ 1e-2."""
 
 
 @dataclass
