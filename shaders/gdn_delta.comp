@@ -576,21 +576,22 @@ void scan_mode() {
         for (uint e = tid; e < 5 * CH; e += WG) sh[GR + e] = pr[base + CH * CH + e];
         barrier();
         // phase A: item's tile over key range `part`; parts > 0 leave their sums where the Q rows
-        // were, once every Q row has been read, for part 0 to add
+        // were, once every Q row has been read, for part 0 to add (element-major: neighbouring
+        // items in neighbouring banks)
         if (part < ROWS) s0_tile(item, part * SP, part * SP + SP);
         barrier();
         if (part > 0 && part < ROWS) {
-            uint x = QR + ((part - 1) * NI + item) * TL * TL;
+            uint x = QR + (part - 1) * TL * TL * NI + item;
             [[unroll]] for (uint r = 0; r < TL; ++r) {
-                [[unroll]] for (uint q = 0; q < TL; ++q) sh[x + r * TL + q] = acc[r][q];
+                [[unroll]] for (uint q = 0; q < TL; ++q) sh[x + (r * TL + q) * NI] = acc[r][q];
             }
         }
         barrier();
         if (part == 0) {
             for (uint pp = 1; pp < ROWS; ++pp) {
-                uint x = QR + ((pp - 1) * NI + item) * TL * TL;
+                uint x = QR + (pp - 1) * TL * TL * NI + item;
                 [[unroll]] for (uint r = 0; r < TL; ++r) {
-                    [[unroll]] for (uint q = 0; q < TL; ++q) acc[r][q] += sh[x + r * TL + q];
+                    [[unroll]] for (uint q = 0; q < TL; ++q) acc[r][q] += sh[x + (r * TL + q) * NI];
                 }
             }
             s0_epilogue(item);

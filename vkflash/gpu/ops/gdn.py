@@ -483,6 +483,9 @@ class Delta(Node):
         desc = f"{plan.variant.name.lower()} {T}x{n_v}x{S} cols {plan.cols} chunk {plan.chunk}" + " ring" * self.ring
         state_bytes = F32 * (1 + written) * n_v * S * S
         if plan.variant == Variant.SPLIT:
+            # what the scan's key ranges and the per-chunk solve rely on (_plan_split keeps it so)
+            wg, items = kernel("gdn_delta").workgroup(g.gpu.caps), plan.chunk * plan.cols // 8
+            assert plan.rows * items <= wg and (plan.rows - 1) * 2 * plan.cols <= S + 1 and plan.chunk <= wg, plan
             n_chunks, blk = -(-T // plan.chunk), plan.chunk * plan.chunk + 5 * plan.chunk
             g.dispatch("gdn_delta", buffers, [n_v, n_chunks], push=push,
                        spec=replace(spec, mode=PREP_MODE, bw=4, sh=plan.prep_shared), name=f"{self.name}.prep",
