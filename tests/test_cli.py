@@ -114,6 +114,23 @@ def test_run_checks_its_knob_flags_like_serve(flag, value, knob, tmp_path):
     assert_one_line_error(r, knob, repr(value))
 
 
+@pytest.mark.parametrize("flag, value, knob", [("--ub", "0", "UB"), ("--ub", "-5", "UB"), ("--kv", "q3", "KV")])
+def test_bench_model_checks_its_knob_flags(flag, value, knob, tmp_path):
+    """`bench model --ub 0` (or -5) benched a ubatch clamped to 1 without a word: the knobs' check, one line."""
+    r = vkflash("bench", "model", str(tmp_path / "absent.gguf"), "--quick", flag, value)
+    assert_one_line_error(r, knob, repr(value))
+
+
+def test_verify_refuses_an_empty_context(tiny):
+    """`verify --ctx 0` (or below) ran with the context raised silently: one line instead."""
+    assert_one_line_error(vkflash("verify", str(tiny), "--ctx", "0"), "--ctx 0")
+
+
+def test_a_directory_as_the_model_says_so(tmp_path):
+    """A folder given as the model is named as such, not as a missing file."""
+    assert_one_line_error(vkflash("run", str(tmp_path), "-p", "hi"), "not a regular file")
+
+
 def test_run_and_inspect_refuse_a_truncated_file_in_one_line(tiny, tmp_path):
     """`head -c 40 t.gguf > x.gguf; vkflash run x.gguf -p hi`: the checked loader's line, no traceback."""
     p = tmp_path / "x.gguf"

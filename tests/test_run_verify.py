@@ -125,6 +125,29 @@ def test_cli_run_prompt(gpu, chat_model):
     assert r.stdout.endswith("\n") and "prefill" not in r.stdout
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_cli_run_prompt_stopped_by_a_signal(gpu, chat_model, sig):
+    """`vkflash run -p` stopped mid-stream by Ctrl-C or SIGTERM: the text so far ends in a newline, the
+    rates say (stop: cancelled), no traceback, and the exit status is the shell's 128 + signal."""
+    import signal
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "vkflash.cli", "run", str(chat_model), "-p", "hello", "-n", "100000",
+                          "--ignore-eos", "--ctx", "4096", "--ub", "16"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, start_new_session=True)
+    assert p.stdout is not None
+    got = p.stdout.read(8)  # some of the reply is out: generation runs
+    signum = getattr(signal, sig)
+    p.send_signal(signum)
+    out, err = p.communicate(timeout=120)
+    text, errs = (got + out).decode(errors="replace"), err.decode(errors="replace")
+    assert p.returncode == 128 + signum, errs
+    assert text.endswith("\n") and "Traceback" not in errs, errs
+    assert re.search(r"\(stop:\s+cancelled\)", errs), errs
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 @pytest.mark.parametrize("temp", ["0", "0.7"])
 def test_cli_run_on_non_finite_logits(gpu, chat_model, rng, bad, temp):

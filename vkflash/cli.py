@@ -317,7 +317,7 @@ def verify_cmd(
     model: Path = typer.Argument(..., help="GGUF file"),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="text to verify on (default: random token ids)"),
     tokens: int = typer.Option(17, "--tokens", help="random token ids when no prompt is given"),
-    ctx: int = typer.Option(512, "--ctx", help="context of the GPU caches (f32 K/V; at least the tokens verified)"),
+    ctx: int = typer.Option(512, "--ctx", help="context of the GPU caches (f32 K/V; raised to the tokens verified)"),
     dump: bool = typer.Option(False, "--dump", help="a row for every compared intermediate"),
 ) -> None:
     """Run the GPU forward and the NumPy reference on the same tokens; exit 1 above tolerance."""
@@ -327,6 +327,8 @@ def verify_cmd(
         from vkflash import verify as ver
         from vkflash.model.model_file import open_model
 
+        if ctx < 1:
+            raise ConfigError(f"--ctx {ctx}: the context must hold at least one token")
         open_model(model)
         toks = ver.prompt_tokens(model, prompt, tokens, np.random.default_rng())
         report = ver.verify(model, toks, ctx=ctx)
@@ -399,7 +401,7 @@ def bench_model(
     model: Optional[str] = typer.Argument(None, help="GGUF file (default: the default model, fetched once and "
                                                      "cached)"),
     depth: Optional[str] = typer.Option(None, "--depth", help="comma-separated depths, e.g. 0,8192,32768"),
-    ub: Optional[int] = typer.Option(None, "--ub", help="prefill ubatch (knob UB)"),
+    ub: Optional[str] = typer.Option(None, "--ub", help="prefill ubatch (knob UB)"),
     kv: Optional[str] = typer.Option(None, "--kv", help="KV cache type (knob KV)"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
     quick: bool = typer.Option(False, "--quick", help="small sizes, every row (CI, lavapipe)"),
@@ -419,6 +421,8 @@ def bench_model(
         from vkflash.model.default_model import resolve_model
         from vkflash.model.model_file import open_model
 
+        flags = settings.load(flags={"UB": ub, "KV": kv})  # checked like every other entry point's knobs
+        ub_n, kv_type = (flags["UB"] if ub is not None else None), (flags["KV"] if kv is not None else None)
         path = resolve_model(model)
         open_model(path)
         depths = _numbers(depth, "--depth", int)
@@ -430,9 +434,9 @@ def bench_model(
                 raise ConfigError(f"--accept {accept!r}: probabilities must be in 0..1")
             draft = draft or settings.current()["MODEL_DRAFT"] or None
             run_mtp(path, resolve_model(draft, "--draft") if draft else None, quick, depths, accepts, as_json, console,
-                    ub, kv)
+                    ub_n, kv_type)
             return
-        run_bench(path, quick, depths, as_json, console, ub, kv, profile, reps)
+        run_bench(path, quick, depths, as_json, console, ub_n, kv_type, profile, reps)
     except VkflashError as e:
         _fail(e)
 

@@ -137,14 +137,19 @@ def prompt_ids(session: Session, messages: list[dict[str, str]] | None,
 
 def run_prompt(session: Session, prompt: str, params: SamplingParams, out: TextIO, console: "Console",
                raw: bool = False, system: str | None = None) -> Finish:
-    """One prompt (as a user message through the chat template unless raw), streamed, then the rates."""
+    """One prompt (as a user message through the chat template unless raw), streamed, then the rates;
+    Ctrl-C or SIGTERM stops it between steps, still with the rates, then exits with 128 + the signal."""
     msgs = None if raw else ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": prompt}]
-    ids, _ = prompt_ids(session, msgs, prompt if raw else None)  # one prompt: no next turn to keep a state for
-    turn = stream(session, ids, params, out)
+    cancel = threading.Event()
+    with interrupt_sets(cancel, (signal.SIGINT, signal.SIGTERM)) as heard:  # stop between steps, then report
+        ids, _ = prompt_ids(session, msgs, prompt if raw else None)  # one prompt: no next turn to keep a state for
+        turn = stream(session, ids, params, out, cancel)
     out.write("\n")
     out.flush()
     report(turn.finish, session.fwd.n_ctx, console)
+    if heard:  # the shell's status of a process that a signal stopped
+        raise SystemExit(128 + heard[0])
     return turn.finish
 
 
@@ -184,17 +189,24 @@ class Chat:
 
 
 @contextmanager
-def interrupt_sets(event: threading.Event) -> Iterator[None]:
-    """Inside: Ctrl-C (SIGINT) sets `event`, so generation stops between steps (the GPU is never
-    left mid-submission), instead of raising KeyboardInterrupt; outside of the main thread, nothing."""
+def interrupt_sets(event: threading.Event, signals: tuple[int, ...] = (signal.SIGINT,)) -> Iterator[list[int]]:
+    """Inside: Ctrl-C (SIGINT; or each of `signals`) sets `event`, so generation stops between steps
+    (the GPU is never left mid-submission), instead of raising KeyboardInterrupt or ending the
+    process; yields the signals heard, in order. Outside of the main thread, nothing."""
+    heard: list[int] = []
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield heard
         return
-    previous = signal.signal(signal.SIGINT, lambda _sig, _frame: event.set())
+
+    def stop(sig: int, _frame: object) -> None:
+        heard.append(sig)
+        event.set()
+    previous = {sig: signal.signal(sig, stop) for sig in signals}
     try:
-        yield
+        yield heard
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def chat_loop(session: Session, params: SamplingParams, read: Callable[[], str | None], out: TextIO,

@@ -55,6 +55,8 @@ def test_pip_progress_sums_the_wheels(rng):
 def test_a_missing_path_says_so(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         dm.resolve_model(str(tmp_path / "m.gguf"), "MODEL")
+    with pytest.raises(ConfigError, match="MODEL '.*': not a regular file"):  # a directory
+        dm.resolve_model(str(tmp_path), "MODEL")
 
 
 @pytest.mark.parametrize("spec", ["hf://org/repo/m.gguf", "https://example.org/m.gguf"])

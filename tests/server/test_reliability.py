@@ -424,11 +424,14 @@ def test_tool_choice(in_process, tiny_model, tokenizer, rng):
 
 
 def test_empty_prompt_is_not_too_long(in_process, tiny_model, tokenizer):
-    """A completion prompt of no tokens: a 400 on `prompt`, invalid_value (not context_length_exceeded)."""
+    """A completion prompt of no tokens: a 400 on `prompt`, invalid_value (not context_length_exceeded);
+    one longer than the context: context_length_exceeded, also on `prompt` (the field that held it)."""
     base = serve_scripted(in_process, tiny_model, tokenizer, ScriptedForward([], tokenizer.eos_id,
                                                                              tokenizer.vocab_size, 64))
     _assert_error(call(base, "POST", "/v1/completions", {"prompt": [], "max_tokens": 1}), 400, "prompt",
                   "invalid_value")
+    _assert_error(call(base, "POST", "/v1/completions", {"prompt": [1] * 64, "max_tokens": 1}), 400, "prompt",
+                  "context_length_exceeded")
 
 
 def _rss_kib(pid: int) -> int:

@@ -150,6 +150,6 @@ def resolve_model(model: str | None, label: str = "model", steps: Steps | None =
                               "download the file and pass its path")
         p = Path(model).expanduser()
         if not p.is_file():
-            raise ConfigError(f"{label} {model!r}: no such file")
+            raise ConfigError(f"{label} {model!r}: " + ("not a regular file" if p.exists() else "no such file"))
         return p
     return ensure_default_model(steps=steps)

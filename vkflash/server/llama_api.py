@@ -225,7 +225,7 @@ def make_router(state: ServerState) -> APIRouter:
         ids = await run_in_threadpool(infill_prompt, loaded.tokenizer, req, loaded.info.ubatch, loaded.info.n_ctx,
                                       max_tokens if max_tokens is not None else -1)
         grammar = await run_in_threadpool(request_grammar, req, loaded.tokenizer, loaded.info.n_vocab)
-        job = admit(state, Prepared(ids, params, grammar=grammar))
+        job = admit(state, Prepared(ids, params, grammar=grammar), "prompt")
         model = loaded.info.model_id
         settings = params_json(params)
 

@@ -300,14 +300,15 @@ def chat_top_logprobs(req: ChatRequest) -> int | None:
     return None
 
 
-def admit(state: ServerState, prep: Prepared) -> Job:
-    """Check the prompt against the context and queue the job (503 when the queue is full)."""
+def admit(state: ServerState, prep: Prepared, field: str) -> Job:
+    """Check the prompt against the context and queue the job (503 when the queue is full); an
+    error names the request's `field` that held the prompt ("messages" or "prompt")."""
     loaded = state.ready()
     try:
         check_prompt(len(prep.ids), loaded.info.n_ctx)
     except InvalidRequest as e:
         code = "invalid_value" if not prep.ids else "context_length_exceeded"
-        raise ApiError(400, str(e), param=e.param, code=code) from None
+        raise ApiError(400, str(e), param=field, code=code) from None
     assert state.slot is not None
     try:
         return state.slot.submit(prep.ids, prep.params, prep.top_logprobs, prep.grammar, prep.checkpoint_at)
@@ -408,7 +409,7 @@ def make_router(state: ServerState) -> APIRouter:
         keep = await run_in_threadpool(checkpoint_at, req, state, loaded, tools, text, ids)
         prep = Prepared(ids, params, split and prompt_opens_think(text), split, bool(tools), chat_top_logprobs(req),
                         grammar, keep)
-        job = admit(state, prep)
+        job = admit(state, prep, "messages")
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), loaded.info.model_id
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -455,7 +456,7 @@ def make_router(state: ServerState) -> APIRouter:
                 raise ApiError(400, f"token id {bad[0]} is outside the vocabulary 0..{loaded.info.n_vocab - 1}",
                                param="prompt")
         grammar = await run_in_threadpool(request_grammar, req, loaded.tokenizer, loaded.info.n_vocab)
-        job = admit(state, Prepared(ids, params, top_logprobs=req.logprobs, grammar=grammar))
+        job = admit(state, Prepared(ids, params, top_logprobs=req.logprobs, grammar=grammar), "prompt")
         cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), loaded.info.model_id
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
