@@ -126,6 +126,15 @@ def test_verify_refuses_an_empty_context(tiny):
     assert_one_line_error(vkflash("verify", str(tiny), "--ctx", "0"), "--ctx 0")
 
 
+def test_serve_checks_a_named_model_before_it_listens(tiny, tmp_path):
+    """`vkflash serve -m cut.gguf` announced its port, then failed loading: now one line, nothing listens."""
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny.read_bytes()[:5000])
+    r = vkflash("serve", "-m", str(cut), "--port", "1")  # port 1: were it reached, binding would fail differently
+    assert_one_line_error(r, "cut.gguf: truncated GGUF")
+    assert "listening" not in r.stdout, r.stdout
+
+
 def test_a_directory_as_the_model_says_so(tmp_path):
     """A folder given as the model is named as such, not as a missing file."""
     assert_one_line_error(vkflash("run", str(tmp_path), "-p", "hi"), "not a regular file")

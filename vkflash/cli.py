@@ -132,6 +132,11 @@ def serve(
         s = settings.load(flags={"MODEL": model, "HOST": host, "PORT": port, "CTX": ctx, "UB": ub, "KV": kv,
                                  "QUEUE": queue, "API_KEY": api_key, "MTP": mtp, "MODEL_DRAFT": draft,
                                  "MODEL_DRAFT_SMALL": draft_small})
+        if s["MODEL"]:  # a named file is checked before the port opens (the default model loads behind /health)
+            from vkflash.model.default_model import resolve_model
+            from vkflash.model.model_file import open_model
+
+            open_model(resolve_model(s["MODEL"], "MODEL"))
         run_server(s, ServerOptions(queue_depth=s["QUEUE"]))  # backend.load: the checked loader
     except VkflashError as e:
         _fail(e)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from hybrid_ref import assert_greedy, rel
+from hybrid_ref import F32_FACTOR, assert_greedy, rel
 from qwen2_tiny import Geometry, write_qwen2
 from vkflash.engine.api import ArgmaxForward, Forward, InvalidRequest
 from vkflash.engine.gpu_forward import GpuForward, pieces
@@ -28,7 +28,9 @@ pytestmark = pytest.mark.gpu
 GEO = Geometry(d=96, H=3, H_kv=1, Dh=32, F=160, V=301, L=2)
 EXACT = 1e-3  # MODEL.md §7.10: max|Δ| ≤ 1e-3·std(logits) with f32 caches and identical weights
 # The real 24-layer model (d 896, outlier channels) in f32 vs float64: max over 2.6 M logits
-# seen up to 1.9e-3·std on lavapipe; a wrong kernel or layout is off by ≫ 1e-2.
+# mostly ≤ 1.9e-3·std on lavapipe, but 1.65e-3 against NumPy f32's 3.2e-4 on one draw, and 1.6e-2
+# once in a sweep of the suite (random prompts; the second position amplifies most); a wrong kernel
+# or layout is off by ≫ 1e-2 at every position. Beyond REAL: F32_FACTOR × NumPy f32's own error.
 REAL = 5e-3
 
 
@@ -268,10 +270,13 @@ def test_real_qwen2_teacher_forced(gpu, rng):
     toks = rng.integers(0, 151643, 17)  # ordinary (non-special) token ids
     fwd = GpuForward(path, ctx=64, ub=16, kv="f32", gpu=gpu)
     got = np.vstack([fwd.prefill_logits(toks[:16]), fwd.decode(int(toks[16]))[None]])
-    # float64 weights like every other oracle here: an f32 reference adds its own rounding
+    # float64 weights like every other oracle here; the same reference in float32 sizes the bound
+    # where f32 rounding alone passes REAL (as hybrid_ref.Reference does)
     ref = reference.prefill(toks, reference.new_state(load_model(path, np.float64)))
-    assert rel(got, ref) <= REAL, f"max|Δ| = {rel(got, ref):.2e}·std"
-    assert_greedy(got.argmax(1), ref, REAL)
+    f32 = reference.prefill(toks, reference.new_state(load_model(path, np.float32), cache_dtype=np.float32))
+    bound = max(REAL, F32_FACTOR * rel(np.asarray(f32, np.float64), ref))
+    assert rel(got, ref) <= bound, f"max|Δ| = {rel(got, ref):.2e}·std > {bound:.2e}"
+    assert_greedy(got.argmax(1), ref, bound)
 
 
 def test_gemv_q8_greedy(gpu, rng, tmp_path):
