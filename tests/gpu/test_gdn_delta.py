@@ -175,36 +175,26 @@ def test_split_key_ranges():
     assert gdn._plan_split(GDNShape(2, 4, 16, HeadMap.TILED), 256, 12288, 16, 16).rows == 1
 
 
-@pytest.mark.parametrize("split", ["1", "0"])
-def test_split_knob_and_both_agree(gpu, rng, split):
-    """VKFLASH_GDN_SPLIT picks the matrix form's split (two dispatches) or one-kernel variant; both
-    are within _tol of the f64 recurrence (tested above), so within 2·_tol of each other."""
-    shape = GDNShape(2, 6, 32, HeadMap.GROUPED)
+@pytest.mark.parametrize("knob, value, picked, other", [
+    ("VKFLASH_GDN_SPLIT", "1", Variant.SPLIT, Variant.MATRIX),
+    ("VKFLASH_GDN_SPLIT", "0", Variant.MATRIX, Variant.SPLIT),
+    ("VKFLASH_GDN_MATRIX", "1", Variant.MATRIX, Variant.CHUNK),
+    ("VKFLASH_GDN_MATRIX", "0", Variant.CHUNK, Variant.MATRIX)])
+def test_knobs_pick_the_prefill_variant_and_both_agree(gpu, rng, knob, value, picked, other):
+    """VKFLASH_GDN_MATRIX picks the prefill variant (0: the scalar one), VKFLASH_GDN_SPLIT the matrix
+    form's two-pass split or its one kernel. Both sides are within _tol of the f64 recurrence (tested
+    above), so within 2·_tol of each other: they round differently (row norms in 4 partial sums, r_k
+    and r_q applied after the products, V' by 16-row blocks, by all of T, or row by row, other chunk
+    sizes), all in f32."""
+    shape = GDNShape(2, 6, 32, HeadMap(int(rng.integers(0, 2))))
     T = int(rng.integers(9, 150))
     x = _inputs(rng, shape, T)
-    o, st, _, plan = _run(gpu.with_options(GpuOptions.from_knobs(VKFLASH_GDN_SPLIT=split)), rng, shape, x, None)
-    assert plan.variant == (Variant.SPLIT if split == "1" else Variant.MATRIX)
-    o2, st2, _, _ = _run(gpu, rng, shape, x, Variant.MATRIX if split == "1" else Variant.SPLIT)
+    o, st, _, plan = _run(gpu.with_options(GpuOptions.from_knobs(**{knob: value})), rng, shape, x, None)
+    assert plan.variant == picked
+    o2, st2, _, _ = _run(gpu, rng, shape, x, other)
     want_o, want_st = _reference(shape, x)
-    _close("o split vs one kernel", o, o2, 2 * _tol(want_o, 32, T))
-    _close("state split vs one kernel", st, st2, 2 * _tol(want_st, 32, T))
-
-
-@pytest.mark.parametrize("matrix", ["1", "0"])
-def test_knob_picks_chunked_variant_and_both_agree(gpu, rng, matrix):
-    """VKFLASH_GDN_MATRIX picks the prefill variant (0: the scalar one). Both are within _tol of the
-    f64 recurrence (tested above), so within 2·_tol of each other: they round differently (row norms
-    in 4 partial sums, r_k and r_q applied after the products, V' by 16-row blocks instead of row by
-    row, other chunk sizes), all in f32."""
-    shape = GDNShape(2, 6, 32, HeadMap.TILED)
-    T = int(rng.integers(9, 150))
-    x = _inputs(rng, shape, T)
-    o, st, _, plan = _run(gpu.with_options(GpuOptions.from_knobs(VKFLASH_GDN_MATRIX=matrix)), rng, shape, x, None)
-    assert plan.variant == (Variant.MATRIX if matrix == "1" else Variant.CHUNK)
-    o2, st2, _, _ = _run(gpu, rng, shape, x, Variant.CHUNK if matrix == "1" else Variant.MATRIX)
-    want_o, want_st = _reference(shape, x)
-    _close("o matrix vs scalar", o, o2, 2 * _tol(want_o, 32, T))
-    _close("state matrix vs scalar", st, st2, 2 * _tol(want_st, 32, T))
+    _close(f"o {picked.name} vs {other.name}", o, o2, 2 * _tol(want_o, 32, T))
+    _close(f"state {picked.name} vs {other.name}", st, st2, 2 * _tol(want_st, 32, T))
 
 
 @pytest.mark.parametrize("head_map", list(HeadMap))

@@ -400,22 +400,16 @@ def plan_delta(g: "Graph", shape: GDNShape, T: int, variant: Variant | None = No
         v = Variant.STEP if T <= STEP_MAX_T else Variant.MATRIX if g.options.gdn_matrix else Variant.CHUNK
         if v == Variant.MATRIX and g.options.gdn_split:
             v = Variant.SPLIT
-    if v == Variant.SPLIT:
-        plan = _plan_split(shape, wg, budget, chunk, cols)
-        if plan is not None:
-            return plan
-        if variant == Variant.SPLIT:
-            raise ValueError(f"gdn_delta: no split layout for S = {S} fits {g.gpu.caps.shared_memory} B of shared "
-                             f"memory with {wg} invocations")
-        v = Variant.MATRIX
-    if v == Variant.MATRIX:
-        plan = _plan_matrix(shape, wg, budget, chunk, cols)
-        if plan is not None:
-            return plan
-        if variant == Variant.MATRIX:
-            raise ValueError(f"gdn_delta: no matrix layout for S = {S} fits {g.gpu.caps.shared_memory} B of shared "
-                             f"memory with {wg} invocations")
-        v = Variant.CHUNK
+    for form, planner, fallback in ((Variant.SPLIT, _plan_split, Variant.MATRIX),
+                                    (Variant.MATRIX, _plan_matrix, Variant.CHUNK)):
+        if v == form:
+            plan = planner(shape, wg, budget, chunk, cols)
+            if plan is not None:
+                return plan
+            if variant == form:
+                raise ValueError(f"gdn_delta: no {form.name.lower()} layout for S = {S} fits "
+                                 f"{g.gpu.caps.shared_memory} B of shared memory with {wg} invocations")
+            v = fallback
     if v == Variant.CHUNK:
         chunks = CHUNKS if chunk is None else (chunk,)
         for ch in chunks:
