@@ -79,13 +79,13 @@ class Reference:
         assert err <= tol, f"max|Δ| = {err:.2e}·std > {tol:.2e}"
 
 
-def reference_logits(path: Path, toks: np.ndarray, seen: Seen, **opts: Any) -> Reference:
+def reference_logits(path: Path, toks: np.ndarray, seen: Seen, widen: float = 1.0, **opts: Any) -> Reference:
     """Reference logits of toks with f32 caches, in float64 and float32, each following the device
-    through the near-ties it `seen` (vkflash.model.ties)."""
+    through the near-ties it `seen` (vkflash.model.ties; `widen` scales what counts as one)."""
     out = []
     for dtype in (np.float64, np.float32):
         w = load_model(path, dtype)
-        follow = Follow(seen, w.hp)
+        follow = Follow(seen, w.hp, widen)
         out.append(reference.prefill(toks, reference.new_state(w, cache_dtype=np.float32, route=follow.route,
                                                                select=follow.select, **opts)))
     return Reference(np.asarray(out[0], np.float64), np.asarray(out[1], np.float64))

@@ -64,6 +64,11 @@ COOPMAT_LOGITS = 1e-2
 q·scale, K, V and P move each attention output by ≲ 2^-10·max|v| (test_attention); through the tiny
 model's two QSA attention layers that stayed at 0.4–1.1e-3·std in every draw seen on lavapipe
 (emulated matrices), while a lost slot mask or a wrong tile list is off by ≫ 1e-2."""
+COOPMAT_TIES = 20.0
+"""How much wider than f32's the near-ties are that the coopmat forward's reference follows: f16 moves
+each attention output by up to ~1e-3 of its scale, and the router and the indexer see that through the
+residual, so a route within 2e-2 or a QSA block score within 2e-3 (relative) may tip the other way (one
+CI draw did: 5.5e-2·std with f32's ties)."""
 
 
 PATHS = {"rows": {"GP": "1", "VKFLASH_QSA_ROWS": "1"}, "rows, no dense head": {"GP": "1", "VKFLASH_QSA_ROWS": "1"},
@@ -115,7 +120,7 @@ def test_gathered_prefill_equals_masked(gpu, rng, tmp_path: Path, monkeypatch, k
             dense = 236 + np.array([3, 6, 9, 10])
             assert (counts < dense).all(), f"a tile fell back to dense: |U| = {counts}"
     for name in PATHS:
-        ref = reference_logits(path, toks, seen[name])
+        ref = reference_logits(path, toks, seen[name], widen=1.0 if kernel == "scalar" else COOPMAT_TIES)
         if kernel == "scalar":
             ref.check(out[name])
         else:

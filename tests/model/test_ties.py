@@ -56,3 +56,22 @@ def test_select_follows_only_near_ties(rng):
     out = f.select(i, pos, s)
     assert np.array_equal(out[0, :nb], dev[0, :nb]) and np.array_equal(out[1], s[1]) and f.followed == 1
     assert f.select(i + 1, pos, s) is s
+
+
+def test_widen_scales_the_tie_bounds(rng):
+    """A block-score gap of 5·QSA_TIE is no tie, and is one with widen 10 (the coopmat forward's
+    reference, whose f16 inputs tip wider gaps)."""
+    hp = _hp()
+    i = next(j for j, r in enumerate(hp.r) if r)
+    r, kb = hp.r[i], hp.B // hp.r[i]
+    nb = kb + 5
+    s = rng.uniform(1, 2, (1, nb))
+    order = np.argsort(-s[0])
+    s[0, order[kb]] = s[0, order[kb - 1]] * (1 - 5 * QSA_TIE)
+    s[0, order[kb + 1:]] = np.minimum(s[0, order[kb + 1:]], s[0, order[kb]] * 0.9)  # the next gaps are clear
+    for widen, followed in ((1.0, 0), (10.0, 1)):
+        seen = Seen()
+        seen.add("scores", i, rng.uniform(1, 2, s.shape))
+        f = Follow(seen, hp, widen)
+        f.select(i, np.array([nb * r - 1]), s)
+        assert f.followed == followed, widen

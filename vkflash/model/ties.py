@@ -57,10 +57,12 @@ class Follow:
     reference's only by experts within ROUTE_TIE of the k-th probability; `select` takes the
     engine's block scores for a query whose kb-th and (kb+1)-th visible scores are within QSA_TIE
     (or, for `cell` mode's partly kept block, the (kb+1)-th and (kb+2)-th). Any other difference
-    stays, for the comparison to report. `followed` counts the near-ties taken."""
+    stays, for the comparison to report. `followed` counts the near-ties taken. `widen` scales both
+    tie bounds, for an engine that rounds coarser than f32 (f16 cooperative-matrix inputs)."""
 
-    def __init__(self, seen: Seen, hp: HParams) -> None:
+    def __init__(self, seen: Seen, hp: HParams, widen: float = 1.0) -> None:
         self.seen, self.r, self.B = seen, hp.r, hp.B
+        self.route_tie, self.qsa_tie = ROUTE_TIE * widen, QSA_TIE * widen
         self.fed: defaultdict[tuple[str, int], int] = defaultdict(int)
         self.followed = 0
 
@@ -77,7 +79,7 @@ class Follow:
         for t in range(len(p)):
             differ = set(I[t].tolist()) ^ set(J[t].tolist())
             p_k = p[t, I[t, -1]]
-            if differ and all(abs(p[t, e] - p_k) <= ROUTE_TIE * p_k for e in differ):
+            if differ and all(abs(p[t, e] - p_k) <= self.route_tie * p_k for e in differ):
                 out[t] = J[t]
                 self.followed += 1
         return out
@@ -95,7 +97,7 @@ class Follow:
                 continue
             q = np.sort(scores[t, :nb])[::-1]
             ranks = [kb - 1] + [kb] * (nb > kb + 1)  # `cell` mode also keeps part of the (kb+1)-th block
-            if any(q[j] - q[j + 1] <= QSA_TIE * abs(q[j]) for j in ranks):
+            if any(q[j] - q[j + 1] <= self.qsa_tie * abs(q[j]) for j in ranks):
                 out[t, :nb] = dev[t, :nb]
                 self.followed += 1
         return out
