@@ -29,8 +29,8 @@
 // left as it was and plane (q+1+t) mod n_planes gets the state after token t.
 // Buffers: 0 c (f32) [T rows, stride c_stride: q (n_k·S) | k (n_k·S) | v (n_v·S)], 1 beta and
 // 2 g (f32) [T rows × n_v], 3 planes (f32) [n_planes, n_v, S, S] from st_off (read, then
-// written), 4 o (f32) [T rows × n_v·S], 5 idx (uint), 10 the MODE 3 → 4 blocks (f32, from
-// pr_off; another buffer, unread, in MODES 0–2). Offsets and strides in elements.
+// written), 4 o (f32) [T rows × n_v·S], 5 idx (uint), 10 the MODE 3 → 4 blocks (f32, a buffer
+// of their own; another buffer, unread, in MODES 0–2). Offsets and strides in elements.
 // RAW_GATES: β = σ(b), g = softplus(a + dt_bias[j])·ssm_a[j] (G2, G3, as shaders/gdn_gates.comp)
 // are computed where read from the raw projections 8 b and 9 a [T rows × n_v] (b_off, b_stride,
 // a_off, a_stride), 6 dt_bias [n_v] from dt_off and 7 ssm_a [n_v] from sa_off; buffers 1 and 2
@@ -64,7 +64,7 @@ layout(push_constant) uniform P {
     uint n_k; uint n_v; uint T;
     uint c_off; uint c_stride; uint beta_off; uint beta_stride; uint g_off; uint g_stride;
     uint st_off; uint o_off; uint o_stride; uint n_planes; uint idx_off; uint ring; float eps;
-    uint dt_off; uint sa_off; uint b_off; uint b_stride; uint a_off; uint a_stride; uint pr_off;
+    uint dt_off; uint sa_off; uint b_off; uint b_stride; uint a_off; uint a_stride;
 } p;
 
 shared float sh[SH];
@@ -261,7 +261,7 @@ void chunk_mode() {
 // last phase's are O's tiles and the state's.
 // MODE 3 (split, first pass): one workgroup per (v-head j, chunk) computes what does not depend on
 // S₀ — γ, β, r_k, r_q, w, and Att with T's strict lower part in place of A — into buffer 10 at
-// element pr_off + (j·n_chunks + chunk)·PW: Att [CH, CH] (unpadded), then the 5 vectors [CH] each.
+// element (j·n_chunks + chunk)·PW: Att [CH, CH] (unpadded), then the 5 vectors [CH] each.
 // MODE 4 (split, second pass): MODE 2 with that block read instead of computed (the S₀-free work
 // once per head, not once per value slice), phase A's S₀ products split into ROWS key ranges
 // (partials summed through the Q rows' space) and V' = T R in one product.
@@ -272,6 +272,7 @@ const uint KR = 0, QR = CH * KST, SR = 2 * CH * KST, AT = SR + S * BW, VR = AT +
 const uint GR = VR + CH * BW, BR = GR + CH, RK = BR + CH, RQ = RK + CH, WR = RQ + CH, TI = WR + CH;
 const uint NB = BW / TL, NO = (CH / TL) * NB, NTRI = (CH / TL) * (CH / TL + 1) / 2;
 const uint PW = CH * CH + 5 * CH;  // floats per (head, chunk) block of buffer 10
+uint block(uint ci) { return (j * ((p.T + CH - 1) / CH) + ci) * PW; }  // head j's chunk ci in buffer 10
 float oacc[TL][TL];  // the O tile this invocation owns: O₀, then O
 float acc[TL][TL];   // the tile being summed
 
@@ -556,7 +557,7 @@ void prep_mode() {
         }
     }
     barrier();
-    uint base = p.pr_off + (j * ((p.T + CH - 1) / CH) + ci) * PW;
+    uint base = block(ci);
     for (uint e = tid; e < CH * CH; e += WG) {
         uint r = e / CH, l = e % CH;
         pr[base + e] = l < r ? sh[TI + e] : sh[AT + r * AST + l];
@@ -570,7 +571,7 @@ void scan_mode() {
     uint tid = gl_LocalInvocationID.x, item = tid % NI, part = tid / NI;
     for (uint e = tid; e < S * BW; e += WG) sh[SR + e] = st[st_idx(live, e / BW, e % BW)];
     for (uint t0 = 0, ci = 0; t0 < p.T; t0 += CH, ++ci) {
-        uint n = min(CH, p.T - t0), base = p.pr_off + (j * ((p.T + CH - 1) / CH) + ci) * PW;
+        uint n = min(CH, p.T - t0), base = block(ci);
         load_rows(t0, n, true);
         for (uint e = tid; e < CH * CH; e += WG) sh[AT + (e / CH) * AST + e % CH] = pr[base + e];
         for (uint e = tid; e < 5 * CH; e += WG) sh[GR + e] = pr[base + CH * CH + e];

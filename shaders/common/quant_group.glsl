@@ -49,34 +49,35 @@ CmRaw cm_group_load_half(uint G, uint h) {  // the header and half h's code (and
     r.g = g;
     return r;
 }
-void cm_group_decode_half(CmRaw r, out vec4 v[4]) {  // r from cm_group_load_half(G, h)
-    const uint g = r.g;
-    const vec2 dm = unpackHalf2x16(r.hdr.x), sm = k_scale_min(r.hdr.yzw, g);
-    const float d = dm.x * sm.x, mn = dm.y * sm.y;
-    const uint s = 4u * (g & 1u);
-    for (uint i = 0u; i < 4u; ++i) {
-        vec4 a = nib4(r.q0[i], s);
+// High-bit word i of code run `run` (Q5_K; Q4_K has none).
+uint cm_high(CmRaw r, uint run, uint i) {
 #if QTYPE == GGML_TYPE_Q5_K
-        const uint ha = r.h0[i] >> g;
-        a += 16.0 * vec4(ha & 1u, (ha >> 8) & 1u, (ha >> 16) & 1u, (ha >> 24) & 1u);
+    return run == 0u ? r.h0[i] : r.h1[i];
+#else
+    return 0u;
 #endif
-        v[i] = d * a - mn;
-    }
+}
+// Values of one code word q (4 nibbles from bit s) plus, Q5_K, their high bits (bit g of each byte
+// of hb; Q4_K has none): d·code − mn.
+vec4 cm_vals4(uint q, uint hb, uint s, uint g, float d, float mn) {
+    vec4 a = nib4(q, s);
+#if QTYPE == GGML_TYPE_Q5_K
+    const uint ha = hb >> g;
+    a += 16.0 * vec4(ha & 1u, (ha >> 8) & 1u, (ha >> 16) & 1u, (ha >> 24) & 1u);
+#endif
+    return d * a - mn;
+}
+void cm_group_decode_half(CmRaw r, out vec4 v[4]) {  // r from cm_group_load_half(G, h)
+    const vec2 dm = unpackHalf2x16(r.hdr.x), sm = k_scale_min(r.hdr.yzw, r.g);
+    const float d = dm.x * sm.x, mn = dm.y * sm.y;
+    for (uint i = 0u; i < 4u; ++i) v[i] = cm_vals4(r.q0[i], cm_high(r, 0u, i), 4u * (r.g & 1u), r.g, d, mn);
 }
 void cm_group_decode(CmRaw r, out vec4 v[8]) {
-    const uint g = r.g;
-    const vec2 dm = unpackHalf2x16(r.hdr.x), sm = k_scale_min(r.hdr.yzw, g);
+    const vec2 dm = unpackHalf2x16(r.hdr.x), sm = k_scale_min(r.hdr.yzw, r.g);
     const float d = dm.x * sm.x, mn = dm.y * sm.y;
-    const uint s = 4u * (g & 1u);
     for (uint i = 0u; i < 4u; ++i) {
-        vec4 a = nib4(r.q0[i], s), c = nib4(r.q1[i], s);
-#if QTYPE == GGML_TYPE_Q5_K
-        const uint ha = r.h0[i] >> g, hc = r.h1[i] >> g;
-        a += 16.0 * vec4(ha & 1u, (ha >> 8) & 1u, (ha >> 16) & 1u, (ha >> 24) & 1u);
-        c += 16.0 * vec4(hc & 1u, (hc >> 8) & 1u, (hc >> 16) & 1u, (hc >> 24) & 1u);
-#endif
-        v[i] = d * a - mn;
-        v[i + 4u] = d * c - mn;
+        v[i] = cm_vals4(r.q0[i], cm_high(r, 0u, i), 4u * (r.g & 1u), r.g, d, mn);
+        v[i + 4u] = cm_vals4(r.q1[i], cm_high(r, 1u, i), 4u * (r.g & 1u), r.g, d, mn);
     }
 }
 

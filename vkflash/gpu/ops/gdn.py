@@ -92,7 +92,6 @@ class DeltaPush(PushConstants):
     b_stride: u32
     a_off: u32
     a_stride: u32
-    pr_off: u32
 
 
 @dataclass(frozen=True)
@@ -472,7 +471,7 @@ class Delta(Node):
         buffers = [c.buf, bt.buf, gt.buf, state.buf, o.buf, state.index, dt.buf, sa.buf, rb.buf, ra.buf, pr]
         push = DeltaPush(shape.n_k, n_v, T, c.off, c.stride, bt.off, bt.stride, gt.off, gt.stride, state.off, o.off,
                          o.stride, *state.push(), int(self.ring), self.eps, dt.off, sa.off, rb.off, rb.stride, ra.off,
-                         ra.stride, 0)
+                         ra.stride)
         spec = DeltaSpec(plan.variant, S, shape.head_map, plan.cols, plan.chunk, plan.rows, plan.shared, raw)
         desc = f"{plan.variant.name.lower()} {T}x{n_v}x{S} cols {plan.cols} chunk {plan.chunk}" + " ring" * self.ring
         state_bytes = F32 * (1 + written) * n_v * S * S
